@@ -1,0 +1,866 @@
+r"""On-policy distillation (OPD): the lab's three tasks and the loss family around them.
+
+A student policy $\pi_\theta$ writes a response $y = (y_1, \dots, y_T)$ to a prompt $x$. A frozen
+teacher $\pi_T$ then reads the *student's* response and scores every token of it. Because the
+student is corrected on the states $s_t = (x, y_{<t})$ that it actually visits, it learns to
+recover from its own mistakes: the DAgger idea, applied to language models.
+
+Shapes used throughout (``B, T, V = student_logits.shape``):
+
+* ``B``: responses in the batch; ``T``: response positions; ``V``: vocabulary size.
+* ``student_logp``, ``teacher_logp``: ``(B, T)``, the log-probability of the sampled token
+  $y_t$ under each model.
+* ``student_logits``, ``teacher_logits``: ``(B, T, V)``, the full next-token logits.
+* ``mask``: ``(B, T)``, 1 for the tokens the student generated (``<eos>`` included), 0 for the
+  padding after ``<eos>``.
+
+There are two ways to turn "be like the teacher" into a gradient.
+
+**Sampled-token OPD** (lab Tasks 1 and 2). Use the per-token reward
+
+$$
+r_t = \log \pi_T(y_t \mid s_t) - \log \pi_\theta(y_t \mid s_t)
+$$
+
+in an ordinary policy-gradient loss with discount 0. Only the sampled token's log-probability
+under the teacher is needed, so the teacher can be a served model that returns log-probs.
+
+**Full-vocabulary OPD** (lab Task 3). At every visited state compute the exact reverse KL
+$\mathrm{KL}(\pi_\theta(\cdot \mid s_t) \,\|\, \pi_T(\cdot \mid s_t))$ over the vocabulary and
+minimize it directly. It needs the teacher's full logits, and in exchange has no sampling noise at
+a given state.
+
+The module also holds the variants the training frameworks ship: the k1/k2/k3 single-sample KL
+estimators (and what their gradients are as a loss versus as a reward), the forward KL, the
+generalized Jensen-Shannon divergence, a discounted sampled-token loss and the four loss
+reductions.
+
+Conventions shared by every function here:
+
+* Inputs are validated: a wrong shape, ndim or dtype, or a mask value outside {0, 1}, raises a
+  ``ValueError`` or ``TypeError`` naming the argument. Nothing is broadcast silently.
+* bf16 and fp16 inputs are computed in float32 (see ``_checks.compute_dtype``).
+* Positions where ``mask == 0`` contribute exactly 0 to values *and* gradients, whatever the
+  inputs hold there (even ``-inf``): masked entries are selected away with ``torch.where``,
+  never multiplied by 0 (``0 * inf`` is NaN).
+* A ``-inf`` logit means "this vocabulary entry is impossible". Where the student gives an entry
+  probability 0 it contributes $0 \log 0 = 0$, in the forward and the backward pass. Where the
+  teacher gives probability 0 to an entry that the student can emit, the reverse KL is $+\infty$:
+  that is the true value, and it is returned as such.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import (
+    check_finite_number,
+    check_float_tensor,
+    check_mask,
+    check_same_shape,
+    compute_dtype,
+)
+
+__all__ = [
+    "REDUCTIONS",
+    "KL_ESTIMATORS",
+    "reverse_kl_rewards",
+    "opd_pg_loss",
+    "full_vocab_reverse_kl",
+    "reverse_kl_per_position",
+    "forward_kl_per_position",
+    "forward_kl",
+    "generalized_jsd_per_position",
+    "generalized_jsd",
+    "kl_estimator",
+    "expected_kl_estimator_gradient",
+    "discounted_returns",
+    "aggregate_loss",
+    "sampled_token_opd_loss",
+]
+
+#: The loss reductions of [opd_literate.opd.aggregate_loss][], as named in verl's ``loss_agg_mode``.
+REDUCTIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum")
+
+#: The single-sample KL estimators of [opd_literate.opd.kl_estimator][].
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks shared by the functions below.
+# ---------------------------------------------------------------------------------------------
+def _check_token_pair(student_logp, teacher_logp, mask):
+    """Validate (B, T) log-probs of the sampled tokens and return the mask as bool."""
+    check_float_tensor("student_logp", student_logp, 2)
+    check_float_tensor("teacher_logp", teacher_logp, 2)
+    check_same_shape("student_logp", student_logp, "teacher_logp", teacher_logp)
+    return check_mask(mask, "student_logp", tuple(student_logp.shape))
+
+
+def _check_logits_pair(student_logits, teacher_logits, mask=None):
+    """Validate (B, T, V) logits; return the bool mask (or None when no mask is given)."""
+    check_float_tensor("student_logits", student_logits, 3)
+    check_float_tensor("teacher_logits", teacher_logits, 3)
+    if student_logits.shape[-1] != teacher_logits.shape[-1]:
+        raise ValueError(
+            "teacher_logits must have the vocabulary size of student_logits "
+            f"(V = {student_logits.shape[-1]}), got V = {teacher_logits.shape[-1]}; "
+            "student and teacher must share one tokenizer"
+        )
+    check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
+    if mask is None:
+        return None
+    return check_mask(mask, "student_logits[..., 0]", tuple(student_logits.shape[:2]))
+
+
+def _log_softmax_pair(student_logits, teacher_logits):
+    """log_softmax of both, in the compute dtype; the teacher is detached (a constant)."""
+    dtype = compute_dtype(student_logits, teacher_logits)
+    # log_softmax subtracts the max before exponentiating: finite for logits of any magnitude,
+    # where log(softmax(z)) underflows to log(0) = -inf for entries far below the max.
+    log_p = F.log_softmax(student_logits.to(dtype), dim=-1)
+    log_q = F.log_softmax(teacher_logits.detach().to(dtype), dim=-1)
+    return log_p, log_q
+
+
+def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    r"""$\sum_v p_v (\log p_v - \log q_v)$ over the last axis, with $0 \log 0 = 0$.
+
+    Entries with $p_v = 0$ are selected away *before* the subtraction, so that neither the value
+    nor the gradient sees $-\infty - (-\infty)$. Entries with $p_v > 0 = q_v$ give $+\infty$.
+    """
+    p = log_p.exp()
+    support = p > 0
+    # The double where: both operands are replaced by 0 off the support, so the backward pass
+    # multiplies a zero upstream gradient by finite numbers only (no 0 * inf = NaN).
+    log_p_safe = torch.where(support, log_p, torch.zeros_like(log_p))
+    log_q_safe = torch.where(support, log_q, torch.zeros_like(log_q))
+    kl = (p * (log_p_safe - log_q_safe)).sum(dim=-1)
+    # Rounding can leave a KL of -1e-8 where the distributions agree; the true value is >= 0.
+    return kl.clamp_min(0.0)
+
+
+def _masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(values over mask) / max(number of masked-in entries, 1); masked-out entries ignored."""
+    selected = torch.where(mask, values, torch.zeros_like(values))
+    return selected.sum() / mask.sum().clamp_min(1).to(values.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 1
+# ---------------------------------------------------------------------------------------------
+def reverse_kl_rewards(student_logp, teacher_logp, mask):
+    r"""Per-token OPD reward: minus the single-sample estimate of the reverse KL (lab Task 1).
+
+    $$
+    r_t = \log \pi_T(y_t \mid s_t) - \log \pi_\theta(y_t \mid s_t),
+    \qquad r_t = 0 \text{ where } \mathrm{mask}_t = 0 .
+    $$
+
+    The student's own token $y_t$ is drawn from $\pi_\theta(\cdot \mid s_t)$, so the expected
+    negative reward at a state is exactly the reverse KL at that state:
+
+    $$
+    \mathbb{E}_{y_t \sim \pi_\theta}[-r_t]
+    = \sum_v \pi_\theta(v \mid s_t) \log \frac{\pi_\theta(v \mid s_t)}{\pi_T(v \mid s_t)}
+    = \mathrm{KL}\big(\pi_\theta(\cdot \mid s_t) \,\|\, \pi_T(\cdot \mid s_t)\big).
+    $$
+
+    A positive $r_t$ reads "the teacher likes this token more than you do: do it more". The
+    reward is *mode seeking*: a token the teacher finds unlikely gets a large negative reward,
+    a token the student never emits gets no reward at all.
+
+    Parameters
+    ----------
+    student_logp : torch.Tensor
+        ``(B, T)`` floating, $\log \pi_\theta(y_t \mid s_t)$ of the sampled tokens. It may carry
+        a gradient; the reward never does.
+    teacher_logp : torch.Tensor
+        ``(B, T)`` floating, $\log \pi_T(y_t \mid s_t)$ of the same tokens.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1} (bool, integer or floating).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)``, detached from the graph (a reward is data, not a loss): ``teacher_logp -
+        student_logp`` where the mask is 1 and exactly 0 where it is 0, even if the inputs hold
+        ``-inf`` there.
+
+    Examples
+    --------
+    Two positions; the student is more confident than the teacher on the first token and less on
+    the second; the third position is padding:
+
+    >>> student_logp = torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
+    >>> teacher_logp = torch.log(torch.tensor([[0.25, 0.5, 1.0]]))
+    >>> mask = torch.tensor([[1.0, 1.0, 0.0]])
+    >>> r = reverse_kl_rewards(student_logp, teacher_logp, mask)
+    >>> [round(v, 4) for v in r[0].tolist()]  # log(1/2), log 2, 0
+    [-0.6931, 0.6931, 0.0]
+    >>> r.requires_grad
+    False
+    """
+    mask = _check_token_pair(student_logp, teacher_logp, mask)
+    ### BEGIN SOLUTION
+    # r_t = log pi_T(y_t|s_t) - log pi_theta(y_t|s_t); detached: a reward is a constant.
+    log_ratio = teacher_logp.detach() - student_logp.detach()
+    # where, not "* mask": padding may hold -inf log-probs and 0 * inf is NaN.
+    return torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    ### END SOLUTION
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 2
+# ---------------------------------------------------------------------------------------------
+def opd_pg_loss(student_logp, rewards, mask):
+    r"""REINFORCE loss for sampled-token OPD with discount 0, token-mean (lab Task 2).
+
+    The advantage of token $t$ is its own reward, $A_t = r_t$: no reward-to-go, no baseline and
+    no importance ratio, because each batch is fresh from the current student and used for one
+    gradient step (exactly on-policy). With $N = \sum_{b,t} \mathrm{mask}_{b,t}$,
+
+    $$
+    \mathcal{L}(\theta) = -\frac{1}{N} \sum_{b,t} \mathrm{mask}_{b,t}\,
+    \mathrm{sg}(r_{b,t}) \log \pi_\theta(y_{b,t} \mid s_{b,t}),
+    $$
+
+    where $\mathrm{sg}$ is stop-gradient. Its gradient with respect to ``student_logp[b, t]`` is
+    $-r_{b,t}\,\mathrm{mask}_{b,t} / N$.
+
+    Why this estimates the reverse-KL gradient. At a fixed state $s$ with student probabilities
+    $p = \pi_\theta(\cdot \mid s)$ and teacher $q$, write $d_v = \log p_v - \log q_v$. Then
+
+    $$
+    \nabla_\theta \mathrm{KL}(p \,\|\, q)
+    = \sum_v \nabla p_v \, (d_v + 1)
+    = \sum_v p_v \nabla \log p_v \, d_v + \nabla \!\sum_v p_v
+    = \mathbb{E}_{v \sim p}\big[d_v \nabla \log p_v\big],
+    $$
+
+    because $\sum_v p_v = 1$. The single-token term $-\mathrm{sg}(r_t) \nabla \log p_{y_t} =
+    d_{y_t} \nabla \log p_{y_t}$ with $y_t \sim p$ is therefore an unbiased estimate of
+    $\nabla \mathrm{KL}$ at that state: exactly the quantity the full-vocabulary loss
+    [opd_literate.opd.full_vocab_reverse_kl][] differentiates. Discount 0 means the estimate
+    ignores how $y_t$ changes the *later* states; see
+    [opd_literate.opd.sampled_token_opd_loss][] for $\gamma > 0$.
+
+    Parameters
+    ----------
+    student_logp : torch.Tensor
+        ``(B, T)`` floating, $\log \pi_\theta(y_t \mid s_t)$, carrying the gradient.
+    rewards : torch.Tensor
+        ``(B, T)`` floating, usually from [opd_literate.opd.reverse_kl_rewards][]. Detached here
+        anyway: no gradient ever flows into it.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar. An all-zero mask gives a loss of 0 with a zero (finite) gradient.
+
+    Examples
+    --------
+    >>> logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    >>> r = torch.tensor([[-1.0, 2.0]])
+    >>> loss = opd_pg_loss(logp, r, torch.ones(1, 2))
+    >>> round(loss.item(), 4)  # -(-1 * log 0.5 + 2 * log 0.25) / 2
+    1.0397
+    >>> loss.backward()
+    >>> logp.grad.tolist()  # -r / N
+    [[0.5, -1.0]]
+    """
+    check_float_tensor("student_logp", student_logp, 2)
+    check_float_tensor("rewards", rewards, 2)
+    check_same_shape("student_logp", student_logp, "rewards", rewards)
+    mask = check_mask(mask, "student_logp", tuple(student_logp.shape))
+    ### BEGIN SOLUTION
+    zeros = torch.zeros_like(student_logp)
+    # sg(r): the reward is a constant; only log pi_theta(y_t|s_t) is differentiated.
+    advantage = torch.where(mask, rewards.detach().to(student_logp.dtype), zeros)
+    logp = torch.where(mask, student_logp, zeros)
+    # loss = -sum_{b,t} mask * sg(r) * log pi / max(sum mask, 1); the max guards N = 0.
+    return -(advantage * logp).sum() / mask.sum().clamp_min(1).to(student_logp.dtype)
+    ### END SOLUTION
+
+
+# ---------------------------------------------------------------------------------------------
+# Task 3
+# ---------------------------------------------------------------------------------------------
+def reverse_kl_per_position(student_logits, teacher_logits):
+    r"""$\mathrm{KL}(\pi_\theta(\cdot \mid s_t) \,\|\, \pi_T(\cdot \mid s_t))$ at every position.
+
+    $$
+    \mathrm{KL}_t = \sum_{v=1}^{V} \pi_\theta(v \mid s_t)
+    \big(\log \pi_\theta(v \mid s_t) - \log \pi_T(v \mid s_t)\big),
+    $$
+
+    with $0 \log 0 = 0$ (entries the student cannot emit contribute nothing, and no NaN reaches
+    the gradient) and $+\infty$ where the student can emit an entry the teacher cannot.
+    The teacher is detached.
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        ``(B, T, V)`` floating logits of the same shape.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)``, every entry $\ge 0$; float32 for half-precision inputs.
+
+    Examples
+    --------
+    >>> s = torch.log(torch.tensor([[[0.5, 0.5, 0.0]]]))   # student cannot emit entry 3
+    >>> t = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
+    >>> round(reverse_kl_per_position(s, t).item(), 4)      # log 2
+    0.6931
+    """
+    _check_logits_pair(student_logits, teacher_logits)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    return _kl_from_log_probs(log_p, log_q)
+
+
+def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
+    r"""Exact reverse KL at every visited position, token-mean over the batch (lab Task 3).
+
+    $$
+    \mathcal{L}(\theta) = \frac{1}{N} \sum_{b,t} \mathrm{mask}_{b,t}\,
+    \mathrm{KL}\big(\pi_\theta(\cdot \mid s_{b,t}) \,\|\, \pi_T(\cdot \mid s_{b,t})\big),
+    \qquad N = \max\Big(1, \sum_{b,t} \mathrm{mask}_{b,t}\Big).
+    $$
+
+    The states $s_{b,t}$ were visited by the student, which is what makes the loss on-policy;
+    we do not differentiate through *which* states were visited, only through the student's
+    distribution at each of them.
+
+    Its gradient with respect to the student's logits $z$ at one position is, with $p =
+    \mathrm{softmax}(z)$ and $q$ the teacher,
+
+    $$
+    \frac{\partial \mathrm{KL}}{\partial z_j} = p_j\big(\log p_j - \log q_j - \mathrm{KL}\big),
+    $$
+
+    which is the expectation over $y_t \sim p$ of the sampled-token gradient of
+    [opd_literate.opd.opd_pg_loss][] (see there). By the law of total variance, replacing a
+    random quantity by its conditional expectation can only lower the variance: at a fixed
+    state the full-vocabulary gradient has none, while the sampled-token gradient has
+    $\mathrm{Var}_{v \sim p}[d_v \nabla \log p_v] > 0$ unless $p = q$. The price is the
+    teacher's full ``(B, T, V)`` logits instead of one log-probability per token.
+
+    Parameters
+    ----------
+    student_logits : torch.Tensor
+        ``(B, T, V)`` floating, carrying the gradient.
+    teacher_logits : torch.Tensor
+        ``(B, T, V)`` floating; treated as a constant (detached).
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar $\ge 0$; 0 when the two distributions agree at every masked-in position, and 0
+        (with zero gradient) for an all-zero mask.
+
+    Examples
+    --------
+    Two positions, three vocabulary entries. At the first the student equals the teacher; at
+    the second it is uniform against a teacher that puts half its mass on entry 1:
+
+    >>> student = torch.log(torch.tensor([[[0.2, 0.3, 0.5], [1/3, 1/3, 1/3]]]))
+    >>> teacher = torch.log(torch.tensor([[[0.2, 0.3, 0.5], [0.5, 0.25, 0.25]]]))
+    >>> loss = full_vocab_reverse_kl(student, teacher, torch.ones(1, 2))
+    >>> # KL_2 = log(1/3) - (log 0.5 + 2 log 0.25) / 3 = 0.0566; token-mean (0 + KL_2) / 2
+    >>> round(loss.item(), 4)
+    0.0283
+    """
+    mask = _check_logits_pair(student_logits, teacher_logits, mask)
+    ### BEGIN SOLUTION
+    # log_softmax (never log(softmax)): stable for logits of any size. Teacher detached.
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    # KL_t = sum_v p_v (log p_v - log q_v), with 0 log 0 = 0.
+    kl_per_position = _kl_from_log_probs(log_p, log_q)  # (B, T)
+    # loss = sum_{b,t} mask * KL_t / max(sum mask, 1)
+    return _masked_token_mean(kl_per_position, mask)
+    ### END SOLUTION
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward KL and the generalized Jensen-Shannon divergence
+# ---------------------------------------------------------------------------------------------
+def forward_kl_per_position(student_logits, teacher_logits):
+    r"""$\mathrm{KL}(\pi_T(\cdot \mid s_t) \,\|\, \pi_\theta(\cdot \mid s_t))$ at every position.
+
+    $$
+    \mathrm{KL}^{\mathrm{fwd}}_t = \sum_v \pi_T(v \mid s_t)
+    \big(\log \pi_T(v \mid s_t) - \log \pi_\theta(v \mid s_t)\big).
+    $$
+
+    The forward KL is *mass covering*: the student pays $+\infty$ for giving zero probability
+    to anything the teacher can say, and nothing for entries the teacher cannot say. Its
+    gradient, $\partial/\partial z_j = p_j - q_j$, is the cross-entropy gradient of ordinary
+    distillation on the teacher's soft labels.
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        ``(B, T, V)`` floating; the teacher is detached.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)``, every entry $\ge 0$.
+
+    Examples
+    --------
+    >>> s = torch.log(torch.tensor([[[0.5, 0.5, 0.0]]]))
+    >>> t = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
+    >>> forward_kl_per_position(s, t).item()  # the teacher says entry 3, the student cannot
+    inf
+    """
+    _check_logits_pair(student_logits, teacher_logits)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    # KL(q || p): the roles swap, the support is now the teacher's.
+    return _kl_from_log_probs(log_q, log_p)
+
+
+def forward_kl(student_logits, teacher_logits, mask):
+    r"""Token-mean forward KL $\mathrm{KL}(\pi_T \,\|\, \pi_\theta)$ over the masked positions.
+
+    The mean over positions of [opd_literate.opd.forward_kl_per_position][], with the same
+    masking and normalization as [opd_literate.opd.full_vocab_reverse_kl][].
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        ``(B, T, V)`` floating; the teacher is detached.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar $\ge 0$.
+
+    Examples
+    --------
+    >>> student = torch.log(torch.tensor([[[1/3, 1/3, 1/3]]]))
+    >>> teacher = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    >>> # 0.5 log 1.5 + 2 * 0.25 log 0.75 = 0.0589
+    >>> round(forward_kl(student, teacher, torch.ones(1, 1)).item(), 4)
+    0.0589
+    """
+    mask = _check_logits_pair(student_logits, teacher_logits, mask)
+    return _masked_token_mean(forward_kl_per_position(student_logits, teacher_logits), mask)
+
+
+def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, normalize=False):
+    r"""Generalized Jensen-Shannon divergence at every position (GKD's loss).
+
+    With $p = \pi_\theta(\cdot \mid s_t)$, $q = \pi_T(\cdot \mid s_t)$ and weight
+    $\beta \in [0, 1]$, this module uses the convention of TRL's ``GKDTrainer``
+    (``GKDConfig.beta``, default 0.5) from Agarwal et al. (2024), *On-Policy Distillation of
+    Language Models: Learning from Self-Generated Mistakes*:
+
+    $$
+    m = \beta q + (1 - \beta) p, \qquad
+    \mathrm{JSD}_\beta(p, q)
+    = \beta\, \mathrm{KL}(q \,\|\, m) + (1 - \beta)\, \mathrm{KL}(p \,\|\, m),
+    $$
+
+    and at the endpoints, by definition, $\mathrm{JSD}_0 = \mathrm{KL}(q \,\|\, p)$ (forward)
+    and $\mathrm{JSD}_1 = \mathrm{KL}(p \,\|\, q)$ (reverse). The mixture is formed in log
+    space, $\log m = \mathrm{logsumexp}(\log \beta + \log q,\; \log(1 - \beta) + \log p)$,
+    which never underflows.
+
+    The endpoints are a **discontinuity**. The interpolating formula tends to 0 at both ends
+    ($m \to p$ as $\beta \to 0$, $m \to q$ as $\beta \to 1$), so an implementation that
+    special-cases $\beta \in \{0, 1\}$ (as TRL does) jumps from about 0 to a full KL there.
+    Expanding to first order,
+
+    $$
+    \mathrm{JSD}_\beta = \beta\,\mathrm{KL}(q \,\|\, p) + O(\beta^2), \qquad
+    \mathrm{JSD}_\beta = (1 - \beta)\,\mathrm{KL}(p \,\|\, q) + O((1 - \beta)^2),
+    $$
+
+    so ``normalize=True`` returns $\mathrm{JSD}_\beta / (\beta (1 - \beta))$, which is
+    continuous on $[0, 1]$ and equal to the forward and reverse KL at the endpoints. For every
+    $\beta$, $\mathrm{JSD}_\beta \le -\beta \log \beta - (1 - \beta) \log (1 - \beta) \le \log 2$.
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        ``(B, T, V)`` floating; the teacher is detached.
+    beta : float
+        The weight in $[0, 1]$.
+    normalize : bool
+        Divide by $\beta(1 - \beta)$ for $0 < \beta < 1$ (continuous in $\beta$).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)``, every entry $\ge 0$.
+
+    Examples
+    --------
+    Two disjoint distributions are as far apart as JSD allows, $\log 2$ at $\beta = 1/2$:
+
+    >>> s = torch.log(torch.tensor([[[1.0, 0.0]]]))
+    >>> t = torch.log(torch.tensor([[[0.0, 1.0]]]))
+    >>> round(generalized_jsd_per_position(s, t, beta=0.5).item(), 4)
+    0.6931
+    """
+    _check_logits_pair(student_logits, teacher_logits)
+    beta = check_finite_number("beta", beta, low=0.0, high=1.0)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    if beta == 0.0:
+        return _kl_from_log_probs(log_q, log_p)  # forward KL(q || p)
+    if beta == 1.0:
+        return _kl_from_log_probs(log_p, log_q)  # reverse KL(p || q)
+    # log m = logsumexp(log beta + log q, log(1 - beta) + log p)
+    log_m = torch.logsumexp(
+        torch.stack([log_q + math.log(beta), log_p + math.log1p(-beta)]), dim=0
+    )
+    jsd = beta * _kl_from_log_probs(log_q, log_m) + (1.0 - beta) * _kl_from_log_probs(log_p, log_m)
+    if normalize:
+        jsd = jsd / (beta * (1.0 - beta))
+    return jsd
+
+
+def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=False):
+    r"""Token-mean generalized JSD over the masked positions.
+
+    The mean over positions of [opd_literate.opd.generalized_jsd_per_position][] (see there for
+    the convention, the endpoints and ``normalize``).
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        ``(B, T, V)`` floating; the teacher is detached.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+    beta : float
+        The weight in $[0, 1]$: 0 is the forward KL, 1 the reverse KL.
+    normalize : bool
+        Divide by $\beta(1 - \beta)$ inside $(0, 1)$.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar $\ge 0$.
+
+    Examples
+    --------
+    >>> student = torch.log(torch.tensor([[[1/3, 1/3, 1/3]]]))
+    >>> teacher = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    >>> ones = torch.ones(1, 1)
+    >>> # beta = 0: forward KL 0.5 log 1.5 + 0.5 log 0.75; beta = 1: reverse KL (see above)
+    >>> [round(generalized_jsd(student, teacher, ones, beta=b).item(), 4) for b in (0, 1)]
+    [0.0589, 0.0566]
+    >>> jsd = generalized_jsd(student, teacher, ones, beta=0.5).item()
+    >>> swapped = generalized_jsd(teacher, student, ones, beta=0.5).item()
+    >>> abs(jsd - swapped) < 1e-7, 0.0 < jsd < 0.6931  # symmetric at 1/2, below log 2
+    (True, True)
+
+    ``normalize=True`` approaches the endpoints continuously:
+
+    >>> s64, t64 = student.double(), teacher.double()
+    >>> [round(generalized_jsd(s64, t64, ones, beta=b, normalize=True).item(), 4)
+    ...  for b in (1e-6, 1 - 1e-6)]
+    [0.0589, 0.0566]
+    """
+    mask = _check_logits_pair(student_logits, teacher_logits, mask)
+    per_position = generalized_jsd_per_position(
+        student_logits, teacher_logits, beta=beta, normalize=normalize
+    )
+    return _masked_token_mean(per_position, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# k1, k2, k3: single-sample KL estimators
+# ---------------------------------------------------------------------------------------------
+def kl_estimator(student_logp, teacher_logp, kind="k1"):
+    r"""Single-sample estimates of $\mathrm{KL}(\pi_\theta \,\|\, \pi_T)$ from a sampled token.
+
+    With the log-ratio $d = \log \pi_\theta(y) - \log \pi_T(y)$ of a token $y \sim \pi_\theta$
+    (J. Schulman, *Approximating KL Divergence*, 2020; the ``kl_penalty`` / ``kl_loss_type``
+    options ``"kl"``/``"k1"``, ``"mse"``/``"k2"`` and ``"low_var_kl"``/``"k3"`` of verl):
+
+    $$
+    k_1 = d, \qquad k_2 = \tfrac{1}{2} d^2, \qquad k_3 = e^{-d} - 1 + d .
+    $$
+
+    $k_1$ and $k_3$ are unbiased for the reverse KL ($\mathbb{E}_p[e^{-d}] = \sum_v q_v = 1$);
+    $k_3 \ge 0$ always, with less variance when $p \approx q$; $k_2$ is biased (its
+    expectation is $\tfrac12 \mathbb{E}[d^2]$) but close when $p \approx q$.
+
+    Their *gradients* are another matter, and depend on how the value is used. Backpropagated
+    as a **loss** (the sample held fixed, $\nabla$ through $\log \pi_\theta(y)$ only) the
+    expected gradients over $y \sim p$ are
+
+    $$
+    \mathbb{E}[\nabla k_1] = \mathbb{E}[\nabla \log p_y] = 0, \quad
+    \mathbb{E}[\nabla k_2] = \mathbb{E}[d\,\nabla \log p_y] = \nabla \mathrm{KL}(p \,\|\, q), \quad
+    \mathbb{E}[\nabla k_3] = \mathbb{E}[(1 - e^{-d}) \nabla \log p_y]
+    = -\sum_v q_v \nabla \log p_v = \nabla \mathrm{KL}(q \,\|\, p).
+    $$
+
+    So $k_1$ as a loss does nothing on average, $k_2$ as a loss gives the reverse-KL gradient,
+    and $k_3$ as a loss gives the *forward*-KL gradient although its value estimates the
+    reverse KL. Used as a **reward** (a cost $k$ inside a REINFORCE surrogate
+    $\mathrm{sg}(k) \log p_y$), the expected gradient is $\mathbb{E}[k\,\nabla \log p_y]$, which
+    is the reverse-KL gradient for $k_1$ only: that is sampled-token OPD. The exact numbers for
+    any logits come from [opd_literate.opd.expected_kl_estimator_gradient][].
+
+    Parameters
+    ----------
+    student_logp, teacher_logp : torch.Tensor
+        Floating tensors of one shape (any ndim): log-probabilities of the sampled tokens.
+        The teacher is detached; the student keeps its gradient.
+    kind : {"k1", "k2", "k3"}
+
+    Returns
+    -------
+    torch.Tensor
+        The elementwise estimate, with gradient through ``student_logp``.
+
+    Examples
+    --------
+    >>> d = torch.tensor([0.5, -0.5, 0.0])
+    >>> [round(v, 4) for v in kl_estimator(d, torch.zeros(3), "k3").tolist()]
+    [0.1065, 0.1487, 0.0]
+    >>> [round(v, 4) for v in kl_estimator(d, torch.zeros(3), "k2").tolist()]
+    [0.125, 0.125, 0.0]
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"kind must be one of {KL_ESTIMATORS}, got {kind!r}")
+    check_float_tensor("student_logp", student_logp, None)
+    check_float_tensor("teacher_logp", teacher_logp, None)
+    check_same_shape("student_logp", student_logp, "teacher_logp", teacher_logp)
+    # d = log pi_theta(y) - log pi_T(y)
+    d = student_logp - teacher_logp.detach()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    # k3 = exp(-d) - 1 + d = (q/p - 1) - log(q/p); expm1 keeps it accurate near d = 0.
+    return torch.expm1(-d) + d
+
+
+def expected_kl_estimator_gradient(student_logits, teacher_logits, kind="k1", mode="loss"):
+    r"""Exact expected gradient of a k-estimator, by summing over the whole vocabulary.
+
+    For logits $z$ of one or more states (last axis the vocabulary) this returns
+
+    $$
+    \text{mode="loss"}:\ \sum_v p_v\, \nabla_z k(d_v), \qquad
+    \text{mode="reward"}:\ \sum_v p_v\, k(d_v)\, \nabla_z \log p_v ,
+    $$
+
+    the expectation over $y \sim p$ of what one sampled token contributes to the gradient when
+    $k$ is backpropagated as a loss, or used as a cost in a REINFORCE surrogate
+    $\mathrm{sg}(k)\log p_y$. Both are computed with autograd on the surrogate
+    $\sum_v \mathrm{sg}(p_v)\,(\cdot)$, so the result is exact (no sampling), and can be compared
+    with $\nabla \mathrm{KL}(p \,\|\, q)$ and $\nabla \mathrm{KL}(q \,\|\, p)$.
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        Floating tensors of one shape ``(..., V)``.
+    kind : {"k1", "k2", "k3"}
+    mode : {"loss", "reward"}
+
+    Returns
+    -------
+    torch.Tensor
+        The gradient with respect to ``student_logits``, same shape, summed over states.
+
+    Examples
+    --------
+    k1 as a loss has zero expected gradient, whatever the teacher:
+
+    >>> z = torch.tensor([0.3, -0.2, 1.0], dtype=torch.float64)
+    >>> zt = torch.tensor([0.0, 0.5, -1.0], dtype=torch.float64)
+    >>> expected_kl_estimator_gradient(z, zt, "k1", "loss").abs().max().item() < 1e-15
+    True
+    """
+    if mode not in ("loss", "reward"):
+        raise ValueError(f"mode must be 'loss' or 'reward', got {mode!r}")
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"kind must be one of {KL_ESTIMATORS}, got {kind!r}")
+    check_float_tensor("student_logits", student_logits, None)
+    check_float_tensor("teacher_logits", teacher_logits, None)
+    if student_logits.ndim < 1:
+        raise ValueError("student_logits must have a vocabulary axis, got a 0-d tensor")
+    check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
+    z = student_logits.detach().clone().requires_grad_(True)
+    log_p = F.log_softmax(z, dim=-1)
+    log_q = F.log_softmax(teacher_logits.detach(), dim=-1)
+    # Every vocabulary entry is "the sampled token" once, weighted by sg(p_v).
+    weight = log_p.detach().exp()
+    k = kl_estimator(log_p, log_q, kind)
+    surrogate = k if mode == "loss" else k.detach() * log_p
+    (grad,) = torch.autograd.grad((weight * surrogate).sum(), z)
+    return grad
+
+
+# ---------------------------------------------------------------------------------------------
+# Discounted sampled-token OPD and the loss reductions
+# ---------------------------------------------------------------------------------------------
+def discounted_returns(rewards, mask, gamma):
+    r"""Reward-to-go within each response: $G_t = \sum_{k \ge t} \gamma^{k - t} r_k m_k$.
+
+    Computed backwards, $G_t = r_t m_t + \gamma G_{t+1}$, over the position index (a masked-out
+    position inside a response contributes no reward but still counts as a step of the
+    discount). $\gamma = 0$ returns the rewards themselves; masked-out positions get 0.
+
+    Parameters
+    ----------
+    rewards : torch.Tensor
+        ``(B, T)`` floating.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+    gamma : float
+        Discount in $[0, 1]$.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)``, detached.
+
+    Examples
+    --------
+    >>> r = torch.tensor([[1.0, 2.0, 4.0]])
+    >>> discounted_returns(r, torch.ones(1, 3), 0.5).tolist()  # 1 + 0.5 * (2 + 0.5 * 4)
+    [[3.0, 4.0, 4.0]]
+    """
+    check_float_tensor("rewards", rewards, 2)
+    mask = check_mask(mask, "rewards", tuple(rewards.shape))
+    gamma = check_finite_number("gamma", gamma, low=0.0, high=1.0)
+    r = torch.where(mask, rewards.detach(), torch.zeros_like(rewards))
+    returns = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):  # T is a response length: a short loop
+        running = r[:, t] + gamma * running
+        returns[:, t] = running
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
+def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
+    r"""Reduce a ``(B, T)`` per-token loss to a scalar, the way the RL frameworks do.
+
+    With $\ell_{b,t}$ the per-token loss, $m_{b,t}$ the mask and $n_b = \sum_t m_{b,t}$:
+
+    * ``"token-mean"`` (the lab's; verl's default, DAPO):
+      $\sum_{b,t} m_{b,t} \ell_{b,t} / \sum_b n_b$. Every token weighs the same, so long
+      responses weigh more.
+    * ``"seq-mean-token-sum"``: $\frac{1}{B} \sum_b \sum_t m_{b,t} \ell_{b,t}$. Every
+      sequence's summed loss weighs the same; the scale grows with the response length.
+    * ``"seq-mean-token-mean"`` (the original GRPO):
+      $\frac{1}{B} \sum_b \frac{1}{n_b} \sum_t m_{b,t}\ell_{b,t}$. Every sequence weighs the
+      same, so a token of a short response weighs more than one of a long response: a length
+      bias.
+    * ``"sum"``: $\sum_{b,t} m_{b,t}\ell_{b,t}$. No normalization; the gradient scale depends on
+      the batch size and lengths.
+
+    A sequence with no token ($n_b = 0$) contributes 0 and still counts in the $1/B$ of the
+    sequence means (as in verl); an all-zero mask gives 0 for every reduction.
+
+    Parameters
+    ----------
+    per_token_loss : torch.Tensor
+        ``(B, T)`` floating.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+    reduction : str
+        One of ``REDUCTIONS``.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar.
+
+    Examples
+    --------
+    A ragged batch: one response of one token, one of three.
+
+    >>> loss = torch.tensor([[3.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    >>> mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    >>> [aggregate_loss(loss, mask, r).item() for r in REDUCTIONS]
+    [1.5, 3.0, 2.0, 6.0]
+    """
+    check_float_tensor("per_token_loss", per_token_loss, 2)
+    mask = check_mask(mask, "per_token_loss", tuple(per_token_loss.shape))
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
+    if reduction == "token-mean":
+        return masked.sum() / mask.sum().clamp_min(1).to(masked.dtype)
+    if reduction == "sum":
+        return masked.sum()
+    per_sequence = masked.sum(dim=1)  # (B,)
+    if reduction == "seq-mean-token-mean":
+        per_sequence = per_sequence / mask.sum(dim=1).clamp_min(1).to(masked.dtype)
+    return per_sequence.sum() / max(per_sequence.shape[0], 1)
+
+
+def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reduction="token-mean"):
+    r"""Sampled-token OPD with a discount and a choice of reduction.
+
+    The advantage of token $t$ is the discounted reward-to-go of the OPD rewards,
+
+    $$
+    A_t = \sum_{k \ge t} \gamma^{k - t} r_k, \qquad
+    r_k = \log \pi_T(y_k \mid s_k) - \log \pi_\theta(y_k \mid s_k),
+    $$
+
+    and the per-token loss $-\mathrm{sg}(A_t) \log \pi_\theta(y_t \mid s_t)$ is reduced by
+    [opd_literate.opd.aggregate_loss][].
+
+    * $\gamma = 0$ with ``"token-mean"`` is the lab's loss,
+      [opd_literate.opd.opd_pg_loss][] of [opd_literate.opd.reverse_kl_rewards][]: a greedy,
+      per-state objective that ignores how $y_t$ changes the states after it.
+    * $\gamma = 1$ makes $A_t$ the remaining sequence-level log-ratio, and the policy
+      gradient is then an unbiased estimate of the gradient of the *sequence* reverse KL
+      $\mathrm{KL}(\pi_\theta(y \mid x) \,\|\, \pi_T(y \mid x)) = \mathbb{E}\big[\sum_t
+      -r_t\big]$, which also counts the cost of steering into states where the teacher and the
+      student disagree later. It has more variance; the published recipes use $\gamma = 0$.
+
+    Parameters
+    ----------
+    student_logp : torch.Tensor
+        ``(B, T)`` floating, $\log \pi_\theta(y_t \mid s_t)$ with gradient.
+    teacher_logp : torch.Tensor
+        ``(B, T)`` floating, $\log \pi_T(y_t \mid s_t)$.
+    mask : torch.Tensor
+        ``(B, T)`` with values in {0, 1}.
+    gamma : float
+        Discount in $[0, 1]$.
+    reduction : str
+        One of ``REDUCTIONS``.
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar loss.
+
+    Examples
+    --------
+    >>> s = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    >>> t = torch.log(torch.tensor([[0.25, 1.0]]))
+    >>> loss = sampled_token_opd_loss(s, t, torch.ones(1, 2), gamma=1.0, reduction="sum")
+    >>> loss.backward()
+    >>> [round(g, 4) for g in s.grad[0].tolist()]  # -A_t = -(r_1 + r_2), -r_2
+    [0.0, -0.6931]
+    """
+    mask_bool = _check_token_pair(student_logp, teacher_logp, mask)
+    rewards = reverse_kl_rewards(student_logp, teacher_logp, mask_bool)
+    advantages = discounted_returns(rewards, mask_bool, gamma)
+    logp = torch.where(mask_bool, student_logp, torch.zeros_like(student_logp))
+    # per-token loss: -sg(A_t) * log pi_theta(y_t | s_t)
+    return aggregate_loss(-advantages * logp, mask_bool, reduction)
