@@ -1,0 +1,302 @@
+r"""tinylm: a tiny autoregressive language model for two-digit addition, sized for a CPU.
+
+**The task.** A prompt is ``"ab+cd="`` with two zero-padded two-digit numbers; the answer is
+the decimal digits of the sum, most significant first, then ``<eos>``: ``"07+05="`` ->
+``"12<eos>"``, ``"99+99="`` -> ``"198<eos>"``. Answers have 2 to 4 tokens, so
+``MAX_ANSWER = 4`` positions hold any answer with its ``<eos>``. Writing the most significant
+digit first is the hard order: the first digit depends on a carry that has not been written
+yet, and every later digit is predicted *given the digits already written*. A model that gets
+the first digit wrong is then in a state it has never seen during supervised training (a
+prefix that is not the start of the correct sum), and its later tokens are unreliable: the
+compounding error that on-policy distillation addresses.
+
+**The model.** A next-token MLP over a fixed window: the 6 prompt tokens and the at most 3
+answer tokens already written (``<pad>`` where there are none), each embedded, plus an
+embedding of the answer position, concatenated and passed through an MLP to $V = 14$ logits.
+It is autoregressive (each answer token conditions on the previous ones) and small enough
+that a batch of 64 rollouts takes about a millisecond. The teacher is a wider, well-trained
+copy; the student is narrower and briefly trained.
+
+**What the OPD functions take.** [opd_literate.tinylm.rollout][] samples answers and returns
+exactly the inputs of [opd_literate.opd.reverse_kl_rewards][],
+[opd_literate.opd.opd_pg_loss][] and [opd_literate.opd.full_vocab_reverse_kl][]: tokens
+``(B, T)``, the student's log-probs ``(B, T)`` with gradient, its logits ``(B, T, V)`` with
+gradient, and the mask ``(B, T)`` (1 up to and including ``<eos>``, 0 after).
+[opd_literate.tinylm.score][] is the teacher pass over the student's tokens, without
+gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .opd import full_vocab_reverse_kl
+
+__all__ = [
+    "VOCAB",
+    "PAD",
+    "EOS",
+    "PLUS",
+    "EQUALS",
+    "V",
+    "PROMPT_LEN",
+    "MAX_ANSWER",
+    "encode",
+    "decode",
+    "make_prompts",
+    "answer_tokens",
+    "answer_mask",
+    "TinyLM",
+    "Rollout",
+    "rollout",
+    "sample_tokens",
+    "score",
+    "greedy_accuracy",
+    "reverse_kl_on_own_samples",
+    "supervised_loss",
+]
+
+#: Tokens: the ten digits, then "+", "=", "<eos>", "<pad>".
+VOCAB = [str(d) for d in range(10)] + ["+", "=", "<eos>", "<pad>"]
+PLUS, EQUALS, EOS, PAD = 10, 11, 12, 13
+V = len(VOCAB)
+#: "ab+cd=": six tokens.
+PROMPT_LEN = 6
+#: Answer positions: up to three digits and <eos>.
+MAX_ANSWER = 4
+
+
+def encode(text):
+    """Token ids of a string of digits, ``+``, ``=``, ``<eos>`` and ``<pad>``.
+
+    Examples
+    --------
+    >>> encode("07+05=12<eos>")
+    [0, 7, 10, 0, 5, 11, 1, 2, 12]
+    >>> decode(encode("99+99=198<eos>")) == "99+99=198<eos>"
+    True
+    """
+    ids, i = [], 0
+    while i < len(text):
+        for special, token_id in (("<eos>", EOS), ("<pad>", PAD)):
+            if text.startswith(special, i):
+                ids.append(token_id)
+                i += len(special)
+                break
+        else:
+            char = text[i]
+            if char not in VOCAB:
+                raise ValueError(f"cannot encode {char!r} at position {i} of {text!r}")
+            ids.append(VOCAB.index(char))
+            i += 1
+    return ids
+
+
+def decode(ids):
+    """The string of a sequence of token ids (``<pad>`` included)."""
+    return "".join(VOCAB[int(i)] for i in ids)
+
+
+def make_prompts(pairs):
+    """``(N, 6)`` prompt tokens for a ``(N, 2)`` tensor of operands in [0, 99].
+
+    Examples
+    --------
+    >>> decode(make_prompts(torch.tensor([[7, 5]]))[0])
+    '07+05='
+    """
+    a, b = pairs[:, 0], pairs[:, 1]
+    n = pairs.shape[0]
+    return torch.stack([a // 10, a % 10, torch.full((n,), PLUS), b // 10, b % 10,
+                        torch.full((n,), EQUALS)], dim=1)
+
+
+def answer_tokens(pairs):
+    """``(N, MAX_ANSWER)`` correct answers: the digits of a + b, ``<eos>``, then ``<pad>``.
+
+    Examples
+    --------
+    >>> [decode(row) for row in answer_tokens(torch.tensor([[7, 5], [99, 99], [0, 3]]))]
+    ['12<eos><pad>', '198<eos>', '3<eos><pad><pad>']
+    """
+    total = pairs[:, 0] + pairs[:, 1]  # (N,) in [0, 198]
+    h, t, o = total // 100, (total // 10) % 10, total % 10
+    eos, pad = torch.full_like(total, EOS), torch.full_like(total, PAD)
+    three = torch.stack([h, t, o, eos], dim=1)  # 100..198
+    two = torch.stack([t, o, eos, pad], dim=1)  # 10..99
+    one = torch.stack([o, eos, pad, pad], dim=1)  # 0..9
+    n_digits = (total >= 10).long() + (total >= 100).long()  # 0, 1 or 2 (one less than digits)
+    return torch.where((n_digits == 2)[:, None], three,
+                       torch.where((n_digits == 1)[:, None], two, one))
+
+
+def answer_mask(tokens):
+    r"""1 up to and including the first ``<eos>``, 0 after it (float, ``(B, T)``).
+
+    An answer without ``<eos>`` in its ``MAX_ANSWER`` tokens is kept whole (it was cut off).
+
+    Examples
+    --------
+    >>> answer_mask(torch.tensor([encode("12<eos><pad>"), encode("3<eos>7<eos>")])).tolist()
+    [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    """
+    is_eos = tokens == EOS
+    # eos seen strictly before position t: the cumulative count, shifted right by one
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return (eos_before == 0).float()
+
+
+class TinyLM(nn.Module):
+    """Next-token MLP over (prompt, answer so far, position).
+
+    Parameters
+    ----------
+    hidden : int
+        Width of each hidden layer.
+    layers : int
+        Number of hidden layers.
+    embed : int
+        Token embedding size.
+    """
+
+    def __init__(self, hidden=64, layers=1, embed=16):
+        super().__init__()
+        self.config = dict(hidden=hidden, layers=layers, embed=embed)
+        self.token_embedding = nn.Embedding(V, embed)
+        self.position_embedding = nn.Embedding(MAX_ANSWER, embed)
+        width = (PROMPT_LEN + MAX_ANSWER - 1 + 1) * embed  # 9 token slots + the position
+        blocks = []
+        for _ in range(layers):
+            blocks += [nn.Linear(width, hidden), nn.GELU()]
+            width = hidden
+        self.mlp = nn.Sequential(*blocks, nn.Linear(width, V))
+
+    def window(self, prompts, answers):
+        """Contexts for every answer position: ``(B, T, 9)`` token ids.
+
+        Row ``t`` holds the prompt and ``answers[:, :t]``, padded with ``<pad>``.
+        """
+        B = prompts.shape[0]
+        rows = []
+        for t in range(MAX_ANSWER):
+            previous = answers[:, :t]
+            padding = torch.full((B, MAX_ANSWER - 1 - t), PAD, dtype=torch.long)
+            rows.append(torch.cat([prompts, previous, padding], dim=1))
+        return torch.stack(rows, dim=1)  # (B, T, 9)
+
+    def forward(self, context, position):
+        """Logits ``(..., V)`` for contexts ``(..., 9)`` at answer positions ``(...)``."""
+        slots = self.token_embedding(context).flatten(-2)  # (..., 9 * embed)
+        features = torch.cat([slots, self.position_embedding(position)], dim=-1)
+        return self.mlp(features)
+
+    def logits(self, prompts, answers):
+        """Teacher-forced logits ``(B, T, V)`` of every answer position, in one batched call."""
+        B = prompts.shape[0]
+        positions = torch.arange(MAX_ANSWER).expand(B, MAX_ANSWER)
+        return self(self.window(prompts, answers), positions)
+
+
+@dataclass
+class Rollout:
+    """What the OPD losses take. Shapes: B prompts, T = MAX_ANSWER, V = 14."""
+
+    prompts: torch.Tensor  # (B, 6) long
+    tokens: torch.Tensor  # (B, T) long, <pad> after <eos>
+    logp: torch.Tensor  # (B, T) log pi_theta(y_t | s_t), with gradient
+    logits: torch.Tensor  # (B, T, V), with gradient
+    mask: torch.Tensor  # (B, T) float: 1 up to and including <eos>
+
+
+@torch.no_grad()
+def sample_tokens(model, prompts, generator=None, greedy=False):
+    """Sample (or greedily decode) answers without gradient: ``(tokens, mask)``, ``(B, T)``."""
+    B = prompts.shape[0]
+    tokens = torch.full((B, MAX_ANSWER), PAD, dtype=torch.long)
+    for t in range(MAX_ANSWER):
+        # The window of position t only reads tokens[:, :t]: the ones written so far.
+        context = model.window(prompts, tokens)[:, t]
+        logits = model(context, torch.full((B,), t, dtype=torch.long))
+        if greedy:
+            tokens[:, t] = logits.argmax(-1)
+        else:
+            tokens[:, t] = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)[:, 0]
+    mask = answer_mask(tokens)
+    # After <eos> the response is over: store <pad> so no later position reads a stray token.
+    tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, PAD))
+    return tokens, mask
+
+
+def rollout(model, prompts, generator=None, greedy=False):
+    """Sample answers from ``model`` and recompute their log-probs with gradient.
+
+    Sampling runs without gradient, one position at a time; the log-probs and logits are then
+    recomputed for all positions in one teacher-forced pass *with* gradient, which is what a
+    trainer does with the inference engine's tokens.
+
+    Examples
+    --------
+    >>> model = TinyLM()
+    >>> out = rollout(model, make_prompts(torch.tensor([[1, 2], [40, 50]])),
+    ...               torch.Generator().manual_seed(0))
+    >>> out.tokens.shape, out.logp.shape, out.logits.shape, out.mask.shape
+    (torch.Size([2, 4]), torch.Size([2, 4]), torch.Size([2, 4, 14]), torch.Size([2, 4]))
+    >>> torch.allclose(out.logp, torch.log_softmax(out.logits, -1).gather(
+    ...     -1, out.tokens[..., None])[..., 0])
+    True
+    """
+    tokens, mask = sample_tokens(model, prompts, generator, greedy)
+    logits = model.logits(prompts, tokens)  # (B, T, V), with gradient
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]  # (B, T)
+    return Rollout(prompts, tokens, logp, logits, mask)
+
+
+@torch.no_grad()
+def score(teacher, prompts, tokens):
+    """The teacher pass: its log-probs ``(B, T)`` and logits ``(B, T, V)`` of given tokens.
+
+    No gradient: the teacher is frozen, and what it returns is data for the student's loss.
+    """
+    logits = teacher.logits(prompts, tokens)
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    return logp, logits
+
+
+def supervised_loss(model, prompts, targets, label_smoothing=0.0):
+    r"""Token-mean cross-entropy of ``targets`` ``(B, T)`` up to and including ``<eos>``.
+
+    With label smoothing $\varepsilon$ the target of each position is
+    $(1 - \varepsilon)\, e_{y_t} + \varepsilon / V$, so the model never drives the
+    log-probability of an alternative token towards $-\infty$.
+    """
+    log_probs = torch.log_softmax(model.logits(prompts, targets), -1)  # (B, T, V)
+    nll = -log_probs.gather(-1, targets[..., None])[..., 0]  # (B, T)
+    if label_smoothing:
+        nll = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(-1)
+    mask = answer_mask(targets)
+    return (nll * mask).sum() / mask.sum()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, pairs):
+    """Fraction of prompts whose greedy answer is exactly right (digits and ``<eos>``)."""
+    tokens, _ = sample_tokens(model, make_prompts(pairs), None, greedy=True)
+    return float((tokens == answer_tokens(pairs)).all(dim=1).float().mean())
+
+
+@torch.no_grad()
+def reverse_kl_on_own_samples(student, teacher, pairs, generator):
+    r"""Per-token $\mathrm{KL}(\pi_\theta \| \pi_T)$ at the states the student visits.
+
+    One sampled answer per prompt; the exact KL over the vocabulary at each of its positions
+    (up to and including ``<eos>``), averaged over tokens: the full-vocabulary OPD loss,
+    evaluated.
+    """
+    prompts = make_prompts(pairs)
+    out = rollout(student, prompts, generator)
+    _, teacher_logits = score(teacher, prompts, out.tokens)
+    return float(full_vocab_reverse_kl(out.logits, teacher_logits, out.mask))
