@@ -92,7 +92,7 @@ def test_help():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--steps", "-3"], "expected a positive integer, got -3"),
-    (["--methods", "opd_sampled,dpo"], "unknown method dpo"),
+    (["--methods", "opd_sampled,dpo"], "unknown method 'dpo'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, fragment):
     result = _cli(*args)
