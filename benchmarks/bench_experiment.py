@@ -31,7 +31,8 @@ def main(steps=100):
             loss.backward()
             optimizer.step()
         elapsed = time.perf_counter() - start
-        print(f"  {method:15s} {steps / elapsed:7.1f} steps/s  ({1e3 * elapsed / steps:.2f} ms/step)")
+        print(f"  {method:15s} {steps / elapsed:7.1f} steps/s  "
+              f"({1e3 * elapsed / steps:.2f} ms/step)")
 
 
 if __name__ == "__main__":

@@ -672,6 +672,7 @@ REGISTRY = {
                       "Zheng et al. 2025 (GSPO), bypass", False, "geometric"),
     ]
 }
+"""Every estimator of this module by name, with its default thresholds and source."""
 
 
 def estimator_weights(toy, name, **params):

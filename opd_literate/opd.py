@@ -82,11 +82,11 @@ __all__ = [
     "sampled_token_opd_loss",
 ]
 
-#: The loss reductions of [opd_literate.opd.aggregate_loss][], as named in verl's ``loss_agg_mode``.
 REDUCTIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum")
+"""The loss reductions of [opd_literate.opd.aggregate_loss][], named as verl's ``loss_agg_mode``."""
 
-#: The single-sample KL estimators of [opd_literate.opd.kl_estimator][].
 KL_ESTIMATORS = ("k1", "k2", "k3")
+"""The single-sample KL estimators of [opd_literate.opd.kl_estimator][]."""
 
 
 # ---------------------------------------------------------------------------------------------

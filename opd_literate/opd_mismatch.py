@@ -41,7 +41,6 @@ from .toy import check_toy, estimator_moments, log_softmax, make_toy
 
 __all__ = ["add_teacher", "opd_estimate", "OPD_RECIPES", "opd_mismatch_table"]
 
-#: (logp, weight) pairs compared by [opd_literate.opd_mismatch.opd_mismatch_table][].
 OPD_RECIPES = (
     ("trainer", "none"),
     ("sampler", "none"),
@@ -49,6 +48,7 @@ OPD_RECIPES = (
     ("sampler", "token_tis"),
     ("trainer", "token_is"),
 )
+"""(logp, weight) pairs compared by [opd_literate.opd_mismatch.opd_mismatch_table][]."""
 
 
 def add_teacher(toy, teacher_seed=1, scale=1.0):

@@ -60,14 +60,14 @@ __all__ = [
     "supervised_loss",
 ]
 
-#: Tokens: the ten digits, then "+", "=", "<eos>", "<pad>".
 VOCAB = [str(d) for d in range(10)] + ["+", "=", "<eos>", "<pad>"]
+"""Tokens: the ten digits, then "+", "=", "<eos>", "<pad>"."""
 PLUS, EQUALS, EOS, PAD = 10, 11, 12, 13
 V = len(VOCAB)
-#: "ab+cd=": six tokens.
 PROMPT_LEN = 6
-#: Answer positions: up to three digits and <eos>.
+"""The prompt ``ab+cd=`` has six tokens."""
 MAX_ANSWER = 4
+"""Answer positions: up to three digits and <eos>."""
 
 
 def encode(text):

@@ -56,12 +56,12 @@ __all__ = [
     "check_toy",
 ]
 
-#: The largest toy (all its arrays together, in bytes) that ``make_toy`` builds.
 MAX_TOY_BYTES = 2 * 1024**3
+"""The largest toy (all its arrays together, in bytes) that ``make_toy`` builds."""
 
-#: The keys of the dictionary returned by ``make_toy``.
 TOY_KEYS = ("Y", "logp_train", "logp_sampler", "p_train", "p_sampler", "R", "score",
             "true_grad", "theta", "b", "mismatch", "T", "V")
+"""The keys of the dictionary returned by ``make_toy``."""
 
 
 def log_softmax(z):
@@ -258,7 +258,8 @@ def estimator_moments(toy, per_seq_estimate):
     $N$ independent samples has relative root-mean-square error
 
     $$
-    \text{rel\_rmse}(N) = \sqrt{\text{bias}^2 + \text{var} / N} \,/\, \lVert \nabla J \rVert .
+    \mathrm{RMSE}_{\mathrm{rel}}(N)
+    = \sqrt{\text{bias}^2 + \text{var} / N} \,/\, \lVert \nabla J \rVert .
     $$
 
     Parameters

@@ -1,0 +1,188 @@
+"""MkDocs hook: compute every number, table and figure of the site from the package.
+
+Runs before each build and writes into ``docs/generated/`` (not committed). A file is written
+only when its content changed, so ``mkdocs serve`` does not rebuild in a loop. The pages
+include the tables with ``--8<-- "generated/NAME.md"`` and show the figures as images.
+
+The experiment's numbers come from ``docs/data/experiment/results.json``, written by the
+documented command ``python -m opd_literate.run --out docs/data/experiment`` (90 s, too long
+for a docs build); ``tests/test_docs_data.py`` checks that it matches the current defaults.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+DOCS = pathlib.Path(__file__).resolve().parents[1]
+OUT = DOCS / "generated"
+EXPERIMENT = DOCS / "data" / "experiment" / "results.json"
+
+
+def _write(name: str, data) -> None:
+    path = OUT / name
+    payload = data.encode() if isinstance(data, str) else data
+    if not path.exists() or path.read_bytes() != payload:
+        path.write_bytes(payload)
+
+
+def _figure_bytes(fig) -> bytes:
+    buffer = io.BytesIO()
+    # A fixed date in the metadata keeps the PNG bytes identical from build to build.
+    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _estimators():
+    from opd_literate.estimators import comparison_table, format_table, mismatch_sweep
+    from opd_literate.toy import make_toy
+
+    toy = make_toy()
+    rows = comparison_table(toy, N=64)
+    _write("estimators_table.md", format_table(rows, N=64) + "\n")
+
+    names = ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis",
+             "icepop", "ppo_clip_bypass", "gspo"]
+    mismatches = np.round(np.linspace(0.0, 1.5, 16), 3)
+    sweep = mismatch_sweep(mismatches, names=names, N=64)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, name in enumerate(names):
+        bias = [rows_m[i]["rel_bias"] for rows_m in sweep.values()]
+        rmse = [rows_m[i]["rel_rmse"] for rows_m in sweep.values()]
+        style = "-" if i < 7 else "--"
+        axes[0].plot(mismatches, bias, style, marker=".", label=name)
+        axes[1].plot(mismatches, rmse, style, marker=".", label=name)
+    axes[0].set(xlabel="mismatch $\\epsilon$", ylabel="relative bias", title="exact bias")
+    axes[1].set(xlabel="mismatch $\\epsilon$", ylabel="relative RMSE, N = 64",
+                title="exact error of a batch of 64", yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    _write("mismatch_sweep.png", _figure_bytes(fig))
+
+    # Relative RMSE against the batch size at the default mismatch: where variance stops
+    # mattering and bias takes over.
+    fig, ax = plt.subplots(figsize=(6, 4))
+    batch = np.logspace(0, 4, 30)
+    grad_norm = float(np.linalg.norm(toy["true_grad"]))
+    for name in ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "seq_mis"]:
+        row = next(r for r in rows if r["name"] == name)
+        # rel. RMSE(N) = sqrt(bias^2 + var / N) / ||grad J||, exactly
+        ax.loglog(batch, np.sqrt(row["bias"] ** 2 + row["var"] / batch) / grad_norm, label=name)
+    ax.set(xlabel="batch size N (sequences)", ylabel="relative RMSE",
+           title="bias floor against variance, mismatch 0.3")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _write("rmse_vs_batch.png", _figure_bytes(fig))
+
+
+def _opd_mismatch():
+    from opd_literate.opd_mismatch import opd_mismatch_table
+
+    mismatches = [0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
+    rows = opd_mismatch_table(mismatches)
+    recipes = list(dict.fromkeys((r["logp"], r["weight"]) for r in rows))
+    header = "| student log-prob in the reward | weight | " + " | ".join(
+        f"ε = {m:g}" for m in mismatches) + " |"
+    lines = [header, "| --- | --- | " + " | ".join("---:" for _ in mismatches) + " |"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for logp, weight in recipes:
+        bias = [r["rel_bias"] for r in rows if (r["logp"], r["weight"]) == (logp, weight)]
+        lines.append(f"| {logp} | {weight} | " + " | ".join(f"{b:.4f}" for b in bias) + " |")
+        ax.plot(mismatches, bias, marker=".", label=f"{logp} log-prob, {weight}")
+    ax.set(xlabel="mismatch $\\epsilon$", ylabel="relative bias of the OPD gradient",
+           title="sampled-token OPD, tokens from the sampler")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _write("opd_mismatch_table.md", "\n".join(lines) + "\n")
+    _write("opd_mismatch.png", _figure_bytes(fig))
+
+
+def _k_estimators():
+    from opd_literate.opd import (
+        expected_kl_estimator_gradient,
+        forward_kl,
+        full_vocab_reverse_kl,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 1, 8, generator=g, dtype=torch.float64)
+    zt = torch.randn(1, 1, 8, generator=g, dtype=torch.float64)
+    ones = torch.ones(1, 1, dtype=torch.float64)
+
+    def grad(fn):
+        x = z.clone().requires_grad_(True)
+        fn(x).backward()
+        return x.grad
+
+    targets = {"0": torch.zeros_like(z),
+               "∇ KL(π_θ ‖ π_T) (reverse)": grad(lambda x: full_vocab_reverse_kl(x, zt, ones)),
+               "∇ KL(π_T ‖ π_θ) (forward)": grad(lambda x: forward_kl(x, zt, ones))}
+    lines = ["| estimator | used as | " + " | ".join(f"distance to {t}" for t in targets) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in targets) + " |"]
+    for kind in ("k1", "k2", "k3"):
+        for mode in ("loss", "reward"):
+            expected = expected_kl_estimator_gradient(z, zt, kind, mode)
+            cells = []
+            for target in targets.values():
+                distance = float((expected - target).norm())
+                cells.append("**0**" if distance < 1e-12 else f"{distance:.3f}")
+            lines.append(f"| {kind} | {mode} | " + " | ".join(cells) + " |")
+    _write("k_estimators_table.md", "\n".join(lines) + "\n")
+
+
+def _experiment():
+    from opd_literate.run import DEFAULTS, format_headline, write_plots
+
+    results = json.loads(EXPERIMENT.read_text())
+    tmp = OUT / "_experiment"
+    tmp.mkdir(exist_ok=True)
+    for path in write_plots(results, tmp):
+        _write(f"experiment_{path.name}", path.read_bytes())
+    _write("experiment_headline.md", format_headline(results) + "\n")
+    lr_lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in DEFAULTS["lrs"]) + " |",
+                "| --- | " + " | ".join("---:" for _ in DEFAULTS["lrs"]) + " |"]
+    for method, runs in results["lr_search"].items():
+        cells = []
+        for lr in DEFAULTS["lrs"]:
+            run = runs[str(lr)]
+            hit = run["samples_to_target"]
+            reached = "never" if hit is None else f"{hit:,}"
+            cells.append(f"{run['final_accuracy']:.3f} ({reached})")
+        lr_lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    _write("experiment_lr_search.md", "\n".join(lr_lines) + "\n")
+    _write("experiment_config.md",
+           "```json\n" + json.dumps(results["config"], indent=1) + "\n```\n")
+
+
+def _gradient_agreement():
+    from opd_literate.run import DEFAULTS, gradient_agreement
+
+    table = gradient_agreement(DEFAULTS)
+    sizes = list(next(iter(table.values())))
+    lines = ["| OPD gradient | " + " | ".join(f"batch of {B}" for B in sizes) + " |",
+             "| --- | " + " | ".join("---:" for _ in sizes) + " |"]
+    for method, row in table.items():
+        lines.append(f"| `{method}` | " + " | ".join(f"{row[B]:.2f}" for B in sizes) + " |")
+    _write("gradient_agreement.md", "\n".join(lines) + "\n")
+
+
+def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
+    OUT.mkdir(exist_ok=True)
+    _estimators()
+    _opd_mismatch()
+    _k_estimators()
+    _experiment()
+    _gradient_agreement()
