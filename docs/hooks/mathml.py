@@ -20,10 +20,19 @@ _MATH = re.compile(
 )
 
 
+_UNCONVERTED = re.compile(r"\\[A-Za-z]+")
+
+
 def tex_to_mathml(tex: str, display: bool) -> str:
-    mathml = convert(tex, display="block" if display else "inline")
-    if "merror" in mathml:
-        raise ValueError(f"latex2mathml could not convert: {tex!r}")
+    """MathML for one formula; a ValueError for TeX that latex2mathml cannot convert."""
+    try:
+        mathml = convert(tex, display="block" if display else "inline")
+    except Exception as error:  # latex2mathml raises its own exception classes
+        raise ValueError(f"latex2mathml could not convert {tex!r}: {error!r}") from None
+    # An unknown command comes back verbatim (<mi>\foo</mi>): a typo, or unsupported TeX.
+    unknown = _UNCONVERTED.findall(mathml)
+    if unknown or "merror" in mathml:
+        raise ValueError(f"latex2mathml could not convert {tex!r}: unknown {unknown}")
     return mathml
 
 
