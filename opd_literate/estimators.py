@@ -54,6 +54,7 @@ from .toy import check_toy, estimator_moments, make_toy
 
 __all__ = [
     "token_ratios",
+    "geometric_ratio",
     "weighted_score",
     "naive",
     "token_is",
@@ -99,6 +100,20 @@ def token_ratios(toy):
 def _log_seq_ratio(toy):
     """log rho = sum_t log rho_t, shape (M,): summed in log space, never as a product."""
     return (toy["logp_train"] - toy["logp_sampler"]).sum(axis=1)
+
+
+def geometric_ratio(toy):
+    r"""Length-normalized sequence ratios $\rho_{\mathrm{geo}} = \rho^{1/T}$, shape ``(M,)``.
+
+    Examples
+    --------
+    >>> toy = make_toy(T=3, V=2)
+    >>> rho = np.exp((toy["logp_train"] - toy["logp_sampler"]).sum(axis=1))
+    >>> bool(np.allclose(geometric_ratio(toy) ** 3, rho))
+    True
+    """
+    check_toy(toy, keys=("logp_train", "logp_sampler"))
+    return np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])
 
 
 def weighted_score(toy, weights, baseline=0.0):
@@ -184,10 +199,10 @@ def naive(toy, baseline=0.0, *, return_weights=False):
     True
     """
     check_toy(toy)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 1: every token's weight is 1
     weights = np.ones(toy["logp_train"].shape)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def token_is(toy, baseline=0.0, *, return_weights=False):
@@ -210,10 +225,10 @@ def token_is(toy, baseline=0.0, *, return_weights=False):
     >>> 0 < m["rel_bias"] < estimator_moments(toy, naive(toy))["rel_bias"]
     True
     """
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 2: the per-token ratio pi(y_t) / mu(y_t) (see token_ratios)
     weights = token_ratios(toy)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def seq_is(toy, baseline=0.0, *, return_weights=False):
@@ -234,10 +249,10 @@ def seq_is(toy, baseline=0.0, *, return_weights=False):
     >>> estimator_moments(toy, seq_is(toy))["rel_bias"] < 1e-12
     True
     """
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 3: the sequence ratio pi(y) / mu(y), summed in log space
     weights = np.exp(_log_seq_ratio(toy))
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def token_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
@@ -265,10 +280,10 @@ def token_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     True
     """
     cap = _check_number("cap", cap, positive=True, allow_inf=True)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 4: the per-token ratio, truncated from above at cap
     weights = np.minimum(token_ratios(toy), cap)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def seq_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
@@ -294,10 +309,10 @@ def seq_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     True
     """
     cap = _check_number("cap", cap, positive=True, allow_inf=True)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 5: the sequence ratio, truncated from above at cap
     weights = np.minimum(np.exp(_log_seq_ratio(toy)), cap)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def token_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
@@ -322,11 +337,11 @@ def token_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     True
     """
     low, high = _check_band(low, high)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 6: the per-token ratio where low <= rho_t <= high, else 0
     rho_t = token_ratios(toy)
     weights = np.where((rho_t >= low) & (rho_t <= high), rho_t, 0.0)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def seq_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
@@ -348,11 +363,11 @@ def seq_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     True
     """
     low, high = _check_band(low, high)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 7: the sequence ratio where low <= rho <= high, else 0
     rho = np.exp(_log_seq_ratio(toy))
     weights = np.where((rho >= low) & (rho <= high), rho, 0.0)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def geo_rs(toy, low=0.999, high=1.001, baseline=0.0, *, return_weights=False):
@@ -376,11 +391,11 @@ def geo_rs(toy, low=0.999, high=1.001, baseline=0.0, *, return_weights=False):
     True
     """
     low, high = _check_band(low, high)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 8: 1 where low <= rho ** (1 / T) <= high, else 0 (no ratio)
     rho_geo = np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])
     weights = ((rho_geo >= low) & (rho_geo <= high)).astype(float)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
+    ### END SOLUTION
 
 
 def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
@@ -401,12 +416,8 @@ def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
     >>> bool(np.array_equal(icepop(toy), token_mis(toy, low=0.5, high=5.0)))
     True
     """
-    low, high = _check_band(low, high)
-    ### BEGIN SOLUTION
-    rho_t = token_ratios(toy)
-    weights = np.where((rho_t >= low) & (rho_t <= high), rho_t, 0.0)
-    ### END SOLUTION
-    return _finish(toy, weights, baseline, return_weights)
+    # The same weights as token_mis, with IcePop's band as the default.
+    return token_mis(toy, low, high, baseline, return_weights=return_weights)
 
 
 def token_clamp(toy, low=0.5, high=2.0, baseline=0.0, *, return_weights=False):
@@ -428,9 +439,7 @@ def token_clamp(toy, low=0.5, high=2.0, baseline=0.0, *, return_weights=False):
     True
     """
     low, high = _check_band(low, high)
-    ### BEGIN SOLUTION
     weights = np.clip(token_ratios(toy), low, high)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -459,10 +468,9 @@ def cispo(toy, eps_low=1.0, eps_high=4.0, baseline=0.0, *, return_weights=False)
     eps_high = _check_number("eps_high", eps_high, allow_inf=True)
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low!r}, {eps_high!r}")
-    ### BEGIN SOLUTION
-    weights = np.clip(token_ratios(toy), max(1.0 - eps_low, 0.0), 1.0 + eps_high)
-    ### END SOLUTION
-    return _finish(toy, weights, baseline, return_weights)
+    # In bypass mode at one step, CISPO's weight is the two-sided clamp of the ratio.
+    return token_clamp(toy, max(1.0 - eps_low, 0.0), 1.0 + eps_high, baseline,
+                       return_weights=return_weights)
 
 
 def ppo_clip_bypass(toy, eps=0.2, baseline=0.0, *, return_weights=False):
@@ -491,12 +499,11 @@ def ppo_clip_bypass(toy, eps=0.2, baseline=0.0, *, return_weights=False):
     """
     eps = _check_number("eps", eps, positive=True)
     baseline_value = _check_number("baseline", baseline)
-    ### BEGIN SOLUTION
-    rho_t = token_ratios(toy)
+    ratio = token_ratios(toy)  # (M, T): PPO's ratio, anchored at the rollout policy
     advantage = (toy["R"] - baseline_value)[:, None]  # (M, 1)
-    clipped = ((advantage > 0) & (rho_t > 1 + eps)) | ((advantage < 0) & (rho_t < 1 - eps))
-    weights = np.where(clipped, 0.0, rho_t)
-    ### END SOLUTION
+    # The clipped branch of min(ratio A, clip(ratio) A) is a constant: no gradient there.
+    clipped = ((advantage > 0) & (ratio > 1 + eps)) | ((advantage < 0) & (ratio < 1 - eps))
+    weights = np.where(clipped, 0.0, ratio)
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -520,10 +527,8 @@ def token_veto(toy, threshold=1e-4, baseline=0.0, *, return_weights=False):
     threshold = _check_number("threshold", threshold)
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
-    ### BEGIN SOLUTION
     keep = token_ratios(toy).min(axis=1) >= threshold
     weights = keep.astype(float)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -549,11 +554,9 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     threshold = _check_number("threshold", threshold, allow_inf=True)
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
-    ### BEGIN SOLUTION
     log_rho_t = toy["logp_train"] - toy["logp_sampler"]
     k3 = np.expm1(log_rho_t) - log_rho_t  # rho - 1 - log rho, accurate near rho = 1
     weights = (k3.mean(axis=1) <= threshold).astype(float)
-    ### END SOLUTION
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -575,10 +578,8 @@ def geo_rs_token_tis(toy, low=0.999, high=1.001, cap=2.0, baseline=0.0, *,
     """
     low, high = _check_band(low, high)
     cap = _check_number("cap", cap, positive=True, allow_inf=True)
-    ### BEGIN SOLUTION
     keep = geo_rs(toy, low, high, return_weights=True)  # (M,)
-    weights = keep[:, None] * np.minimum(token_ratios(toy), cap)
-    ### END SOLUTION
+    weights = keep[:, None] * token_tis(toy, cap, return_weights=True)
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -606,13 +607,11 @@ def gspo(toy, eps_low=3e-4, eps_high=4e-4, baseline=0.0, *, return_weights=False
     eps_low = _check_number("eps_low", eps_low, positive=True)
     eps_high = _check_number("eps_high", eps_high, positive=True)
     baseline_value = _check_number("baseline", baseline)
-    ### BEGIN SOLUTION
-    rho_geo = np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])  # (M,)
+    ratio = geometric_ratio(toy)  # (M,): GSPO's sequence ratio s(y)
     advantage = toy["R"] - baseline_value
-    clipped = ((advantage > 0) & (rho_geo > 1 + eps_high)) | (
-        (advantage < 0) & (rho_geo < 1 - eps_low))
-    weights = np.where(clipped, 0.0, rho_geo)
-    ### END SOLUTION
+    clipped = ((advantage > 0) & (ratio > 1 + eps_high)) | (
+        (advantage < 0) & (ratio < 1 - eps_low))
+    weights = np.where(clipped, 0.0, ratio)
     return _finish(toy, weights, baseline, return_weights)
 
 

@@ -132,6 +132,7 @@ def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor
     Entries with $p_v = 0$ are selected away *before* the subtraction, so that neither the value
     nor the gradient sees $-\infty - (-\infty)$. Entries with $p_v > 0 = q_v$ give $+\infty$.
     """
+    ### BEGIN SOLUTION Task 3: sum_v p_v (log p_v - log q_v); 0 where p_v = 0, in value and gradient
     p = log_p.exp()
     support = p > 0
     # The double where: both operands are replaced by 0 off the support, so the backward pass
@@ -141,6 +142,7 @@ def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor
     kl = (p * (log_p_safe - log_q_safe)).sum(dim=-1)
     # Rounding can leave a KL of -1e-8 where the distributions agree; the true value is >= 0.
     return kl.clamp_min(0.0)
+    ### END SOLUTION
 
 
 def _masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -205,7 +207,7 @@ def reverse_kl_rewards(student_logp, teacher_logp, mask):
     False
     """
     mask = _check_token_pair(student_logp, teacher_logp, mask)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 1: teacher_logp - student_logp, detached; exactly 0 where mask is 0
     # r_t = log pi_T(y_t|s_t) - log pi_theta(y_t|s_t); detached: a reward is a constant.
     log_ratio = teacher_logp.detach() - student_logp.detach()
     # where, not "* mask": padding may hold -inf log-probs and 0 * inf is NaN.
@@ -278,7 +280,7 @@ def opd_pg_loss(student_logp, rewards, mask):
     check_float_tensor("rewards", rewards, 2)
     check_same_shape("student_logp", student_logp, "rewards", rewards)
     mask = check_mask(mask, "student_logp", tuple(student_logp.shape))
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 2: -sum(mask * sg(r) * logp) / max(sum(mask), 1), selecting with where
     zeros = torch.zeros_like(student_logp)
     # sg(r): the reward is a constant; only log pi_theta(y_t|s_t) is differentiated.
     advantage = torch.where(mask, rewards.detach().to(student_logp.dtype), zeros)
@@ -380,7 +382,7 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     0.0283
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
-    ### BEGIN SOLUTION
+    ### BEGIN SOLUTION Task 3: log_softmax both (teacher detached), KL per position, masked mean
     # log_softmax (never log(softmax)): stable for logits of any size. Teacher detached.
     log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
     # KL_t = sum_v p_v (log p_v - log q_v), with 0 log 0 = 0.

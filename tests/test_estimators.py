@@ -1,131 +1,151 @@
-"""Exact tests of the rollout-correction estimators on the enumerable toy."""
+"""The mismatch lab's tests: the eight estimators of the lab, exactly, on the enumerable toy.
+
+This file is also the test file of the generated lab handout (``opd_literate.handout``), where
+it imports from the lab folder; each test is marked with the task it checks and uses no other
+task's function. Expected values are computed here from the toy's arrays, independently.
+"""
 
 import numpy as np
 import pytest
 
-from opd_literate import estimators as E
+from opd_literate.estimators import (
+    geo_rs,
+    naive,
+    seq_is,
+    seq_mis,
+    seq_tis,
+    token_is,
+    token_mis,
+    token_tis,
+)
 from opd_literate.toy import estimator_moments, make_toy, sample_from_sampler
 
 SWEEP = [0.0, 0.1, 0.3, 0.6, 1.0, 1.5]
 
 
+def ratios(toy):
+    """(rho_t (M, T), rho (M,)) straight from the toy's log-probabilities."""
+    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
+    return rho_t, np.exp(np.log(rho_t).sum(axis=1))
+
+
+def expected_estimate(toy, weights, baseline=0.0):
+    """w_t * (R - b) * s_t for (M, T) or (M,) weights."""
+    w = weights if weights.ndim == 2 else weights[:, None]
+    return (w * (toy["R"] - baseline)[:, None])[:, :, None] * toy["score"]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return make_toy(mismatch=0.8, seed=3)
+
+
+@pytest.mark.task(1)
+def test_naive(toy):
+    np.testing.assert_allclose(naive(toy), expected_estimate(toy, np.ones(len(toy["R"]))))
+    np.testing.assert_allclose(naive(toy, baseline=0.3),
+                               expected_estimate(toy, np.ones(len(toy["R"])), 0.3))
+    clean = make_toy(mismatch=0.0)
+    assert estimator_moments(clean, naive(clean))["rel_bias"] < 1e-12
+    toys = [make_toy(mismatch=m) for m in SWEEP]
+    biases = [estimator_moments(t, naive(t))["bias"] for t in toys]
+    assert all(a < b for a, b in zip(biases, biases[1:]))  # grows with the mismatch
+
+
+@pytest.mark.task(2)
+def test_token_is(toy):
+    rho_t, _ = ratios(toy)
+    np.testing.assert_allclose(token_is(toy, return_weights=True), rho_t, rtol=1e-12)
+    np.testing.assert_allclose(token_is(toy), expected_estimate(toy, rho_t), rtol=1e-12,
+                               atol=1e-15)
+    assert estimator_moments(toy, token_is(toy))["rel_bias"] > 1e-3  # biased
+
+
+@pytest.mark.task(3)
 @pytest.mark.parametrize("T, V, seed", [(6, 4, 0), (4, 3, 1), (3, 5, 2), (5, 2, 3)])
 @pytest.mark.parametrize("baseline", [0.0, 0.4])
 def test_seq_is_is_unbiased_everywhere(T, V, seed, baseline):
     for mismatch in SWEEP:
-        toy = make_toy(T=T, V=V, mismatch=mismatch, seed=seed)
-        assert estimator_moments(toy, E.seq_is(toy, baseline=baseline))["rel_bias"] < 1e-9
+        t = make_toy(T=T, V=V, mismatch=mismatch, seed=seed)
+        assert estimator_moments(t, seq_is(t, baseline=baseline))["rel_bias"] < 1e-9
 
 
-def test_at_zero_mismatch_every_estimator_admitting_rho_one_equals_naive():
-    toy = make_toy(mismatch=0.0)
-    expected = E.naive(toy)
-    assert estimator_moments(toy, expected)["rel_bias"] < 1e-12
-    for name, spec in E.REGISTRY.items():
-        np.testing.assert_allclose(spec.fn(toy, **spec.defaults), expected, rtol=1e-12,
-                                   atol=1e-15, err_msg=name)
+@pytest.mark.task(3)
+def test_seq_is_monte_carlo_within_four_standard_errors(toy):
+    per_seq = seq_is(toy)
+    exact = estimator_moments(toy, per_seq)["mean"]
+    draws = sample_from_sampler(toy, 40_000, np.random.default_rng(0))
+    per_coordinate_var = np.einsum("m,mtv->tv", toy["p_sampler"], (per_seq - exact) ** 2)
+    se = np.sqrt(per_coordinate_var / len(draws))
+    assert (np.abs(per_seq[draws].mean(axis=0) - exact) <= 4 * se + 1e-15).all()
 
 
-def test_infinite_caps_and_full_bands_remove_the_correction():
-    toy = make_toy(mismatch=0.8)
-    np.testing.assert_array_equal(E.seq_tis(toy, cap=np.inf), E.seq_is(toy))
-    np.testing.assert_array_equal(E.token_tis(toy, cap=1e300), E.token_is(toy))
-    np.testing.assert_array_equal(E.token_mis(toy, low=0.0, high=np.inf), E.token_is(toy))
-    np.testing.assert_array_equal(E.seq_mis(toy, low=0.0, high=np.inf), E.seq_is(toy))
-    rho = np.exp((toy["logp_train"] - toy["logp_sampler"]).sum(1))
-    band = (rho.min() * 0.999, rho.max() * 1.001)
-    np.testing.assert_array_equal(E.seq_mis(toy, *band), E.seq_is(toy))
-    np.testing.assert_array_equal(E.icepop(toy, 0.0, np.inf), E.token_is(toy))
-    np.testing.assert_array_equal(E.geo_rs(toy, 0.0, np.inf), E.naive(toy))
-    np.testing.assert_array_equal(E.k3_seq_rs(toy, threshold=np.inf), E.naive(toy))
+@pytest.mark.task(4)
+@pytest.mark.parametrize("cap", [0.5, 2.0, np.inf])
+def test_token_tis(toy, cap):
+    rho_t, _ = ratios(toy)
+    np.testing.assert_allclose(token_tis(toy, cap=cap, return_weights=True),
+                               np.minimum(rho_t, cap), rtol=1e-12)
+    np.testing.assert_allclose(token_tis(toy, cap=cap),
+                               expected_estimate(toy, np.minimum(rho_t, cap)), rtol=1e-12,
+                               atol=1e-15)
 
 
-def test_weights_follow_their_formulas():
-    toy = make_toy(mismatch=0.9, seed=3)
-    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
-    rho = rho_t.prod(axis=1)
-    np.testing.assert_allclose(E.estimator_weights(toy, "token_tis", cap=1.5),
-                               np.minimum(rho_t, 1.5))
-    np.testing.assert_allclose(E.estimator_weights(toy, "seq_mis", low=0.2, high=3.0)[:, 0],
-                               np.where((rho >= 0.2) & (rho <= 3.0), rho, 0.0), rtol=1e-12)
+@pytest.mark.task(5)
+@pytest.mark.parametrize("cap", [0.5, 2.0])
+def test_seq_tis(toy, cap):
+    _, rho = ratios(toy)
+    np.testing.assert_allclose(seq_tis(toy, cap=cap, return_weights=True),
+                               np.minimum(rho, cap), rtol=1e-12)
+    np.testing.assert_allclose(seq_tis(toy, cap=cap),
+                               expected_estimate(toy, np.minimum(rho, cap)), rtol=1e-12,
+                               atol=1e-15)
+
+
+@pytest.mark.task(5)
+def test_seq_tis_without_cap_is_unbiased(toy):
+    assert estimator_moments(toy, seq_tis(toy, cap=np.inf))["rel_bias"] < 1e-9
+
+
+@pytest.mark.task(6)
+@pytest.mark.parametrize("low, high", [(0.0, 2.0), (0.5, 1.5), (0.0, np.inf)])
+def test_token_mis(toy, low, high):
+    rho_t, _ = ratios(toy)
+    expected = np.where((rho_t >= low) & (rho_t <= high), rho_t, 0.0)
+    np.testing.assert_allclose(token_mis(toy, low=low, high=high, return_weights=True),
+                               expected, rtol=1e-12)
+    np.testing.assert_allclose(token_mis(toy, low=low, high=high),
+                               expected_estimate(toy, expected), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.task(7)
+@pytest.mark.parametrize("low, high", [(0.0, 2.0), (0.5, 1.5)])
+def test_seq_mis(toy, low, high):
+    _, rho = ratios(toy)
+    expected = np.where((rho >= low) & (rho <= high), rho, 0.0)
+    np.testing.assert_allclose(seq_mis(toy, low=low, high=high),
+                               expected_estimate(toy, expected), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.task(7)
+def test_seq_mis_with_a_band_containing_every_ratio_is_unbiased(toy):
+    _, rho = ratios(toy)
+    estimate = seq_mis(toy, low=rho.min() * 0.999, high=rho.max() * 1.001)
+    assert estimator_moments(toy, estimate)["rel_bias"] < 1e-9
+
+
+@pytest.mark.task(8)
+@pytest.mark.parametrize("low, high", [(0.999, 1.001), (0.9, 1.1), (0.0, np.inf)])
+def test_geo_rs(toy, low, high):
+    _, rho = ratios(toy)
     geo = rho ** (1 / toy["T"])
-    np.testing.assert_allclose(E.estimator_weights(toy, "geo_rs", low=0.9, high=1.1)[:, 0],
-                               ((geo >= 0.9) & (geo <= 1.1)).astype(float))
-    veto = E.estimator_weights(toy, "token_veto", threshold=0.2)[:, 0]
-    np.testing.assert_array_equal(veto, (rho_t.min(1) >= 0.2).astype(float))
+    keep = ((geo >= low) & (geo <= high)).astype(float)
+    np.testing.assert_allclose(geo_rs(toy, low=low, high=high), expected_estimate(toy, keep),
+                               rtol=1e-12, atol=1e-15)
 
 
-def test_ppo_clip_bypass_zeroes_only_in_the_advantage_direction():
-    toy = make_toy(mismatch=1.0)
-    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
-    w = E.ppo_clip_bypass(toy, eps=0.2, baseline=0.5, return_weights=True)
-    A = toy["R"][:, None] - 0.5
-    zeroed = w == 0
-    assert (zeroed == (((A > 0) & (rho_t > 1.2)) | ((A < 0) & (rho_t < 0.8)))).all()
-    np.testing.assert_array_equal(w[~zeroed], rho_t[~zeroed])
-
-
-def test_naive_bias_grows_with_mismatch():
-    biases = [estimator_moments(make_toy(mismatch=m), E.naive(make_toy(mismatch=m)))["bias"]
-              for m in SWEEP]
-    assert biases[0] < 1e-12
-    assert all(a < b for a, b in zip(biases, biases[1:]))
-
-
-def test_monte_carlo_mean_agrees_with_exact_mean_within_four_standard_errors():
-    toy = make_toy(mismatch=0.5)
-    rng = np.random.default_rng(0)
-    N = 40_000
-    for name in ("naive", "token_tis", "seq_is"):
-        spec = E.REGISTRY[name]
-        per_seq = spec.fn(toy, **spec.defaults)
-        exact = estimator_moments(toy, per_seq)["mean"]
-        draws = sample_from_sampler(toy, N, rng)
-        mc_mean = per_seq[draws].mean(axis=0)
-        # exact per-coordinate standard error of a mean of N draws
-        per_coord_var = np.einsum("m,mtv->tv", toy["p_sampler"], (per_seq - exact) ** 2)
-        se = np.sqrt(per_coord_var / N)
-        assert (np.abs(mc_mean - exact) <= 4 * se + 1e-15).all(), name
-
-
-def test_comparison_table_fractions_are_exact_probabilities():
-    toy = make_toy(mismatch=0.6)
-    rows = {r["name"]: r for r in E.comparison_table(toy, N=32)}
-    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
-    mu = toy["p_sampler"]
-    assert rows["token_tis"]["token_frac"] == pytest.approx(float(mu @ (rho_t > 2.0).mean(1)))
-    assert rows["token_tis"]["seq_frac"] == pytest.approx(float(mu @ (rho_t > 2.0).any(1)))
-    assert rows["naive"]["token_frac"] == 0.0 and rows["seq_is"]["seq_frac"] == 0.0
-    m = estimator_moments(toy, E.seq_tis(toy))
-    assert rows["seq_tis"]["rel_rmse"] == pytest.approx(m["rel_rmse"](32))
-    assert set(rows) == set(E.REGISTRY)
-    assert "| `seq_is` |" in E.format_table(list(rows.values()))
-
-
-def test_mismatch_sweep_structure():
-    sweep = E.mismatch_sweep([0.0, 0.2], names=["naive", "seq_is"], T=3, V=3)
-    assert list(sweep) == [0.0, 0.2]
-    assert [r["name"] for r in sweep[0.2]] == ["naive", "seq_is"]
-
-
-class TestBadInput:
-    def test_missing_keys(self):
-        with pytest.raises(ValueError, match="toy is missing the keys"):
-            E.naive({"R": np.zeros(2)})
-
-    @pytest.mark.parametrize("call, message", [
-        (lambda t: E.token_tis(t, cap=0.0), "cap must be > 0, got 0.0"),
-        (lambda t: E.seq_tis(t, cap=-1), "cap must be > 0, got -1"),
-        (lambda t: E.token_mis(t, low=3.0, high=2.0),
-         "low must be <= high, got low=3.0 > high=2.0"),
-        (lambda t: E.seq_mis(t, low=float("nan")), "low must be a finite number, got nan"),
-        (lambda t: E.geo_rs(t, high=float("nan")), "high must be a finite number, got nan"),
-        (lambda t: E.naive(t, baseline=float("inf")), "baseline must be a finite number, got inf"),
-        (lambda t: E.seq_is(t, baseline=float("nan")), "baseline must be a finite number"),
-        (lambda t: E.ppo_clip_bypass(t, eps=0), "eps must be > 0"),
-        (lambda t: E.token_veto(t, threshold=-1e-4), "threshold must be >= 0"),
-        (lambda t: E.comparison_table(t, names=["nope"]), "unknown estimator 'nope'"),
-    ])
-    def test_errors_name_the_parameter(self, call, message):
-        with pytest.raises(ValueError, match=message):
-            call(make_toy(T=2, V=2))
+@pytest.mark.task(8)
+def test_geo_rs_keeps_everything_without_mismatch():
+    clean = make_toy(mismatch=0.0)
+    np.testing.assert_allclose(geo_rs(clean), expected_estimate(clean, np.ones(len(clean["R"]))),
+                               rtol=1e-12, atol=1e-15)

@@ -179,6 +179,36 @@ def _gradient_agreement():
     _write("gradient_agreement.md", "\n".join(lines) + "\n")
 
 
+def _handout():
+    import re
+    import tempfile
+
+    from opd_literate.handout import write_lab
+
+    source = (pathlib.Path(__file__).resolve().parents[2] / "opd_literate" / "opd.py").read_text()
+    begin = source.index("    ### BEGIN SOLUTION Task 1")
+    end = source.index("### END SOLUTION", begin) + len("### END SOLUTION")
+    _write("handout_marked.md", "```python\n" + source[begin:end] + "\n```\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_lab("opd", pathlib.Path(tmp) / "lab")[0]
+        student = (folder / "opd.py").read_text()
+        readme = (folder / "README.md").read_text()
+        tree = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    # The Task 1 function: its signature, the start of its docstring, and the stub.
+    start = student.index("def reverse_kl_rewards(")
+    stub_end = student.index('raise NotImplementedError("Task 1', start)
+    stub_end = student.index("\n", stub_end)
+    function = student[start:stub_end]
+    doc_cut = function.index("    Parameters")
+    stub_start = function.index("    mask = _check_token_pair")
+    excerpt = function[:doc_cut] + "    ...\n    \"\"\"\n" + function[stub_start:]
+    _write("handout_stub.md", "```python\n" + excerpt + "\n```\n")
+    table = re.search(r"\| task \|.*?\n\n", readme, re.S).group(0)
+    _write("handout_tasks.md", table)
+    _write("handout_tree.md", "```text\n" + "\n".join(tree) + "\n```\n")
+
+
 def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
     OUT.mkdir(exist_ok=True)
     _estimators()
@@ -186,3 +216,4 @@ def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
     _k_estimators()
     _experiment()
     _gradient_agreement()
+    _handout()

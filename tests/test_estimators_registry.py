@@ -1,0 +1,104 @@
+"""The registry, the estimators beyond the lab's eight tasks, the comparison and bad input.
+
+The eight lab estimators have their own test file, ``test_estimators.py`` (the lab's).
+"""
+
+import numpy as np
+import pytest
+
+from opd_literate import estimators as E
+from opd_literate.toy import estimator_moments, make_toy, sample_from_sampler
+
+SWEEP = [0.0, 0.1, 0.3, 0.6, 1.0, 1.5]
+
+
+def test_at_zero_mismatch_every_estimator_admitting_rho_one_equals_naive():
+    toy = make_toy(mismatch=0.0)
+    expected = E.naive(toy)
+    assert estimator_moments(toy, expected)["rel_bias"] < 1e-12
+    for name, spec in E.REGISTRY.items():
+        np.testing.assert_allclose(spec.fn(toy, **spec.defaults), expected, rtol=1e-12,
+                                   atol=1e-15, err_msg=name)
+
+
+def test_infinite_caps_and_full_bands_remove_the_correction():
+    toy = make_toy(mismatch=0.8)
+    np.testing.assert_array_equal(E.seq_tis(toy, cap=np.inf), E.seq_is(toy))
+    np.testing.assert_array_equal(E.token_tis(toy, cap=1e300), E.token_is(toy))
+    np.testing.assert_array_equal(E.token_mis(toy, low=0.0, high=np.inf), E.token_is(toy))
+    np.testing.assert_array_equal(E.seq_mis(toy, low=0.0, high=np.inf), E.seq_is(toy))
+    rho = np.exp((toy["logp_train"] - toy["logp_sampler"]).sum(1))
+    band = (rho.min() * 0.999, rho.max() * 1.001)
+    np.testing.assert_array_equal(E.seq_mis(toy, *band), E.seq_is(toy))
+    np.testing.assert_array_equal(E.icepop(toy, 0.0, np.inf), E.token_is(toy))
+    np.testing.assert_array_equal(E.geo_rs(toy, 0.0, np.inf), E.naive(toy))
+    np.testing.assert_array_equal(E.k3_seq_rs(toy, threshold=np.inf), E.naive(toy))
+
+
+def test_ppo_clip_bypass_zeroes_only_in_the_advantage_direction():
+    toy = make_toy(mismatch=1.0)
+    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
+    w = E.ppo_clip_bypass(toy, eps=0.2, baseline=0.5, return_weights=True)
+    A = toy["R"][:, None] - 0.5
+    zeroed = w == 0
+    assert (zeroed == (((A > 0) & (rho_t > 1.2)) | ((A < 0) & (rho_t < 0.8)))).all()
+    np.testing.assert_array_equal(w[~zeroed], rho_t[~zeroed])
+
+
+def test_monte_carlo_mean_agrees_with_exact_mean_within_four_standard_errors():
+    toy = make_toy(mismatch=0.5)
+    rng = np.random.default_rng(0)
+    N = 40_000
+    for name in ("naive", "token_tis", "seq_is"):
+        spec = E.REGISTRY[name]
+        per_seq = spec.fn(toy, **spec.defaults)
+        exact = estimator_moments(toy, per_seq)["mean"]
+        draws = sample_from_sampler(toy, N, rng)
+        mc_mean = per_seq[draws].mean(axis=0)
+        # exact per-coordinate standard error of a mean of N draws
+        per_coord_var = np.einsum("m,mtv->tv", toy["p_sampler"], (per_seq - exact) ** 2)
+        se = np.sqrt(per_coord_var / N)
+        assert (np.abs(mc_mean - exact) <= 4 * se + 1e-15).all(), name
+
+
+def test_comparison_table_fractions_are_exact_probabilities():
+    toy = make_toy(mismatch=0.6)
+    rows = {r["name"]: r for r in E.comparison_table(toy, N=32)}
+    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
+    mu = toy["p_sampler"]
+    assert rows["token_tis"]["token_frac"] == pytest.approx(float(mu @ (rho_t > 2.0).mean(1)))
+    assert rows["token_tis"]["seq_frac"] == pytest.approx(float(mu @ (rho_t > 2.0).any(1)))
+    assert rows["naive"]["token_frac"] == 0.0 and rows["seq_is"]["seq_frac"] == 0.0
+    m = estimator_moments(toy, E.seq_tis(toy))
+    assert rows["seq_tis"]["rel_rmse"] == pytest.approx(m["rel_rmse"](32))
+    assert set(rows) == set(E.REGISTRY)
+    assert "| `seq_is` |" in E.format_table(list(rows.values()))
+
+
+def test_mismatch_sweep_structure():
+    sweep = E.mismatch_sweep([0.0, 0.2], names=["naive", "seq_is"], T=3, V=3)
+    assert list(sweep) == [0.0, 0.2]
+    assert [r["name"] for r in sweep[0.2]] == ["naive", "seq_is"]
+
+
+class TestBadInput:
+    def test_missing_keys(self):
+        with pytest.raises(ValueError, match="toy is missing the keys"):
+            E.naive({"R": np.zeros(2)})
+
+    @pytest.mark.parametrize("call, message", [
+        (lambda t: E.token_tis(t, cap=0.0), "cap must be > 0, got 0.0"),
+        (lambda t: E.seq_tis(t, cap=-1), "cap must be > 0, got -1"),
+        (lambda t: E.token_mis(t, low=3.0, high=2.0),
+         "low must be <= high, got low=3.0 > high=2.0"),
+        (lambda t: E.seq_mis(t, low=float("nan")), "low must be a finite number, got nan"),
+        (lambda t: E.geo_rs(t, high=float("nan")), "high must be a finite number, got nan"),
+        (lambda t: E.naive(t, baseline=float("inf")), "baseline must be a finite number, got inf"),
+        (lambda t: E.seq_is(t, baseline=float("nan")), "baseline must be a finite number"),
+        (lambda t: E.ppo_clip_bypass(t, eps=0), "eps must be > 0"),
+        (lambda t: E.token_veto(t, threshold=-1e-4), "threshold must be >= 0"),
+        (lambda t: E.comparison_table(t, names=["nope"]), "unknown estimator 'nope'"),
+    ])
+    def test_errors_name_the_parameter(self, call, message):
+        with pytest.raises(ValueError, match=message):
+            call(make_toy(T=2, V=2))

@@ -1,0 +1,201 @@
+"""Lab handouts from the single source: stubs, tests, grader, and their failure modes."""
+
+import ast
+import filecmp
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from opd_literate import handout
+from opd_literate.handout import (
+    LABS,
+    PACKAGE,
+    MarkerError,
+    grade,
+    solution_lines,
+    strip_solutions,
+    write_lab,
+)
+
+
+@pytest.fixture(scope="module")
+def labs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("handout") / "labs"
+    write_lab("all", out)
+    return out
+
+
+def _restore(lab_folder, keep):
+    """Overwrite the student modules with versions whose tasks in ``keep`` are solved."""
+    lab = LABS[json.loads((lab_folder / "lab.json").read_text())["lab"]]
+    for module in lab.student_modules:
+        text, _ = strip_solutions((PACKAGE / f"{module}.py").read_text(), keep=keep)
+        (lab_folder / f"{module}.py").write_text(handout._flatten_imports(text))
+
+
+def test_layout_and_compilation(labs):
+    for name, lab in LABS.items():
+        folder = labs / name
+        expected = {f"{m}.py" for m in lab.student_modules + lab.given_modules}
+        expected |= {"README.md", "lab.json", "pytest.ini", "conftest.py"}
+        assert expected <= {p.name for p in folder.iterdir()}
+        for path in folder.rglob("*.py"):
+            compile(path.read_text(), str(path), "exec")  # writes no .pyc into the lab
+
+
+def test_generated_files_pass_the_linter(labs):
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--isolated", "--line-length", "100",
+         "--select", "E,F,W,D301", str(labs)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_task_is_a_stub_that_raises(labs):
+    for name, lab in LABS.items():
+        tasks = json.loads((labs / name / "lab.json").read_text())["tasks"]
+        assert tasks, name
+        for module in lab.student_modules:
+            tree = ast.parse((labs / name / f"{module}.py").read_text())
+            functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+            for number, names in tasks.items():
+                for function in names:
+                    last = functions[function].body[-1]
+                    assert isinstance(last, ast.Raise), function
+                    assert last.exc.func.id == "NotImplementedError"
+                    assert last.exc.args[0].value == f"Task {number}: {function}"
+
+
+def test_seed_tasks_of_the_opd_lab(labs):
+    tasks = json.loads((labs / "opd" / "lab.json").read_text())["tasks"]
+    assert tasks["1"] == ["reverse_kl_rewards"] and tasks["2"] == ["opd_pg_loss"]
+    assert "full_vocab_reverse_kl" in tasks["3"]
+    text = (labs / "opd" / "opd.py").read_text()
+    assert "Exact reverse KL at every visited position" in text  # docstrings kept
+    assert "from _checks import" in text and "from ._checks" not in text
+
+
+def test_no_solution_line_leaks(labs):
+    """No code line of a solution region appears in the handout, unless the same line is also
+    given code outside every region of the library (a shared ``return`` line, say)."""
+    sources = [p.read_text() for p in PACKAGE.glob("*.py")]
+    given = set()
+    for text in sources:
+        student, _ = strip_solutions(text)
+        given |= {line.strip() for line in student.split("\n")}
+    secret = {line for text in sources for line in solution_lines(text)} - given
+    assert len(secret) >= 15
+    for path in labs.rglob("*"):
+        if path.is_file():
+            found = secret & {line.strip() for line in path.read_text().split("\n")}
+            assert not found, (path, found)
+
+
+def test_running_twice_is_byte_identical(labs, tmp_path):
+    again = tmp_path / "again"
+    write_lab("all", again)
+    comparison = filecmp.dircmp(labs, again)
+
+    def assert_same(cmp):
+        assert not cmp.left_only and not cmp.right_only and not cmp.diff_files, cmp.report()
+        _, mismatch, errors = filecmp.cmpfiles(cmp.left, cmp.right, cmp.common_files,
+                                               shallow=False)
+        assert not mismatch and not errors
+        for sub in cmp.subdirs.values():
+            assert_same(sub)
+
+    assert_same(comparison)
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_fresh_handout_scores_zero_and_full_solution_full_marks(labs, tmp_path, name):
+    fresh = grade(labs / name)
+    assert fresh["score"] == 0
+    assert {t["status"] for t in fresh["tasks"].values()} == {"not implemented"}
+    solved = tmp_path / name
+    shutil.copytree(labs / name, solved)
+    _restore(solved, keep=set(range(1, 100)))
+    result = grade(solved)
+    assert result["score"] == result["total"] == len(fresh["tasks"])
+    assert all(t["passed"] == t["tests"] > 0 for t in result["tasks"].values())
+
+
+def test_partial_solution_grades_per_task(labs, tmp_path):
+    folder = tmp_path / "opd"
+    shutil.copytree(labs / "opd", folder)
+    _restore(folder, keep={2})
+    tasks = grade(folder)["tasks"]
+    # Task 2's own tests pass, but the identity test also needs Tasks 1 and 3.
+    assert tasks[2]["status"] == "blocked" and 0 < tasks[2]["passed"] < tasks[2]["tests"]
+    assert tasks[1]["status"] == tasks[3]["status"] == "not implemented"
+
+
+def test_wrong_solution_is_failed(labs, tmp_path):
+    folder = tmp_path / "mismatch"
+    shutil.copytree(labs / "mismatch", folder)
+    _restore(folder, keep=set(range(1, 9)))
+    module = folder / "estimators.py"
+    # token_tis truncating at the wrong place: min(rho, 2 * cap)
+    text = module.read_text()
+    assert "np.minimum(token_ratios(toy), cap)" in text
+    module.write_text(text.replace("np.minimum(token_ratios(toy), cap)",
+                                   "np.minimum(token_ratios(toy), 2 * cap)"))
+    result = grade(folder)
+    assert result["tasks"][4]["status"] == "failed"
+    assert result["score"] == result["total"] - 1
+
+
+def test_cli_writes_and_grades(tmp_path):
+    out = tmp_path / "lab"
+    run = subprocess.run([sys.executable, "-m", "opd_literate.handout", str(out), "--lab",
+                          "opd"], capture_output=True, text=True)
+    assert run.returncode == 0 and (out / "lab.json").exists()
+    graded = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade", str(out)],
+                            capture_output=True, text=True)
+    assert graded.returncode == 0
+    assert "| 1 | reverse_kl_rewards | not implemented | 0/" in graded.stdout
+    assert "score: 0/3" in graded.stdout
+
+
+class TestBadInput:
+    def test_unknown_lab(self, tmp_path):
+        run = subprocess.run([sys.executable, "-m", "opd_literate.handout", str(tmp_path / "x"),
+                              "--lab", "rlhf"], capture_output=True, text=True)
+        assert run.returncode == 2 and "unknown lab 'rlhf'" in run.stderr
+        assert run.stderr.count("\n") == 1
+
+    def test_non_empty_outdir_needs_force(self, tmp_path):
+        (tmp_path / "old.txt").write_text("keep me")
+        with pytest.raises(ValueError, match="exists and is not empty; use --force"):
+            write_lab("opd", tmp_path)
+        assert (tmp_path / "old.txt").exists()
+        write_lab("opd", tmp_path, force=True)
+        assert not (tmp_path / "old.txt").exists() and (tmp_path / "opd.py").exists()
+
+    @pytest.mark.parametrize("text, message", [
+        ("def f():\n    ### BEGIN SOLUTION Task 1: x\n    return 1\n", "src.py:2: .*never closed"),
+        ("def f():\n    return 1\n    ### END SOLUTION\n", "src.py:3: END SOLUTION without"),
+        ("def f():\n    ### BEGIN SOLUTION Task 1: a\n    ### BEGIN SOLUTION Task 2: b\n"
+         "    ### END SOLUTION\n", "src.py:3: nested BEGIN SOLUTION"),
+        ("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n",
+         "src.py:2: BEGIN SOLUTION needs 'Task N: hint'"),
+    ])
+    def test_bad_markers_name_file_and_line(self, text, message):
+        with pytest.raises(MarkerError, match=message):
+            strip_solutions(text, "src.py")
+
+    def test_grade_a_folder_that_is_not_a_lab(self, tmp_path):
+        with pytest.raises(ValueError, match="is not a lab folder"):
+            grade(tmp_path)
+        run = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade",
+                              str(tmp_path)], capture_output=True, text=True)
+        assert run.returncode == 2 and "not a lab folder" in run.stderr
+
+
+def test_library_markers_are_balanced():
+    """Every module of the package parses: the markers are well formed everywhere."""
+    for path in pathlib.Path(PACKAGE).glob("*.py"):
+        strip_solutions(path.read_text(), str(path))
