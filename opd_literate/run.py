@@ -340,7 +340,7 @@ def format_headline(results):
                          f"{results['methods'][other]['samples'][-1] / best:.1f}x)"
                          if table[other]["samples"] is None
                          else f"{table[other]['samples'] / best:.1f}x")
-                lines.append(f"samples {other.upper()} / best OPD: {ratio}")
+                lines.append(f"- samples {other.upper()} / best OPD: {ratio}")
     return "\n".join(lines)
 
 

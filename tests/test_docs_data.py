@@ -34,6 +34,14 @@ def test_committed_results_use_the_current_defaults(results):
 
 def test_experiment_page_claims(results):
     """docs/experiment.md and index.md: who reaches the target first, who never does."""
+    # "Setup": the numbers the page states about the configuration.
+    for key, value in dict(steps=600, batch_size=64, group=4, warmup_steps=30, eval_every=30,
+                           eval_prompts=1000, lrs=[3e-4, 1e-3, 3e-3], teacher_hidden=256,
+                           student_hidden=128, teacher_label_smoothing=0.1).items():
+        assert DEFAULTS[key] == value, key
+    # "trained briefly, to about a third of the teacher's accuracy"
+    start = results["methods"]["rl"]["accuracy"][0] / results["teacher_accuracy"]
+    assert 0.25 <= start <= 0.45
     table = headline(results)
     assert table["opd_full_vocab"]["samples"] is not None
     reached = {m: row["samples"] for m, row in table.items() if row["samples"] is not None}
