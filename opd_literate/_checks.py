@@ -64,8 +64,11 @@ def check_mask(mask, like_name: str, like_shape: tuple[int, ...]) -> torch.Tenso
 
 
 def check_finite_number(name: str, value, low: float | None = None, high: float | None = None,
-                        allow_inf: bool = False) -> float:
-    """Return ``value`` as a float, or raise if it is not a real number in ``[low, high]``."""
+                        allow_inf: bool = False, positive: bool = False) -> float:
+    """Return ``value`` as a float, or raise if it is not a real number in ``[low, high]``.
+
+    NaN is always refused; infinities unless ``allow_inf``; 0 and below if ``positive``.
+    """
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -76,6 +79,8 @@ def check_finite_number(name: str, value, low: float | None = None, high: float 
         raise ValueError(f"{name} must be >= {low}, got {value!r}")
     if high is not None and number > high:
         raise ValueError(f"{name} must be <= {high}, got {value!r}")
+    if positive and number <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
     return number
 
 

@@ -45,11 +45,11 @@ build the exact comparison.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._checks import check_finite_number
 from .toy import check_toy, estimator_moments, make_toy
 
 __all__ = [
@@ -136,7 +136,7 @@ def weighted_score(toy, weights, baseline=0.0):
     True
     """
     check_toy(toy, keys=("R", "score"))
-    baseline = _check_number("baseline", baseline)
+    baseline = check_finite_number("baseline", baseline)
     M, T = toy["score"].shape[:2]
     weights = np.asarray(weights, dtype=float)
     if weights.shape == (M,):
@@ -148,23 +148,9 @@ def weighted_score(toy, weights, baseline=0.0):
     return (weights * advantage[:, None])[:, :, None] * toy["score"]
 
 
-def _check_number(name, value, *, positive=False, allow_inf=False):
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a real number, got {value!r}") from None
-    if math.isnan(number) or (math.isinf(number) and not allow_inf):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if positive and number <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return number
-
-
 def _check_band(low, high, *, low_name="low", high_name="high"):
-    low = _check_number(low_name, low, allow_inf=True)
-    high = _check_number(high_name, high, allow_inf=True)
-    if low < 0:
-        raise ValueError(f"{low_name} must be >= 0 (ratios are non-negative), got {low!r}")
+    low = check_finite_number(low_name, low, low=0.0, allow_inf=True)  # ratios are >= 0
+    high = check_finite_number(high_name, high, allow_inf=True)
     if low > high:
         raise ValueError(f"{low_name} must be <= {high_name}, got {low_name}={low!r} > "
                          f"{high_name}={high!r}")
@@ -173,7 +159,7 @@ def _check_band(low, high, *, low_name="low", high_name="high"):
 
 def _finish(toy, weights, baseline, return_weights):
     if return_weights:
-        _check_number("baseline", baseline)
+        check_finite_number("baseline", baseline)
         return weights
     return weighted_score(toy, weights, baseline)
 
@@ -279,7 +265,7 @@ def token_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     >>> bool(np.array_equal(token_tis(toy, cap=np.inf), token_is(toy)))
     True
     """
-    cap = _check_number("cap", cap, positive=True, allow_inf=True)
+    cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     ### BEGIN SOLUTION Task 4: the per-token ratio, truncated from above at cap
     weights = np.minimum(token_ratios(toy), cap)
     return _finish(toy, weights, baseline, return_weights)
@@ -308,7 +294,7 @@ def seq_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     >>> bool(np.array_equal(seq_tis(toy, cap=np.inf), seq_is(toy)))
     True
     """
-    cap = _check_number("cap", cap, positive=True, allow_inf=True)
+    cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     ### BEGIN SOLUTION Task 5: the sequence ratio, truncated from above at cap
     weights = np.minimum(np.exp(_log_seq_ratio(toy)), cap)
     return _finish(toy, weights, baseline, return_weights)
@@ -464,8 +450,8 @@ def cispo(toy, eps_low=1.0, eps_high=4.0, baseline=0.0, *, return_weights=False)
     >>> bool(np.array_equal(cispo(toy, 0.5, 1.0), token_clamp(toy, 0.5, 2.0)))
     True
     """
-    eps_low = _check_number("eps_low", eps_low)
-    eps_high = _check_number("eps_high", eps_high, allow_inf=True)
+    eps_low = check_finite_number("eps_low", eps_low)
+    eps_high = check_finite_number("eps_high", eps_high, allow_inf=True)
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low!r}, {eps_high!r}")
     # In bypass mode at one step, CISPO's weight is the two-sided clamp of the ratio.
@@ -497,8 +483,8 @@ def ppo_clip_bypass(toy, eps=0.2, baseline=0.0, *, return_weights=False):
     >>> bool(np.array_equal(ppo_clip_bypass(toy, eps=1e9), token_is(toy)))
     True
     """
-    eps = _check_number("eps", eps, positive=True)
-    baseline_value = _check_number("baseline", baseline)
+    eps = check_finite_number("eps", eps, positive=True)
+    baseline_value = check_finite_number("baseline", baseline)
     ratio = token_ratios(toy)  # (M, T): PPO's ratio, anchored at the rollout policy
     advantage = (toy["R"] - baseline_value)[:, None]  # (M, 1)
     # The clipped branch of min(ratio A, clip(ratio) A) is a constant: no gradient there.
@@ -524,7 +510,7 @@ def token_veto(toy, threshold=1e-4, baseline=0.0, *, return_weights=False):
     >>> bool(np.array_equal(token_veto(toy, threshold=0.0), naive(toy)))
     True
     """
-    threshold = _check_number("threshold", threshold)
+    threshold = check_finite_number("threshold", threshold)
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     keep = token_ratios(toy).min(axis=1) >= threshold
@@ -551,7 +537,7 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     >>> bool(np.array_equal(k3_seq_rs(toy, threshold=np.inf), naive(toy)))
     True
     """
-    threshold = _check_number("threshold", threshold, allow_inf=True)
+    threshold = check_finite_number("threshold", threshold, allow_inf=True)
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     log_rho_t = toy["logp_train"] - toy["logp_sampler"]
@@ -577,7 +563,7 @@ def geo_rs_token_tis(toy, low=0.999, high=1.001, cap=2.0, baseline=0.0, *,
     True
     """
     low, high = _check_band(low, high)
-    cap = _check_number("cap", cap, positive=True, allow_inf=True)
+    cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     keep = geo_rs(toy, low, high, return_weights=True)  # (M,)
     weights = keep[:, None] * token_tis(toy, cap, return_weights=True)
     return _finish(toy, weights, baseline, return_weights)
@@ -604,9 +590,9 @@ def gspo(toy, eps_low=3e-4, eps_high=4e-4, baseline=0.0, *, return_weights=False
     >>> bool(np.array_equal(gspo(toy), naive(toy)))  # rho_geo = 1: nothing clipped
     True
     """
-    eps_low = _check_number("eps_low", eps_low, positive=True)
-    eps_high = _check_number("eps_high", eps_high, positive=True)
-    baseline_value = _check_number("baseline", baseline)
+    eps_low = check_finite_number("eps_low", eps_low, positive=True)
+    eps_high = check_finite_number("eps_high", eps_high, positive=True)
+    baseline_value = check_finite_number("baseline", baseline)
     ratio = geometric_ratio(toy)  # (M,): GSPO's sequence ratio s(y)
     advantage = toy["R"] - baseline_value
     clipped = ((advantage > 0) & (ratio > 1 + eps_high)) | (

@@ -83,7 +83,7 @@ LABS = {
         name="mismatch",
         title="Training-inference mismatch: rollout-correction estimators",
         student_modules=("estimators",),
-        given_modules=("toy",),
+        given_modules=("toy", "_checks"),
         tests=("tests/test_estimators.py",),
         summary="Implement the weights of eight gradient estimators for a sampler that is not "
                 "the trainer, and check their exact bias on the enumerable toy.",

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .estimators import _check_number
+from ._checks import check_finite_number
 from .toy import check_toy, estimator_moments, log_softmax, make_toy
 
 __all__ = ["add_teacher", "opd_estimate", "OPD_RECIPES", "opd_mismatch_table"]
@@ -71,7 +71,7 @@ def add_teacher(toy, teacher_seed=1, scale=1.0):
     0.0
     """
     check_toy(toy, keys=("Y", "theta", "T", "V"))
-    scale = _check_number("scale", scale)
+    scale = check_finite_number("scale", scale)
     T, V = toy["T"], toy["V"]
     phi = np.random.default_rng(teacher_seed).normal(0.0, 1.0, size=(T, V)) * scale
     log_q = log_softmax(phi)
@@ -113,7 +113,7 @@ def opd_estimate(toy, logp="trainer", weight="none", cap=2.0):
         raise ValueError(f"logp must be 'trainer' or 'sampler', got {logp!r}")
     if weight not in ("none", "token_tis", "token_is"):
         raise ValueError(f"weight must be 'none', 'token_tis' or 'token_is', got {weight!r}")
-    cap = _check_number("cap", cap, positive=True, allow_inf=True)
+    cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     student_logp = toy["logp_train"] if logp == "trainer" else toy["logp_sampler"]
     # d_t = log pi_student(y_t) - log pi_T(y_t) = -r_t, the OPD reward with its sign flipped
     d = student_logp - toy["logp_teacher"]
