@@ -14,6 +14,8 @@ from __future__ import annotations
 import io
 import json
 import pathlib
+import re
+import tempfile
 
 import matplotlib
 
@@ -147,10 +149,11 @@ def _experiment():
     from opd_literate.run import DEFAULTS, format_headline, write_plots
 
     results = json.loads(EXPERIMENT.read_text())
-    tmp = OUT / "_experiment"
-    tmp.mkdir(exist_ok=True)
-    for path in write_plots(results, tmp):
-        _write(f"experiment_{path.name}", path.read_bytes())
+    # Plot outside docs/ (a rewritten file there would make `mkdocs serve` rebuild forever),
+    # then copy in only what changed.
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in write_plots(results, tmp):
+            _write(f"experiment_{path.name}", path.read_bytes())
     _write("experiment_headline.md", format_headline(results) + "\n")
     lr_lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in DEFAULTS["lrs"]) + " |",
                 "| --- | " + " | ".join("---:" for _ in DEFAULTS["lrs"]) + " |"]
@@ -180,9 +183,6 @@ def _gradient_agreement():
 
 
 def _handout():
-    import re
-    import tempfile
-
     from opd_literate.handout import write_lab
 
     source = (pathlib.Path(__file__).resolve().parents[2] / "opd_literate" / "opd.py").read_text()
