@@ -94,12 +94,27 @@ def token_ratios(toy):
     [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
     """
     check_toy(toy, keys=("logp_train", "logp_sampler"))
-    return np.exp(toy["logp_train"] - toy["logp_sampler"])
+    return _exp_ratio(toy["logp_train"] - toy["logp_sampler"], "per-token", toy)
 
 
 def _log_seq_ratio(toy):
     """log rho = sum_t log rho_t, shape (M,): summed in log space, never as a product."""
     return (toy["logp_train"] - toy["logp_sampler"]).sum(axis=1)
+
+
+# exp(709.78) is the largest float64: a larger log-ratio would become inf, and inf * 0 is NaN.
+_MAX_LOG_RATIO = float(np.log(np.finfo(float).max))
+
+
+def _exp_ratio(log_ratio, level, toy):
+    largest = float(np.max(log_ratio)) if np.size(log_ratio) else 0.0
+    if largest > _MAX_LOG_RATIO:
+        raise ValueError(
+            f"the {level} importance ratios overflow float64 (log ratio up to {largest:.0f} > "
+            f"{_MAX_LOG_RATIO:.1f}) at mismatch={toy.get('mismatch')!r}: the sampler gives "
+            "some sequences a probability that underflows; use a smaller mismatch"
+        )
+    return np.exp(log_ratio)
 
 
 def geometric_ratio(toy):
@@ -143,6 +158,12 @@ def weighted_score(toy, weights, baseline=0.0):
         weights = weights[:, None]
     elif weights.shape != (M, T):
         raise ValueError(f"weights must have shape (M,) or (M, T) = {(M, T)}, got {weights.shape}")
+    if not np.isfinite(weights).all():
+        raise ValueError(
+            f"weights hold {int((~np.isfinite(weights)).sum())} non-finite values (an "
+            f"importance ratio overflowed at mismatch={toy.get('mismatch')!r}?); an estimate "
+            "from them would be NaN"
+        )
     advantage = toy["R"] - baseline  # (M,)
     # w_t * A * s_t: (M, T, 1) * (M, 1, 1) * (M, T, V)
     return (weights * advantage[:, None])[:, :, None] * toy["score"]

@@ -81,6 +81,18 @@ def test_mismatch_sweep_structure():
     assert [r["name"] for r in sweep[0.2]] == ["naive", "seq_is"]
 
 
+def test_overflowing_ratios_give_a_clear_error_not_nan():
+    # At mismatch 50 some sequence log-ratios exceed log(float max) = 709.8; at 1000, tokens'.
+    with pytest.raises(ValueError, match="per-token importance ratios overflow float64"):
+        E.token_is(make_toy(mismatch=1000.0))
+    toy = make_toy(mismatch=50.0)
+    assert np.isfinite(E.token_is(toy)).all()
+    with np.errstate(over="ignore"):
+        with pytest.raises(ValueError, match="non-finite values"):
+            E.seq_is(toy)
+        assert np.isfinite(E.geo_rs(toy)).all()  # the geometric mean itself is representable
+
+
 class TestBadInput:
     def test_missing_keys(self):
         with pytest.raises(ValueError, match="toy is missing the keys"):
