@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_finite_number
+from .estimators import token_ratios
 from .toy import check_toy, estimator_moments, log_softmax, make_toy
 
 __all__ = ["add_teacher", "opd_estimate", "OPD_RECIPES", "opd_mismatch_table"]
@@ -117,7 +118,7 @@ def opd_estimate(toy, logp="trainer", weight="none", cap=2.0):
     student_logp = toy["logp_train"] if logp == "trainer" else toy["logp_sampler"]
     # d_t = log pi_student(y_t) - log pi_T(y_t) = -r_t, the OPD reward with its sign flipped
     d = student_logp - toy["logp_teacher"]
-    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
+    rho_t = token_ratios(toy)
     w = {"none": np.ones_like(rho_t), "token_tis": np.minimum(rho_t, cap), "token_is": rho_t}[
         weight]
     return (w * d)[:, :, None] * toy["score"]
