@@ -3,7 +3,8 @@ r"""The OPD experiment: on-policy distillation against off-policy distillation a
 ``python -m opd_literate.run`` (or ``opd-experiment``) trains a strong teacher on two-digit
 addition ([opd_literate.tinylm][]), or loads it from a cache keyed by its configuration, makes
 a weak student (narrower, briefly trained), and then trains one copy of the student per
-method, with the same optimizer, learning rate and number of samples per step:
+method and learning rate, with the same optimizer, the same learning-rate grid, the same
+prompts and the same number of samples per step:
 
 * ``opd_sampled``: sampled-token OPD. The student samples, the teacher scores the sampled
   tokens, and the loss is [opd_literate.opd.opd_pg_loss][] of
@@ -45,8 +46,7 @@ METHODS = ("opd_sampled", "opd_full_vocab", "sft", "rl")
 
 DEFAULTS = dict(
     seed=0, steps=600, batch_size=64, group=4, lrs=[3e-4, 1e-3, 3e-3], warmup_steps=30,
-    eval_every=30,
-    eval_prompts=1000, held_out=2000, pretrain_lr=3e-3,
+    eval_every=30, eval_prompts=1000, held_out=2000, pretrain_lr=3e-3,
     teacher_hidden=256, teacher_layers=2, teacher_steps=400, teacher_batch=256,
     teacher_label_smoothing=0.1,
     student_hidden=128, student_layers=2, student_pretrain_steps=200, student_pretrain_batch=64,
@@ -93,12 +93,11 @@ def train_teacher(config, train_pairs, train_answers, use_cache=True):
             "teacher_batch", "pretrain_lr", "teacher_label_smoothing")
     key = hashlib.sha256(json.dumps({k: config[k] for k in keys}, sort_keys=True).encode())
     path = _cache_dir() / f"teacher-{key.hexdigest()[:16]}.pt"
+    torch.manual_seed(config["seed"])  # the initial weights, when it is trained here
     teacher = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
     if use_cache and path.exists():
         teacher.load_state_dict(torch.load(path, weights_only=True))
         return teacher.eval(), True
-    torch.manual_seed(config["seed"])
-    teacher = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
     _supervised(teacher, train_pairs, train_answers, config["teacher_steps"],
                 config["teacher_batch"], config["pretrain_lr"],
                 torch.Generator().manual_seed(config["seed"] + 1),
