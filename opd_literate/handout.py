@@ -1,17 +1,17 @@
 r"""Lab handouts and a grader, generated from the library itself (one source for both).
 
 The library's modules mark each lab task's solution with comment lines, in the manner of
-nbgrader::
+nbgrader:
 
-    ### BEGIN SOLUTION Task 1: difference of log-probs, masked with where, detached
+    ### BEGIN SOLUTION Task 1: teacher_logp - student_logp, detached; exactly 0 where mask is 0
     log_ratio = teacher_logp.detach() - student_logp.detach()
     return torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
     ### END SOLUTION
 
 Because the markers are comments, the library, its doctests and its tests run unchanged. The
-handout replaces every marked region with its hint and a stub::
+handout replaces every marked region with its hint and a stub:
 
-    # TODO (Task 1): difference of log-probs, masked with where, detached
+    # TODO (Task 1): teacher_logp - student_logp, detached; exactly 0 where mask is 0
     raise NotImplementedError("Task 1: reverse_kl_rewards")
 
 and writes a self-contained lab folder: the student module(s) (docstrings and derivations kept),
@@ -19,7 +19,7 @@ the given code whole, the lab's tests (importing from the folder), a ``pytest.in
 README for students. ``grade`` runs those tests and reports each task as passed, failed or not
 implemented.
 
-Usage::
+Usage:
 
     python -m opd_literate.handout OUTDIR --lab opd|mismatch|all [--force]
     python -m opd_literate.handout grade LABDIR
@@ -379,6 +379,7 @@ def grade(lab_dir) -> dict:
 
 
 def format_grade(result: dict) -> str:
+    """The result of [opd_literate.handout.grade][] as a Markdown table and a score line."""
     lines = [f"lab {result['lab']}", "", "| task | function | status | tests passed |",
              "| --- | --- | --- | ---: |"]
     for n, task in result["tasks"].items():
@@ -397,6 +398,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    """The command line: ``OUTDIR --lab NAME [--force]`` writes, ``grade LABDIR`` grades.
+
+    Bad arguments (an unknown lab, a non-empty OUTDIR without ``--force``, a folder without
+    ``lab.json``) exit with code 2 and a one-line message.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:
         parser = _Parser(prog="opd-handout grade",

@@ -398,6 +398,7 @@ def _methods(text):
 
 
 def build_parser():
+    """The ``opd-experiment`` argument parser."""
     parser = _Parser(prog="opd-experiment", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small run (about 15 s)")
     parser.add_argument("--out", default="runs/latest", help="output folder (default %(default)s)")
@@ -412,6 +413,7 @@ def build_parser():
 
 
 def main(argv=None):
+    """The command line (see ``--help``); bad arguments exit with code 2 and one line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     out_dir = pathlib.Path(args.out)
