@@ -415,7 +415,8 @@ def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
     From the Ling team's IcePop (inclusionAI, Ring-1T, 2025), with their band
     $\alpha = 0.5$, $\beta = 5$: two-sided token masking, i.e. ``token_mis(low=0.5, high=5.0)``.
     Tokens whose training and inference probabilities disagree by more than the band
-    contribute no gradient at all.
+    contribute no gradient at all. Biased, like every token-level correction: the ratio
+    corrects the token, not its prefix or the sequence's reward, and the mask drops mass.
 
     Examples
     --------
@@ -523,7 +524,9 @@ def token_veto(toy, threshold=1e-4, baseline=0.0, *, return_weights=False):
 
     verl ``rollout_token_veto_threshold`` (off by default; 1e-4 in the ``decoupled_geo_rs`` and
     ``pg_rs`` presets). A token the trainer finds $10^4$ times less likely than the sampler
-    did is a sign of a numerical accident, and the whole sequence is dropped. Rejection only.
+    did is a sign of a numerical accident, and the whole sequence is dropped. Rejection only,
+    so biased wherever $\mu \ne \pi$: the kept sequences are still drawn from $\mu$, with
+    weight 1.
 
     Examples
     --------
