@@ -35,6 +35,14 @@ def expected_estimate(toy, weights, baseline=0.0):
     return (w * (toy["R"] - baseline)[:, None])[:, :, None] * toy["score"]
 
 
+def assert_matches(estimator, toy, expected_weights, **params):
+    """The estimator's weights, and its (M, T, V) estimate, against independent values."""
+    np.testing.assert_allclose(estimator(toy, **params, return_weights=True), expected_weights,
+                               rtol=1e-12)
+    np.testing.assert_allclose(estimator(toy, **params),
+                               expected_estimate(toy, expected_weights), rtol=1e-12, atol=1e-15)
+
+
 @pytest.fixture(scope="module")
 def toy():
     return make_toy(mismatch=0.8, seed=3)
@@ -55,9 +63,7 @@ def test_naive(toy):
 @pytest.mark.task(2)
 def test_token_is(toy):
     rho_t, _ = ratios(toy)
-    np.testing.assert_allclose(token_is(toy, return_weights=True), rho_t, rtol=1e-12)
-    np.testing.assert_allclose(token_is(toy), expected_estimate(toy, rho_t), rtol=1e-12,
-                               atol=1e-15)
+    assert_matches(token_is, toy, rho_t)
     assert estimator_moments(toy, token_is(toy))["rel_bias"] > 1e-3  # biased
 
 
@@ -84,22 +90,14 @@ def test_seq_is_monte_carlo_within_four_standard_errors(toy):
 @pytest.mark.parametrize("cap", [0.5, 2.0, np.inf])
 def test_token_tis(toy, cap):
     rho_t, _ = ratios(toy)
-    np.testing.assert_allclose(token_tis(toy, cap=cap, return_weights=True),
-                               np.minimum(rho_t, cap), rtol=1e-12)
-    np.testing.assert_allclose(token_tis(toy, cap=cap),
-                               expected_estimate(toy, np.minimum(rho_t, cap)), rtol=1e-12,
-                               atol=1e-15)
+    assert_matches(token_tis, toy, np.minimum(rho_t, cap), cap=cap)
 
 
 @pytest.mark.task(5)
 @pytest.mark.parametrize("cap", [0.5, 2.0])
 def test_seq_tis(toy, cap):
     _, rho = ratios(toy)
-    np.testing.assert_allclose(seq_tis(toy, cap=cap, return_weights=True),
-                               np.minimum(rho, cap), rtol=1e-12)
-    np.testing.assert_allclose(seq_tis(toy, cap=cap),
-                               expected_estimate(toy, np.minimum(rho, cap)), rtol=1e-12,
-                               atol=1e-15)
+    assert_matches(seq_tis, toy, np.minimum(rho, cap), cap=cap)
 
 
 @pytest.mark.task(5)
@@ -112,10 +110,7 @@ def test_seq_tis_without_cap_is_unbiased(toy):
 def test_token_mis(toy, low, high):
     rho_t, _ = ratios(toy)
     expected = np.where((rho_t >= low) & (rho_t <= high), rho_t, 0.0)
-    np.testing.assert_allclose(token_mis(toy, low=low, high=high, return_weights=True),
-                               expected, rtol=1e-12)
-    np.testing.assert_allclose(token_mis(toy, low=low, high=high),
-                               expected_estimate(toy, expected), rtol=1e-12, atol=1e-15)
+    assert_matches(token_mis, toy, expected, low=low, high=high)
 
 
 @pytest.mark.task(7)
@@ -123,8 +118,7 @@ def test_token_mis(toy, low, high):
 def test_seq_mis(toy, low, high):
     _, rho = ratios(toy)
     expected = np.where((rho >= low) & (rho <= high), rho, 0.0)
-    np.testing.assert_allclose(seq_mis(toy, low=low, high=high),
-                               expected_estimate(toy, expected), rtol=1e-12, atol=1e-15)
+    assert_matches(seq_mis, toy, expected, low=low, high=high)
 
 
 @pytest.mark.task(7)
@@ -140,8 +134,7 @@ def test_geo_rs(toy, low, high):
     _, rho = ratios(toy)
     geo = rho ** (1 / toy["T"])
     keep = ((geo >= low) & (geo <= high)).astype(float)
-    np.testing.assert_allclose(geo_rs(toy, low=low, high=high), expected_estimate(toy, keep),
-                               rtol=1e-12, atol=1e-15)
+    assert_matches(geo_rs, toy, keep, low=low, high=high)
 
 
 @pytest.mark.task(8)
