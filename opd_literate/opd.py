@@ -800,9 +800,9 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
     mask = check_mask(mask, "per_token_loss", tuple(per_token_loss.shape))
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
     if reduction == "token-mean":
-        return masked.sum() / mask.sum().clamp_min(1).to(masked.dtype)
+        return _masked_token_mean(per_token_loss, mask)
+    masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
     if reduction == "sum":
         return masked.sum()
     per_sequence = masked.sum(dim=1)  # (B,)
