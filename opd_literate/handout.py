@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 
 __all__ = ["LABS", "Lab", "MarkerError", "strip_solutions", "write_lab", "grade", "main"]
@@ -188,7 +189,7 @@ def _student_readme(lab: Lab, tasks: list[tuple[int, str]]) -> str:
     rows = "\n".join(f"| {n} | `{name}` | `{module}.py` |" for n, name, module in tasks)
     return f"""# Lab: {lab.title}
 
-{lab.summary}
+{textwrap.fill(lab.summary, width=96)}
 
 Each task is a function whose body is a `TODO` and a `raise NotImplementedError`. Its
 docstring holds the derivation, the shapes and a worked example. Replace the two lines with

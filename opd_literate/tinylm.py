@@ -165,7 +165,6 @@ class TinyLM(nn.Module):
 
     def __init__(self, hidden=64, layers=1, embed=16):
         super().__init__()
-        self.config = dict(hidden=hidden, layers=layers, embed=embed)
         self.token_embedding = nn.Embedding(V, embed)
         self.position_embedding = nn.Embedding(MAX_ANSWER, embed)
         width = (PROMPT_LEN + MAX_ANSWER - 1 + 1) * embed  # 9 token slots + the position
@@ -175,18 +174,17 @@ class TinyLM(nn.Module):
             width = hidden
         self.mlp = nn.Sequential(*blocks, nn.Linear(width, V))
 
-    def window(self, prompts, answers):
-        """Contexts for every answer position: ``(B, T, 9)`` token ids.
+    @staticmethod
+    def context_at(prompts, answers, t):
+        """The context of answer position ``t``, ``(B, 9)``: the prompt, ``answers[:, :t]``
+        (the tokens already written), then ``<pad>``."""
+        padding = torch.full((prompts.shape[0], MAX_ANSWER - 1 - t), PAD, dtype=torch.long)
+        return torch.cat([prompts, answers[:, :t], padding], dim=1)
 
-        Row ``t`` holds the prompt and ``answers[:, :t]``, padded with ``<pad>``.
-        """
-        B = prompts.shape[0]
-        rows = []
-        for t in range(MAX_ANSWER):
-            previous = answers[:, :t]
-            padding = torch.full((B, MAX_ANSWER - 1 - t), PAD, dtype=torch.long)
-            rows.append(torch.cat([prompts, previous, padding], dim=1))
-        return torch.stack(rows, dim=1)  # (B, T, 9)
+    def window(self, prompts, answers):
+        """Contexts for every answer position: ``(B, T, 9)`` token ids (teacher forcing)."""
+        return torch.stack([self.context_at(prompts, answers, t) for t in range(MAX_ANSWER)],
+                           dim=1)
 
     def forward(self, context, position):
         """Logits ``(..., V)`` for contexts ``(..., 9)`` at answer positions ``(...)``."""
@@ -218,8 +216,7 @@ def sample_tokens(model, prompts, generator=None, greedy=False):
     B = prompts.shape[0]
     tokens = torch.full((B, MAX_ANSWER), PAD, dtype=torch.long)
     for t in range(MAX_ANSWER):
-        # The window of position t only reads tokens[:, :t]: the ones written so far.
-        context = model.window(prompts, tokens)[:, t]
+        context = model.context_at(prompts, tokens, t)  # reads tokens[:, :t] only
         logits = model(context, torch.full((B,), t, dtype=torch.long))
         if greedy:
             tokens[:, t] = logits.argmax(-1)
