@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_finite_number
-from .estimators import token_ratios
+from .estimators import token_ratios, token_tis
 from .toy import check_toy, estimator_moments, log_softmax, make_toy
 
 __all__ = ["add_teacher", "opd_estimate", "OPD_RECIPES", "opd_mismatch_table"]
@@ -118,9 +118,12 @@ def opd_estimate(toy, logp="trainer", weight="none", cap=2.0):
     student_logp = toy["logp_train"] if logp == "trainer" else toy["logp_sampler"]
     # d_t = log pi_student(y_t) - log pi_T(y_t) = -r_t, the OPD reward with its sign flipped
     d = student_logp - toy["logp_teacher"]
-    rho_t = token_ratios(toy)
-    w = {"none": np.ones_like(rho_t), "token_tis": np.minimum(rho_t, cap), "token_is": rho_t}[
-        weight]
+    if weight == "none":
+        w = 1.0
+    elif weight == "token_tis":
+        w = token_tis(toy, cap, return_weights=True)  # min(rho_t, C)
+    else:
+        w = token_ratios(toy)  # rho_t
     return (w * d)[:, :, None] * toy["score"]
 
 
