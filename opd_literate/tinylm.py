@@ -55,6 +55,7 @@ __all__ = [
     "rollout",
     "sample_tokens",
     "score",
+    "token_logp",
     "greedy_accuracy",
     "reverse_kl_on_own_samples",
     "supervised_loss",
@@ -248,8 +249,12 @@ def rollout(model, prompts, generator=None, greedy=False):
     """
     tokens, mask = sample_tokens(model, prompts, generator, greedy)
     logits = model.logits(prompts, tokens)  # (B, T, V), with gradient
-    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]  # (B, T)
-    return Rollout(prompts, tokens, logp, logits, mask)
+    return Rollout(prompts, tokens, token_logp(logits, tokens), logits, mask)
+
+
+def token_logp(logits, tokens):
+    """``log_softmax(logits)`` at the given tokens: ``(B, T, V)``, ``(B, T)`` -> ``(B, T)``."""
+    return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
 
 
 @torch.no_grad()
@@ -259,8 +264,7 @@ def score(teacher, prompts, tokens):
     No gradient: the teacher is frozen, and what it returns is data for the student's loss.
     """
     logits = teacher.logits(prompts, tokens)
-    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
-    return logp, logits
+    return token_logp(logits, tokens), logits
 
 
 def supervised_loss(model, prompts, targets, label_smoothing=0.0):
