@@ -38,7 +38,7 @@ def _write(name: str, data) -> None:
 
 def _figure_bytes(fig) -> bytes:
     buffer = io.BytesIO()
-    # A fixed date in the metadata keeps the PNG bytes identical from build to build.
+    # No "Software" entry (it names the matplotlib version): same figure, same bytes.
     fig.savefig(buffer, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)
     return buffer.getvalue()
@@ -183,9 +183,9 @@ def _gradient_agreement():
 
 
 def _handout():
-    from opd_literate.handout import write_lab
+    from opd_literate.handout import PACKAGE, write_lab
 
-    source = (pathlib.Path(__file__).resolve().parents[2] / "opd_literate" / "opd.py").read_text()
+    source = (PACKAGE / "opd.py").read_text()
     begin = source.index("    ### BEGIN SOLUTION Task 1")
     end = source.index("### END SOLUTION", begin) + len("### END SOLUTION")
     _write("handout_marked.md", "```python\n" + source[begin:end] + "\n```\n")
