@@ -300,6 +300,7 @@ class _Collector:
 
     def __init__(self):
         self.results = []
+        self.tasks = {}  # nodeid -> task numbers, filled at collection
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
@@ -312,7 +313,6 @@ class _Collector:
                                      message=message))
 
     def pytest_collection_modifyitems(self, items):
-        self.tasks = {}
         for item in items:
             numbers = []
             for marker in item.iter_markers("task"):
@@ -326,7 +326,7 @@ def _run_tests(folder: pathlib.Path) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "results.json"
         code = (
-            "import json, sys, pytest\n"
+            "import json, pytest\n"
             "from opd_literate.handout import _Collector\n"
             "c = _Collector()\n"
             "pytest.main(['-q', '-p', 'no:cacheprovider', '--no-header', '-o', "
@@ -356,7 +356,7 @@ def grade(lab_dir) -> dict:
     manifest = json.loads(manifest_path.read_text())
     records = _run_tests(folder)
     tasks = {}
-    for number, function in sorted(manifest["tasks"].items(), key=lambda kv: int(kv[0])):
+    for number, functions in sorted(manifest["tasks"].items(), key=lambda kv: int(kv[0])):
         n = int(number)
         mine = [r for r in records if n in r["tasks"]]
         failed = [r for r in mine if r["outcome"] == "failed"]
@@ -373,7 +373,7 @@ def grade(lab_dir) -> dict:
             status = "blocked"
         else:
             status = "failed"
-        tasks[n] = dict(function=", ".join(function), status=status, tests=len(mine),
+        tasks[n] = dict(function=", ".join(functions), status=status, tests=len(mine),
                         passed=sum(r["outcome"] == "passed" for r in mine))
     score = sum(t["status"] == "passed" for t in tasks.values())
     return dict(lab=manifest["lab"], tasks=tasks, score=score, total=len(tasks))
