@@ -1,16 +1,24 @@
 r"""opd-literate: on-policy distillation and training-inference mismatch, as literate code.
 
-Modules (each readable on its own, importing only numpy, torch and the package's small
-helpers):
+Modules, from the bottom layer up; beside each, the third-party packages it imports (besides the
+standard library and the package's own modules), so that a reader knows what a lifted module
+drags along:
 
+* ``opd_literate.toy``: the enumerable toy whose sampler and trainer disagree (imports: numpy).
+* ``opd_literate.estimators``: the rollout-correction estimators with exact bias and variance
+  (imports: numpy).
+* ``opd_literate.opd_mismatch``: sampled-token OPD when the sampler is not the trainer
+  (imports: numpy).
 * ``opd_literate.opd``: the OPD losses (lab Tasks 1-3), the k1/k2/k3 estimators, forward KL,
-  generalized JSD, discounted sampled-token OPD and the loss reductions.
-* ``opd_literate.toy``: the enumerable toy whose sampler and trainer disagree.
-* ``opd_literate.estimators``: the rollout-correction estimators with exact bias and variance.
-* ``opd_literate.opd_mismatch``: sampled-token OPD when the sampler is not the trainer.
-* ``opd_literate.tinylm`` and ``opd_literate.run``: a tiny LM and the OPD experiment.
-* ``opd_literate.handout``: lab handouts and a grader, generated from this source.
+  generalized JSD, discounted sampled-token OPD and the loss reductions (imports: torch).
+* ``opd_literate.tinylm``: a tiny LM for two-digit addition (imports: torch).
+* ``opd_literate.run``: the OPD experiment (imports: torch, filelock, tqdm, matplotlib; the
+  last two only when a progress bar or a plot is asked for).
+* ``opd_literate.handout``: lab handouts and a grader, generated from this source
+  (imports: nothing).
 
+All of them share the argument checks of ``opd_literate._checks``, which loads torch only when
+a torch tensor is checked: the numpy modules never load torch.
 Importing the package runs nothing and imports no submodule.
 """
 

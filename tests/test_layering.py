@@ -1,0 +1,87 @@
+"""The package's layering, as the package docstring states it, checked from the source.
+
+``opd_literate/__init__.py`` says which third-party packages each module imports and that the
+numpy-only modules never load torch. Both are claims a reader relies on when lifting a module
+into course material, so both are read back here: the imports from each module's syntax tree
+(every ``import`` statement, including those inside functions), and ``sys.modules`` of a fresh
+interpreter after importing a numpy-only module.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import opd_literate
+
+PACKAGE = pathlib.Path(opd_literate.__file__).parent
+
+# What the package docstring promises, module by module: third-party top-level packages only
+# (the standard library and the package's own modules are always allowed).
+THIRD_PARTY = {
+    "_checks": {"torch"},  # imported inside the tensor checks only (see the test below)
+    "toy": {"numpy"},
+    "estimators": {"numpy"},
+    "opd_mismatch": {"numpy"},
+    "opd": {"torch"},
+    "tinylm": {"torch"},
+    "run": {"torch", "filelock", "tqdm", "matplotlib"},
+    "handout": set(),
+}
+NUMPY_ONLY = ("toy", "estimators", "opd_mismatch")
+
+
+def _imported_top_levels(path: pathlib.Path) -> set[str]:
+    """Top-level names of every absolute import in a module (relative imports are the package)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_module_is_listed():
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert modules == set(THIRD_PARTY), "update THIRD_PARTY and the package docstring"
+
+
+@pytest.mark.parametrize("module", sorted(THIRD_PARTY))
+def test_third_party_imports_are_the_documented_ones(module):
+    imported = _imported_top_levels(PACKAGE / f"{module}.py")
+    third_party = {
+        name for name in imported
+        if name not in sys.stdlib_module_names and name not in ("opd_literate", "__future__")
+    }
+    assert third_party == THIRD_PARTY[module]
+
+
+def test_the_package_docstring_lists_the_same_imports():
+    # One bullet a module: "* ``opd_literate.NAME``: ... (imports: a, b; ...)."
+    bullets = " ".join(opd_literate.__doc__.split()).split("* ``opd_literate.")[1:]
+    listed = {}
+    for bullet in bullets:
+        name = bullet.split("``")[0]
+        packages = bullet.split("(imports: ")[1].split(")")[0].split(";")[0]
+        listed[name] = set(packages.replace(",", " ").split()) - {"nothing"}
+    expected = {name: packages for name, packages in THIRD_PARTY.items() if name != "_checks"}
+    assert listed == expected
+
+
+@pytest.mark.parametrize("module", NUMPY_ONLY)
+def test_numpy_only_modules_never_load_torch(module):
+    code = (
+        f"import sys, opd_literate.{module}; "
+        "print(sorted(m for m in ('torch', 'matplotlib', 'tqdm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_importing_the_package_imports_no_submodule():
+    code = "import sys, opd_literate; print(sorted(m for m in sys.modules if m.startswith('opd_literate.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
