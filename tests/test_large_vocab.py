@@ -1,0 +1,273 @@
+"""The chunked losses of ``opd_literate.large_vocab`` against the dense reference in ``opd.py``.
+
+The reference is independent: the dense losses build the full ``(N, V)`` logits
+``hidden @ weight.T + bias`` and let autograd differentiate ``opd.py``'s formulas, while the
+chunked losses never build them and use hand-derived gradients.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opd_literate import opd
+from opd_literate.large_vocab import (
+    chunked_divergence,
+    chunked_forward_kl,
+    chunked_generalized_jsd,
+    chunked_reverse_kl,
+)
+
+# (divergence, beta, normalize) and the dense reference of each
+CASES = {
+    "reverse_kl": ("reverse_kl", 0.5, False, lambda s, t, m: opd.full_vocab_reverse_kl(s, t, m)),
+    "forward_kl": ("forward_kl", 0.5, False, lambda s, t, m: opd.forward_kl(s, t, m)),
+    "jsd_0.3": ("jsd", 0.3, False, lambda s, t, m: opd.generalized_jsd(s, t, m, beta=0.3)),
+    "jsd_0.7_norm": ("jsd", 0.7, True,
+                     lambda s, t, m: opd.generalized_jsd(s, t, m, beta=0.7, normalize=True)),
+    "jsd_1": ("jsd", 1.0, False, lambda s, t, m: opd.generalized_jsd(s, t, m, beta=1.0)),
+    "jsd_0": ("jsd", 0.0, False, lambda s, t, m: opd.generalized_jsd(s, t, m, beta=0.0)),
+}
+MASKS = {
+    "ones": [1] * 10,
+    "partial": [1, 0, 1, 1, 0, 0, 1, 0, 1, 1],
+    "zeros": [0] * 10,
+}
+
+
+def make_inputs(N=10, H=4, V=13, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=dtype)
+    weight = torch.randn(V, H, generator=g, dtype=dtype)
+    bias = torch.randn(V, generator=g, dtype=dtype)
+    teacher = 2 * torch.randn(N, V, generator=g, dtype=dtype)
+    return hidden, weight, bias, teacher
+
+
+def value_and_grads(fn, hidden, weight, bias):
+    """fn(h, W, b) and its gradients with respect to h, W, b (fresh leaves)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    loss = fn(*leaves)
+    loss.backward()
+    return loss.detach(), [x.grad for x in leaves]
+
+
+def dense(case, hidden, weight, bias, teacher, mask):
+    reference = CASES[case][3]
+    return value_and_grads(
+        lambda h, W, b: reference((h @ W.T + b)[None], teacher[None], mask[None]),
+        hidden, weight, bias)
+
+
+def chunked(case, hidden, weight, bias, teacher, mask, chunk_size, **teacher_kw):
+    divergence, beta, normalize, _ = CASES[case]
+    if not teacher_kw:
+        teacher_kw = {"teacher_logits": teacher}
+    return value_and_grads(
+        lambda h, W, b: chunked_divergence(h, W, mask, student_bias=b, divergence=divergence,
+                                           beta=beta, normalize=normalize,
+                                           chunk_size=chunk_size, **teacher_kw),
+        hidden, weight, bias)
+
+
+def assert_same(a, b, rtol, atol):
+    (va, ga), (vb, gb) = a, b
+    torch.testing.assert_close(va, vb, rtol=rtol, atol=atol)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mask_name", MASKS)
+def test_float64_matches_the_dense_loss(case, mask_name):
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS[mask_name], dtype=torch.float64)
+    expected = dense(case, hidden, weight, bias, teacher, mask)
+    # chunk sizes that divide N = 10, that do not, of one row, and larger than N
+    for chunk_size in (1, 3, 4, 5, 10, 64):
+        got = chunked(case, hidden, weight, bias, teacher, mask, chunk_size)
+        assert_same(got, expected, rtol=1e-10, atol=1e-12)
+    if mask_name == "zeros":  # an all-zero mask: loss 0 with zero gradients, as in opd.py
+        assert got[0].item() == 0.0 and all((g == 0).all() for g in got[1])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("chunk_size", [3, 7])
+def test_float32_matches_the_dense_loss(case, chunk_size):
+    hidden, weight, bias, teacher = make_inputs(dtype=torch.float32, seed=1)
+    mask = torch.tensor(MASKS["partial"], dtype=torch.float32)
+    expected = dense(case, hidden, weight, bias, teacher, mask)
+    got = chunked(case, hidden, weight, bias, teacher, mask, chunk_size)
+    assert got[0].dtype == torch.float32
+    assert_same(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["reverse_kl", "forward_kl", "jsd_0.3"])
+def test_teacher_hidden_states_and_head_give_the_teacher_logits(case):
+    hidden, weight, bias, _ = make_inputs(seed=2)
+    g = torch.Generator().manual_seed(3)
+    t_hidden = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    t_weight = torch.randn(13, 6, generator=g, dtype=torch.float64)
+    t_bias = torch.randn(13, generator=g, dtype=torch.float64)
+    mask = torch.tensor(MASKS["partial"])
+    expected = dense(case, hidden, weight, bias, t_hidden @ t_weight.T + t_bias, mask)
+    got = chunked(case, hidden, weight, bias, None, mask, 4, teacher_hidden=t_hidden,
+                  teacher_weight=t_weight, teacher_bias=t_bias)
+    assert_same(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(N=st.integers(1, 9), V=st.integers(1, 8), chunk_size=st.integers(1, 12),
+       scale=st.sampled_from([0.1, 1.0, 20.0]), seed=st.integers(0, 2**31 - 1),
+       case=st.sampled_from(["reverse_kl", "forward_kl", "jsd_0.3"]))
+def test_random_shapes_masks_and_chunks_match_the_dense_loss(N, V, chunk_size, scale, seed, case):
+    g = torch.Generator().manual_seed(seed)
+    hidden = scale * torch.randn(N, 3, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, 3, generator=g, dtype=torch.float64)
+    bias = torch.randn(V, generator=g, dtype=torch.float64)
+    teacher = scale * torch.randn(N, V, generator=g, dtype=torch.float64)
+    mask = torch.rand(N, generator=g) < 0.6
+    expected = dense(case, hidden, weight, bias, teacher, mask)
+    got = chunked(case, hidden, weight, bias, teacher, mask, chunk_size)
+    assert_same(got, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_masked_rows_are_never_read_and_get_exactly_zero_gradient():
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"], dtype=torch.bool)
+    hidden[~mask] = math.nan
+    teacher[~mask] = -math.inf
+    for case in CASES:
+        value, (g_hidden, g_weight, g_bias) = chunked(case, hidden, weight, bias, teacher,
+                                                      mask, 3)
+        assert torch.isfinite(value)
+        assert (g_hidden[~mask] == 0).all() and torch.isfinite(g_hidden[mask]).all()
+        assert torch.isfinite(g_weight).all() and torch.isfinite(g_bias).all()
+
+
+def test_minus_infinity_logits_follow_opd_conventions():
+    hidden, weight, bias, teacher = make_inputs(N=4)
+    mask = torch.ones(4)
+    # Entry 0 impossible for the student (bias -inf): 0 log 0 = 0, a finite reverse KL.
+    student_bias = bias.clone()
+    student_bias[0] = -math.inf
+    # Position 1: the teacher excludes entry 5, which the student can emit.
+    teacher = teacher.clone()
+    teacher[1, 5] = -math.inf
+    logits = hidden @ weight.T + student_bias
+    per_position = opd.reverse_kl_per_position(logits[None], teacher[None])[0]
+    assert torch.isinf(per_position[1]) and torch.isfinite(per_position[[0, 2, 3]]).all()
+    value, (g_hidden, g_weight, g_bias) = value_and_grads(
+        lambda h, W, b: chunked_reverse_kl(h, W, mask, teacher_logits=teacher, student_bias=b,
+                                           chunk_size=3),
+        hidden, weight, student_bias)
+    assert value.item() == math.inf
+    # The +inf position sends no gradient (as in opd.py); the others send the dense one.
+    finite = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    expected = value_and_grads(
+        lambda h, W, b: opd.full_vocab_reverse_kl((h @ W.T + b)[None], teacher[None],
+                                                  finite[None]) * 3 / 4,
+        hidden, weight, student_bias)
+    assert (g_hidden[1] == 0).all()
+    for got, want in zip((g_hidden, g_weight, g_bias), expected[1]):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # The impossible entry's bias gets exactly 0: d/dz_0 = p_0 (...) with p_0 = 0.
+    assert g_bias[0] == 0
+    # Forward KL: the teacher's excluded entry costs nothing; the student's excluded entry 0
+    # (which the teacher can say) makes every position +inf.
+    assert chunked_forward_kl(hidden, weight, mask, teacher_logits=teacher,
+                              student_bias=student_bias).item() == math.inf
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_half_precision_is_computed_in_float32(half):
+    hidden, weight, bias, teacher = (x.to(half) for x in make_inputs(seed=4))
+    mask = torch.tensor(MASKS["partial"])
+    got = chunked("reverse_kl", hidden, weight, bias, teacher, mask, 3)
+    expected = chunked("reverse_kl", *(x.float() for x in (hidden, weight, bias, teacher)),
+                       mask, 3)
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-7)
+    for g_half, g_float in zip(got[1], expected[1]):
+        assert g_half.dtype == half
+        assert torch.equal(g_half, g_float.to(half))  # the float32 gradient, rounded once
+
+
+def test_the_teacher_gets_no_gradient_and_backward_scales_the_stored_gradients():
+    hidden, weight, bias, teacher = make_inputs()
+    h = hidden.clone().requires_grad_(True)
+    t = teacher.clone().requires_grad_(True)
+    t_hidden = hidden.clone().requires_grad_(True)
+    t_weight = weight.clone().requires_grad_(True)
+    mask = torch.ones(10)
+    (3.0 * chunked_reverse_kl(h, weight, mask, teacher_logits=t)).backward()
+    assert t.grad is None
+    once = value_and_grads(
+        lambda x, W, b: chunked_reverse_kl(x, W, mask, teacher_logits=teacher), hidden, weight,
+        bias)[1][0]
+    torch.testing.assert_close(h.grad, 3.0 * once, rtol=1e-12, atol=0)
+    chunked_reverse_kl(hidden, weight, mask, teacher_hidden=t_hidden,
+                       teacher_weight=t_weight).backward()
+    assert t_hidden.grad is None and t_weight.grad is None
+
+
+@pytest.mark.parametrize("divergence,beta", [("reverse_kl", 0.5), ("forward_kl", 0.5),
+                                             ("jsd", 0.4)])
+def test_gradcheck(divergence, beta):
+    hidden, weight, bias, teacher = make_inputs(N=3, H=2, V=4, seed=5)
+    mask = torch.tensor([1.0, 0.0, 1.0])
+    inputs = tuple(x.requires_grad_(True) for x in (hidden, weight, bias))
+    assert torch.autograd.gradcheck(
+        lambda h, W, b: chunked_divergence(h, W, mask, teacher_logits=teacher, student_bias=b,
+                                           divergence=divergence, beta=beta, chunk_size=2),
+        inputs, fast_mode=True)
+
+
+def test_jsd_wrapper_passes_beta_and_normalize():
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.ones(10)
+    got = chunked_generalized_jsd(hidden, weight, mask, beta=0.2, normalize=True,
+                                  teacher_logits=teacher, student_bias=bias)
+    want = opd.generalized_jsd((hidden @ weight.T + bias)[None], teacher[None], mask[None],
+                               beta=0.2, normalize=True)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+BAD = [
+    (dict(student_hidden=torch.zeros(10)), "student_hidden must have 2 dimensions"),
+    (dict(student_hidden=torch.zeros(10, 4, dtype=torch.long)),
+     "student_hidden must have a floating"),
+    (dict(student_weight=torch.zeros(13, 5)),
+     "student_weight must have shape \\(V, H\\) with H = 4"),
+    (dict(student_bias=torch.zeros(12)), "student_bias must have shape \\(13,\\)"),
+    (dict(teacher_logits=torch.zeros(10, 12)), "teacher_logits must have shape \\(N, V\\)"),
+    (dict(teacher_logits=None), "either as teacher_logits"),
+    (dict(teacher_hidden=torch.zeros(10, 2), teacher_weight=torch.zeros(13, 2)),
+     "not both and not neither"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(10, 2)), "must be given together"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(9, 2),
+          teacher_weight=torch.zeros(13, 2)),
+     "teacher_hidden must have N = 10 rows"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(10, 2),
+          teacher_weight=torch.zeros(13, 3)),
+     "teacher_weight must have shape \\(V, H_T\\)"),
+    (dict(mask=torch.ones(9)), "mask must have the shape of student_hidden"),
+    (dict(mask=torch.full((10,), 0.5)), "mask values must be 0 or 1"),
+    (dict(chunk_size=0), "chunk_size must be a positive int, got 0"),
+    (dict(chunk_size=2.0), "chunk_size must be a positive int"),
+    (dict(divergence="kl"), "divergence must be one of"),
+    (dict(divergence="jsd", beta=1.5), "beta must be <= 1.0"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD)
+def test_bad_input_raises_a_clear_error(change, message):
+    hidden, weight, bias, teacher = make_inputs()
+    kwargs = dict(student_hidden=hidden, student_weight=weight, mask=torch.ones(10),
+                  teacher_logits=teacher, student_bias=bias)
+    kwargs.update(change)
+    with pytest.raises((ValueError, TypeError), match=message):
+        chunked_divergence(**kwargs)
