@@ -101,12 +101,14 @@ def _kl_rows(log_a: torch.Tensor, a: torch.Tensor, log_b: torch.Tensor):
 def _chunk_loss_and_grad(z, zt, divergence, beta, normalize):
     """Per-row loss (chunk,) and its gradient with respect to the student logits (chunk, V).
 
-    ``z`` and ``zt`` (student and teacher logits of the chunk) are consumed (reused in place).
+    ``z`` and ``zt`` (student and teacher logits of the chunk) are overwritten: the caller
+    passes them without keeping a reference, so each chunk holds about three ``(chunk, V)``
+    buffers at its peak.
     """
-    log_p = F.log_softmax(z, dim=-1)
-    del z
-    log_q = F.log_softmax(zt, dim=-1)
-    del zt
+    # log_softmax in place: log p = z - logsumexp(z) (logsumexp subtracts the max first)
+    log_p = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+    log_q = zt.sub_(torch.logsumexp(zt, dim=-1, keepdim=True))
+    del z, zt
     if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0):
         p = log_p.exp()
         kl, infinite, d = _kl_rows(log_p, p, log_q)
@@ -163,13 +165,15 @@ class _ChunkedDivergence(torch.autograd.Function):
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start:start + chunk_size]  # only masked-in rows are ever read
             h = hidden.detach()[idx].to(dtype)  # (c, H)
-            # z = W h + b, the student's logits of the chunk
-            z = F.linear(h, weight_c, bias_c)  # (c, V)
             if teacher_logits is not None:
-                zt = teacher_logits.detach()[idx].to(dtype)  # (c, V)
+                zt = teacher_logits.detach()[idx].to(dtype)  # (c, V), a copy (indexing)
             else:
                 zt = F.linear(teacher_hidden.detach()[idx].to(dtype), t_weight_c, t_bias_c)
-            loss, grad_z = _chunk_loss_and_grad(z, zt, divergence, beta, normalize)
+            # z = W h + b, the student's logits of the chunk, (c, V); passed without a name so
+            # that the callee can free it
+            loss, grad_z = _chunk_loss_and_grad(F.linear(h, weight_c, bias_c), zt, divergence,
+                                                beta, normalize)
+            del zt
             total += loss.sum()
             grad_z.div_(n_tokens)  # the token mean's 1/N
             if want_hidden:
@@ -180,7 +184,7 @@ class _ChunkedDivergence(torch.autograd.Function):
                 grad_weight.addmm_(grad_z.T, h)
             if want_bias:
                 grad_bias += grad_z.sum(dim=0)
-            del z, zt, grad_z
+            del grad_z
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.input_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / n_tokens
@@ -189,8 +193,14 @@ class _ChunkedDivergence(torch.autograd.Function):
     def backward(ctx, grad_output):
         grads = []
         for stored, dtype in zip(ctx.saved_tensors, ctx.input_dtypes):
-            # The loss is a scalar: the backward pass only scales the stored gradients.
-            grads.append(None if stored is None else (stored * grad_output).to(dtype))
+            if stored is None:
+                grads.append(None)
+                continue
+            # The loss is a scalar: the backward pass only scales the stored gradients. The
+            # usual upstream gradient is exactly 1; returning the stored tensor then avoids a
+            # second (V, H) buffer.
+            scaled = stored if bool(grad_output == 1) else stored * grad_output
+            grads.append(scaled.to(dtype))
         return (*grads, None, None, None, None, None, None, None, None, None)
 
 
@@ -288,8 +298,8 @@ def chunked_divergence(student_hidden, student_weight, mask, *, teacher_logits=N
         The JSD's weight in $[0, 1]$ and normalisation, as in
         [opd_literate.opd.generalized_jsd][]; ignored by the two KLs.
     chunk_size : int
-        Rows of logits computed at once. Peak extra memory is about five ``(chunk_size, V)``
-        buffers in the compute dtype.
+        Rows of logits computed at once. Peak extra memory is about three ``(chunk_size, V)``
+        buffers in the compute dtype, plus the stored gradients (``(N, H)`` and ``(V, H)``).
 
     Returns
     -------
