@@ -8,8 +8,10 @@ expected, instead of being silently broadcast into a wrong answer many lines lat
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the numpy-only modules import this file: torch is loaded only when used
+    import torch
 
 __all__ = [
     "check_float_tensor",
@@ -22,6 +24,8 @@ __all__ = [
 
 def check_float_tensor(name: str, x, ndim: int | None) -> None:
     """Raise unless ``x`` is a floating ``torch.Tensor`` with ``ndim`` dimensions (None: any)."""
+    import torch
+
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -46,6 +50,8 @@ def check_mask(mask, like_name: str, like_shape: tuple[int, ...]) -> torch.Tenso
 
     A bool, integer or floating mask is accepted; every value must be exactly 0 or 1.
     """
+    import torch
+
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(like_shape):
@@ -68,7 +74,15 @@ def check_finite_number(name: str, value, low: float | None = None, high: float 
     """Return ``value`` as a float, or raise if it is not a real number in ``[low, high]``.
 
     NaN is always refused; infinities unless ``allow_inf``; 0 and below if ``positive``.
+    A bool (Python, numpy or torch) and a string are refused with a ``TypeError`` although
+    ``float`` accepts them: ``beta=True`` or ``gamma="0.5"`` is a mistake, not a number.
     """
+    dtype = getattr(value, "dtype", None)
+    is_bool = isinstance(value, bool) or (
+        dtype is not None and (getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool")
+    )
+    if is_bool or isinstance(value, (str, bytes, bytearray)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -88,8 +102,9 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The dtype to compute in: float32 for half-precision inputs, else the promoted dtype.
 
     bf16 has 8 bits of mantissa; a KL summed over a vocabulary in bf16 can come out negative.
-    Upcasting to float32 inside the loss is what the training frameworks do as well.
     """
+    import torch
+
     dtype = tensors[0].dtype
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)

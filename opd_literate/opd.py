@@ -82,8 +82,11 @@ __all__ = [
     "sampled_token_opd_loss",
 ]
 
-REDUCTIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum")
-"""The loss reductions of [opd_literate.opd.aggregate_loss][], named as verl's ``loss_agg_mode``."""
+REDUCTIONS = (
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum"
+)
+"""The loss reductions of [opd_literate.opd.aggregate_loss][]: verl's four ``loss_agg_mode``
+names, and ``"sum"`` (not a verl mode)."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """The single-sample KL estimators of [opd_literate.opd.kl_estimator][]."""
@@ -100,8 +103,8 @@ def _check_token_pair(student_logp, teacher_logp, mask):
     return check_mask(mask, "student_logp", tuple(student_logp.shape))
 
 
-def _check_logits_pair(student_logits, teacher_logits, mask=None):
-    """Validate (B, T, V) logits; return the bool mask (or None when no mask is given)."""
+def _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=False):
+    """Validate (B, T, V) logits; return the bool mask (None only when optional and not given)."""
     check_float_tensor("student_logits", student_logits, 3)
     check_float_tensor("teacher_logits", teacher_logits, 3)
     if student_logits.shape[-1] != teacher_logits.shape[-1]:
@@ -111,38 +114,99 @@ def _check_logits_pair(student_logits, teacher_logits, mask=None):
             "student and teacher must share one tokenizer"
         )
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
-    if mask is None:
+    if student_logits.shape[-1] == 0:
+        raise ValueError(
+            f"student_logits must have a vocabulary of at least 1 entry, got shape "
+            f"{tuple(student_logits.shape)} (V = 0)"
+        )
+    if mask is None and mask_optional:
         return None
     return check_mask(mask, "student_logits[..., 0]", tuple(student_logits.shape[:2]))
 
 
-def _log_softmax_pair(student_logits, teacher_logits):
-    """log_softmax of both, in the compute dtype; the teacher is detached (a constant)."""
+def _log_softmax_pair(student_logits, teacher_logits, mask=None):
+    """log_softmax of both, in the compute dtype; the teacher is detached (a constant).
+
+    Where ``mask`` is 0 both rows are replaced by zeros *before* the softmax, so whatever a
+    masked-out position holds (``-inf``, NaN) reaches neither the value nor the gradient: a
+    ``-inf`` selected away only after the loss is computed still sends ``0 * inf = NaN`` back
+    through the backward pass.
+    """
     dtype = compute_dtype(student_logits, teacher_logits)
+    student = student_logits.to(dtype)
+    teacher = teacher_logits.detach().to(dtype)
+    if mask is not None:
+        keep = mask[..., None]  # (B, T, 1)
+        student = torch.where(keep, student, torch.zeros_like(student))
+        teacher = torch.where(keep, teacher, torch.zeros_like(teacher))
     # log_softmax subtracts the max before exponentiating: finite for logits of any magnitude,
     # where log(softmax(z)) underflows to log(0) = -inf for entries far below the max.
-    log_p = F.log_softmax(student_logits.to(dtype), dim=-1)
-    log_q = F.log_softmax(teacher_logits.detach().to(dtype), dim=-1)
-    return log_p, log_q
+    return F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1)
+
+
+def _select(mask, values):
+    """``values`` where ``mask`` is 1, exactly 0 elsewhere (no mask: ``values`` unchanged)."""
+    if mask is None:
+        return values
+    return torch.where(mask, values, torch.zeros_like(values))
 
 
 def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     r"""$\sum_v p_v (\log p_v - \log q_v)$ over the last axis, with $0 \log 0 = 0$.
 
     Entries with $p_v = 0$ are selected away *before* the subtraction, so that neither the value
-    nor the gradient sees $-\infty - (-\infty)$. Entries with $p_v > 0 = q_v$ give $+\infty$.
+    nor the gradient sees $-\infty - (-\infty)$. Entries with $p_v > 0 = q_v$ make the value
+    $+\infty$; that infinity is added as a constant, so the gradient stays finite (it is the
+    gradient of the finite part, the entries where both are positive).
     """
     ### BEGIN SOLUTION Task 3: sum_v p_v (log p_v - log q_v); 0 where p_v = 0, in value and gradient
-    p = log_p.exp()
-    support = p > 0
-    # The double where: both operands are replaced by 0 off the support, so the backward pass
+    support = log_p > -math.inf  # the entries p can emit (p_v > 0, even if exp underflows)
+    both = support & (log_q > -math.inf)
+    # The double where: both operands are replaced by 0 off `both`, so the backward pass
     # multiplies a zero upstream gradient by finite numbers only (no 0 * inf = NaN).
-    log_p_safe = torch.where(support, log_p, torch.zeros_like(log_p))
-    log_q_safe = torch.where(support, log_q, torch.zeros_like(log_q))
-    kl = (p * (log_p_safe - log_q_safe)).sum(dim=-1)
+    log_p_safe = torch.where(both, log_p, torch.zeros_like(log_p))
+    log_q_safe = torch.where(both, log_q, torch.zeros_like(log_q))
+    terms = log_p_safe.exp() * (log_p_safe - log_q_safe)
+    kl = torch.where(both, terms, torch.zeros_like(terms)).sum(dim=-1)
     # Rounding can leave a KL of -1e-8 where the distributions agree; the true value is >= 0.
-    return kl.clamp_min(0.0)
+    kl = kl.clamp_min(0.0)
+    # p_v > 0 = q_v somewhere: the true KL is +inf (a constant: no gradient flows through it).
+    infinite = (support & ~both).any(dim=-1)
+    return torch.where(infinite, torch.full_like(kl, math.inf), kl)
     ### END SOLUTION
+
+
+def _kl_to_mixture(log_a: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
+    r"""$\mathrm{KL}(a \,\|\, m)$ over the last axis, in a form with no cancellation.
+
+    With $u_v = \log m_v - \log a_v$ and $\varphi(u) = e^u - 1 - u \ge 0$, and because
+    $\sum_v m_v = \sum_v a_v = 1$,
+
+    $$
+    \mathrm{KL}(a \,\|\, m) = \sum_{v:\, a_v > 0} a_v\, \varphi(u_v) + \sum_{v:\, a_v = 0} m_v .
+    $$
+
+    Every term is $\ge 0$. The plain $\sum_v a_v(\log a_v - \log m_v)$ sums terms of size
+    $|u_v|$ that cancel to $O(u^2)$, which a division by a small $\beta$ then magnifies; here
+    the first-order terms are gone before rounding. For $u \le 1$, $a\varphi(u)$ is computed as
+    $a\,(\mathrm{expm1}(u) - u)$; for $u > 1$ (where $e^u$ could overflow) as $m - a(1 + u)$.
+    Requires $m_v > 0$ wherever $a_v > 0$ (true for a mixture with a positive weight on $a$).
+    """
+    support = log_a > -math.inf
+    u = torch.where(support, log_m - torch.where(support, log_a, torch.zeros_like(log_a)),
+                    torch.zeros_like(log_a))
+    small = support & (u <= 1.0)
+    large = support & (u > 1.0)
+    a = torch.where(support, log_a, torch.zeros_like(log_a)).exp()
+    u_small = torch.where(small, u, torch.zeros_like(u))
+    u_large = torch.where(large, u, torch.ones_like(u))
+    m = torch.where(support | (log_m > -math.inf), log_m, torch.zeros_like(log_m)).exp()
+    terms = torch.where(small, a * (torch.expm1(u_small) - u_small), a.new_zeros(()))
+    terms = torch.where(large, m - a * (1.0 + u_large), terms)
+    # off a's support the term is m_v itself (0 where m_v = 0 too: a padded entry)
+    off_support = ~support & (log_m > -math.inf)
+    terms = torch.where(off_support, m, terms)
+    return terms.sum(dim=-1).clamp_min(0.0)
 
 
 def _masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -207,9 +271,10 @@ def reverse_kl_rewards(student_logp, teacher_logp, mask):
     False
     """
     mask = _check_token_pair(student_logp, teacher_logp, mask)
+    dtype = compute_dtype(student_logp, teacher_logp)  # float32 for half precision
     ### BEGIN SOLUTION Task 1: teacher_logp - student_logp, detached; exactly 0 where mask is 0
     # r_t = log pi_T(y_t|s_t) - log pi_theta(y_t|s_t); detached: a reward is a constant.
-    log_ratio = teacher_logp.detach() - student_logp.detach()
+    log_ratio = teacher_logp.detach().to(dtype) - student_logp.detach().to(dtype)
     # where, not "* mask": padding may hold -inf log-probs and 0 * inf is NaN.
     return torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
     ### END SOLUTION
@@ -280,20 +345,21 @@ def opd_pg_loss(student_logp, rewards, mask):
     check_float_tensor("rewards", rewards, 2)
     check_same_shape("student_logp", student_logp, "rewards", rewards)
     mask = check_mask(mask, "student_logp", tuple(student_logp.shape))
+    dtype = compute_dtype(student_logp, rewards)  # float32 for half precision
     ### BEGIN SOLUTION Task 2: -sum(mask * sg(r) * logp) / max(sum(mask), 1), selecting with where
-    zeros = torch.zeros_like(student_logp)
+    zeros = torch.zeros(student_logp.shape, dtype=dtype, device=student_logp.device)
     # sg(r): the reward is a constant; only log pi_theta(y_t|s_t) is differentiated.
-    advantage = torch.where(mask, rewards.detach().to(student_logp.dtype), zeros)
-    logp = torch.where(mask, student_logp, zeros)
+    advantage = torch.where(mask, rewards.detach().to(dtype), zeros)
+    logp = torch.where(mask, student_logp.to(dtype), zeros)
     # loss = -sum_{b,t} mask * sg(r) * log pi / max(sum mask, 1); the max guards N = 0.
-    return -(advantage * logp).sum() / mask.sum().clamp_min(1).to(student_logp.dtype)
+    return -(advantage * logp).sum() / mask.sum().clamp_min(1).to(dtype)
     ### END SOLUTION
 
 
 # ---------------------------------------------------------------------------------------------
 # Task 3
 # ---------------------------------------------------------------------------------------------
-def reverse_kl_per_position(student_logits, teacher_logits):
+def reverse_kl_per_position(student_logits, teacher_logits, mask=None):
     r"""$\mathrm{KL}(\pi_\theta(\cdot \mid s_t) \,\|\, \pi_T(\cdot \mid s_t))$ at every position.
 
     $$
@@ -322,9 +388,9 @@ def reverse_kl_per_position(student_logits, teacher_logits):
     >>> round(reverse_kl_per_position(s, t).item(), 4)      # log 2
     0.6931
     """
-    _check_logits_pair(student_logits, teacher_logits)
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
-    return _kl_from_log_probs(log_p, log_q)
+    mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
+    return _select(mask, _kl_from_log_probs(log_p, log_q))
 
 
 def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
@@ -383,8 +449,9 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
     ### BEGIN SOLUTION Task 3: log_softmax both (teacher detached), KL per position, masked mean
-    # log_softmax (never log(softmax)): stable for logits of any size. Teacher detached.
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    # log_softmax (never log(softmax)): stable for logits of any size. Teacher detached;
+    # masked-out rows are replaced before the softmax, so their -inf never reach the gradient.
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
     # KL_t = sum_v p_v (log p_v - log q_v), with 0 log 0 = 0.
     kl_per_position = _kl_from_log_probs(log_p, log_q)  # (B, T)
     # loss = sum_{b,t} mask * KL_t / max(sum mask, 1)
@@ -395,7 +462,7 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
 # ---------------------------------------------------------------------------------------------
 # Forward KL and the generalized Jensen-Shannon divergence
 # ---------------------------------------------------------------------------------------------
-def forward_kl_per_position(student_logits, teacher_logits):
+def forward_kl_per_position(student_logits, teacher_logits, mask=None):
     r"""$\mathrm{KL}(\pi_T(\cdot \mid s_t) \,\|\, \pi_\theta(\cdot \mid s_t))$ at every position.
 
     $$
@@ -425,10 +492,10 @@ def forward_kl_per_position(student_logits, teacher_logits):
     >>> forward_kl_per_position(s, t).item()  # the teacher says entry 3, the student cannot
     inf
     """
-    _check_logits_pair(student_logits, teacher_logits)
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
     # KL(q || p): the roles swap, the support is now the teacher's.
-    return _kl_from_log_probs(log_q, log_p)
+    return _select(mask, _kl_from_log_probs(log_q, log_p))
 
 
 def forward_kl(student_logits, teacher_logits, mask):
@@ -458,10 +525,11 @@ def forward_kl(student_logits, teacher_logits, mask):
     0.0589
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
-    return _masked_token_mean(forward_kl_per_position(student_logits, teacher_logits), mask)
+    return _masked_token_mean(forward_kl_per_position(student_logits, teacher_logits, mask), mask)
 
 
-def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, normalize=False):
+def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, normalize=False,
+                                 mask=None):
     r"""Generalized Jensen-Shannon divergence at every position (GKD's loss).
 
     With $p = \pi_\theta(\cdot \mid s_t)$, $q = \pi_T(\cdot \mid s_t)$ and weight
@@ -517,21 +585,33 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     >>> round(generalized_jsd_per_position(s, t, beta=0.5).item(), 4)
     0.6931
     """
-    _check_logits_pair(student_logits, teacher_logits)
+    mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
     beta = check_finite_number("beta", beta, low=0.0, high=1.0)
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__} {normalize!r}")
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
     if beta == 0.0:
-        return _kl_from_log_probs(log_q, log_p)  # forward KL(q || p)
+        return _select(mask, _kl_from_log_probs(log_q, log_p))  # forward KL(q || p)
     if beta == 1.0:
-        return _kl_from_log_probs(log_p, log_q)  # reverse KL(p || q)
-    # log m = logsumexp(log beta + log q, log(1 - beta) + log p)
+        return _select(mask, _kl_from_log_probs(log_p, log_q))  # reverse KL(p || q)
+    # log m = logsumexp(log beta + log q, log(1 - beta) + log p). An entry impossible in both
+    # models (a padded vocabulary) has m = 0: logsumexp(-inf, -inf) would give it a NaN
+    # gradient, so it is selected away on both sides.
+    padded = (log_p == -math.inf) & (log_q == -math.inf)
+    zeros = torch.zeros_like(log_p)
     log_m = torch.logsumexp(
-        torch.stack([log_q + math.log(beta), log_p + math.log1p(-beta)]), dim=0
+        torch.stack([torch.where(padded, zeros, log_q) + math.log(beta),
+                     torch.where(padded, zeros, log_p) + math.log1p(-beta)]), dim=0
     )
-    jsd = beta * _kl_from_log_probs(log_q, log_m) + (1.0 - beta) * _kl_from_log_probs(log_p, log_m)
+    log_m = torch.where(padded, torch.full_like(log_m, -math.inf), log_m)
+    kl_teacher = _kl_to_mixture(log_q, log_m)  # KL(q || m)
+    kl_student = _kl_to_mixture(log_p, log_m)  # KL(p || m) = O(beta^2) as beta -> 0
     if normalize:
-        jsd = jsd / (beta * (1.0 - beta))
-    return jsd
+        # JSD / (beta (1 - beta)), term by term: no product rounded and then divided
+        jsd = kl_teacher / (1.0 - beta) + kl_student / beta
+    else:
+        jsd = beta * kl_teacher + (1.0 - beta) * kl_student
+    return _select(mask, jsd)
 
 
 def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=False):
@@ -578,7 +658,7 @@ def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=Fa
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
     per_position = generalized_jsd_per_position(
-        student_logits, teacher_logits, beta=beta, normalize=normalize
+        student_logits, teacher_logits, beta=beta, normalize=normalize, mask=mask
     )
     return _masked_token_mean(per_position, mask)
 
@@ -644,8 +724,9 @@ def kl_estimator(student_logp, teacher_logp, kind="k1"):
     check_float_tensor("student_logp", student_logp, None)
     check_float_tensor("teacher_logp", teacher_logp, None)
     check_same_shape("student_logp", student_logp, "teacher_logp", teacher_logp)
+    dtype = compute_dtype(student_logp, teacher_logp)  # float32 for half precision
     # d = log pi_theta(y) - log pi_T(y)
-    d = student_logp - teacher_logp.detach()
+    d = student_logp.to(dtype) - teacher_logp.detach().to(dtype)
     if kind == "k1":
         return d
     if kind == "k2":
@@ -700,15 +781,24 @@ def expected_kl_estimator_gradient(student_logits, teacher_logits, kind="k1", mo
     if student_logits.ndim < 1:
         raise ValueError("student_logits must have a vocabulary axis, got a 0-d tensor")
     check_same_shape("student_logits", student_logits, "teacher_logits", teacher_logits)
-    z = student_logits.detach().clone().requires_grad_(True)
-    log_p = F.log_softmax(z, dim=-1)
-    log_q = F.log_softmax(teacher_logits.detach(), dim=-1)
-    # Every vocabulary entry is "the sampled token" once, weighted by sg(p_v).
-    weight = log_p.detach().exp()
-    k = kl_estimator(log_p, log_q, kind)
-    surrogate = k if mode == "loss" else k.detach() * log_p
-    (grad,) = torch.autograd.grad((weight * surrogate).sum(), z)
-    return grad
+    dtype = compute_dtype(student_logits, teacher_logits)
+    log_p = F.log_softmax(student_logits.detach().to(dtype), dim=-1)
+    log_q = F.log_softmax(teacher_logits.detach().to(dtype), dim=-1)
+    # Only the tokens the student can sample enter the expectation: p_v = 0 contributes 0.
+    support = log_p > -math.inf
+    zeros = torch.zeros_like(log_p)
+    p = torch.where(support, log_p.exp(), zeros)
+    q = torch.where(support, log_q.exp(), zeros)  # q_v = p_v e^{-d_v}, never formed as a ratio
+    d = torch.where(support, log_p - log_q, zeros)  # d_v = log p_v - log q_v
+    # c_v: the weight of grad log p_v in sum_v p_v (...), formed without e^{-d} (which
+    # overflows in float32 for d < -88) and without 0 * inf where p_v = 0
+    if mode == "loss":  # p_v * dk/dd (d_v): k1' = 1, k2' = d, k3' = 1 - e^{-d}
+        coefficient = {"k1": p, "k2": p * d, "k3": p - q}[kind]
+    else:  # p_v * k(d_v): k3 = e^{-d} - 1 + d
+        coefficient = {"k1": p * d, "k2": 0.5 * p * d.square(), "k3": q - p + p * d}[kind]
+    coefficient = torch.where(support, coefficient, zeros)
+    # grad_z log p_v = e_v - p, so sum_v c_v grad_z log p_v = c - p * sum_v c_v
+    return coefficient - p * coefficient.sum(dim=-1, keepdim=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,9 +834,11 @@ def discounted_returns(rewards, mask, gamma):
     check_float_tensor("rewards", rewards, 2)
     mask = check_mask(mask, "rewards", tuple(rewards.shape))
     gamma = check_finite_number("gamma", gamma, low=0.0, high=1.0)
-    r = torch.where(mask, rewards.detach(), torch.zeros_like(rewards))
+    dtype = compute_dtype(rewards)  # float32 for half precision
+    r = rewards.detach().to(dtype)
+    r = torch.where(mask, r, torch.zeros_like(r))
     returns = torch.zeros_like(r)
-    running = torch.zeros_like(r[:, 0])
+    running = r.new_zeros(r.shape[0])  # (B,); T = 0 gives an empty (B, 0) result
     for t in reversed(range(r.shape[1])):  # T is a response length: a short loop
         running = r[:, t] + gamma * running
         returns[:, t] = running
@@ -794,17 +886,24 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
     >>> loss = torch.tensor([[3.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     >>> mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     >>> [aggregate_loss(loss, mask, r).item() for r in REDUCTIONS]
-    [1.5, 3.0, 2.0, 6.0]
+    [1.5, 3.0, 2.0, 2.0, 6.0]
+
+    Tokens: $3 + 3 = 6$ over 4 tokens is 1.5; per sequence $(3 + 3) / 2 = 3$; per sequence
+    means $(3 + 1) / 2 = 2$; over the padded length $6 / T = 6 / 3 = 2$; the sum is 6.
     """
     check_float_tensor("per_token_loss", per_token_loss, 2)
     mask = check_mask(mask, "per_token_loss", tuple(per_token_loss.shape))
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    per_token_loss = per_token_loss.to(compute_dtype(per_token_loss))  # float32 for half
     if reduction == "token-mean":
         return _masked_token_mean(per_token_loss, mask)
     masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
     if reduction == "sum":
         return masked.sum()
+    if reduction == "seq-mean-token-sum-norm":
+        # a constant normaliser: the padded length T (verl's default loss_scale_factor)
+        return masked.sum() / max(masked.shape[1], 1)
     per_sequence = masked.sum(dim=1)  # (B,)
     if reduction == "seq-mean-token-mean":
         per_sequence = per_sequence / mask.sum(dim=1).clamp_min(1).to(masked.dtype)
@@ -861,8 +960,11 @@ def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reductio
     [0.0, -0.6931]
     """
     mask_bool = _check_token_pair(student_logp, teacher_logp, mask)
-    rewards = reverse_kl_rewards(student_logp, teacher_logp, mask_bool)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    rewards = reverse_kl_rewards(student_logp, teacher_logp, mask_bool)  # float32 for half
     advantages = discounted_returns(rewards, mask_bool, gamma)
-    logp = torch.where(mask_bool, student_logp, torch.zeros_like(student_logp))
+    logp = student_logp.to(advantages.dtype)
+    logp = torch.where(mask_bool, logp, torch.zeros_like(logp))
     # per-token loss: -sg(A_t) * log pi_theta(y_t | s_t)
     return aggregate_loss(-advantages * logp, mask_bool, reduction)

@@ -1,0 +1,240 @@
+"""Variable-length responses: when the OPD gradient identities hold, and when they do not.
+
+An enumerable two-step model with ``<eos>``: the student writes token 1 from row 0 of its
+logits; if it is ``<eos>`` the response ends (length 1, mask ``[1, 0]``), otherwise token 2
+comes from row ``1 + y_1`` and the response ends (length 2). Every response, and every pair of
+responses (a batch of B = 2), is enumerated, so the expected gradients are exact sums.
+
+Two claims of ``opd_literate.opd`` are checked on it, each in the case where it holds and in
+the case where it fails:
+
+* gamma = 1 is unbiased for the gradient of the sequence reverse KL only with a reduction whose
+  normaliser does not depend on the sampled lengths (``sum``, ``seq-mean-token-sum``,
+  ``seq-mean-token-sum-norm``); ``token-mean`` and ``seq-mean-token-mean`` are not.
+* E[Task-2 gradient] = E[Task-3 gradient] with a fixed normaliser; with ``token-mean`` it fails.
+
+The biased expectations are compared with an independent numpy computation (score function
+``e_v - p`` written by hand), so the figures the docs quote come from that reference.
+"""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opd_literate.opd import (
+    aggregate_loss,
+    full_vocab_reverse_kl,
+    opd_pg_loss,
+    reverse_kl_per_position,
+    reverse_kl_rewards,
+    sampled_token_opd_loss,
+)
+
+DOUBLE = torch.float64
+V, EOS, T = 3, 2, 2
+SEQUENCES = [(EOS,)] + [(a, b) for a in (0, 1) for b in range(V)]  # the 7 responses
+
+
+def model():
+    g = torch.Generator().manual_seed(2)
+    theta = torch.randn(1 + V, V, generator=g, dtype=DOUBLE)  # rows 0 (step 1), 1 + y_1
+    phi = torch.randn(1 + V, V, generator=g, dtype=DOUBLE)
+    return theta, phi
+
+
+def rows_of(y):
+    """The logit row of each position of response y."""
+    return [0] if len(y) == 1 else [0, 1 + y[0]]
+
+
+def seq_logp(log_probs, y):
+    return sum(log_probs[row, tok] for row, tok in zip(rows_of(y), y))
+
+
+def sequence_kl_gradient(theta, phi):
+    """grad of KL(pi_theta(y) || pi_T(y)) over the 7 responses, by autograd (no opd code)."""
+    th = theta.clone().requires_grad_(True)
+    lp, lq = F.log_softmax(th, -1), F.log_softmax(phi, -1)
+    total = sum(seq_logp(lp, y).exp() * (seq_logp(lp, y) - seq_logp(lq, y)) for y in SEQUENCES)
+    total.backward()
+    return th.grad
+
+
+def token_tensors(theta, phi, batch):
+    """(B, T) student log-probs (with grad through theta), teacher log-probs and mask.
+
+    Padding holds -inf in both models: the functions must select it away.
+    """
+    th = theta.clone().requires_grad_(True)
+    lp, lq = F.log_softmax(th, -1), F.log_softmax(phi, -1)
+    pad = torch.tensor(-math.inf, dtype=DOUBLE)
+    s_rows, t_rows, masks = [], [], []
+    for y in batch:
+        s = [lp[row, tok] for row, tok in zip(rows_of(y), y)] + [pad] * (T - len(y))
+        t = [lq[row, tok] for row, tok in zip(rows_of(y), y)] + [pad] * (T - len(y))
+        s_rows.append(torch.stack(s))
+        t_rows.append(torch.stack(t))
+        masks.append([1.0] * len(y) + [0.0] * (T - len(y)))
+    return th, torch.stack(s_rows), torch.stack(t_rows), torch.tensor(masks, dtype=DOUBLE)
+
+
+def batch_probability(theta, batch):
+    lp = F.log_softmax(theta, -1)
+    return math.exp(sum(seq_logp(lp, y).item() for y in batch))
+
+
+def expected_gradient(theta, phi, loss_of, B):
+    """sum over all B-tuples of responses of P(batch) * grad_theta loss_of(batch)."""
+    total = torch.zeros_like(theta)
+    for batch in itertools.product(SEQUENCES, repeat=B):
+        th, s, t, mask = token_tensors(theta, phi, batch)
+        loss_of(th, s, t, mask, batch).backward()
+        total += batch_probability(theta, batch) * th.grad
+    return total
+
+
+# ------------------------------------------------------------ independent numpy reference
+def numpy_reference(theta, phi, weight, advantage):
+    """sum_batch P(batch) sum_b weight(batch, b) sum_t A_bt (e_{y_t} - p_row), by hand."""
+    lp = theta.log_softmax(-1).numpy()
+    lq = phi.log_softmax(-1).numpy()
+    p = np.exp(lp)
+    out = np.zeros_like(lp)
+
+    def expectation(B):
+        for batch in itertools.product(SEQUENCES, repeat=B):
+            prob = math.exp(sum(sum(lp[r, k] for r, k in zip(rows_of(y), y)) for y in batch))
+            for b, y in enumerate(batch):
+                w = weight(batch, b)
+                for t, (row, tok) in enumerate(zip(rows_of(y), y)):
+                    score = -p[row].copy()
+                    score[tok] += 1.0  # grad of log p(tok | row) w.r.t. the row's logits
+                    out[row] += prob * w * advantage(y, t, lp, lq, row, p) * score
+        return out
+    return expectation
+
+
+def reward_to_go(y, t, lp, lq, row, p):
+    """A_t with gamma = 1 times -1: sum_{k >= t} (log p - log q) of the response."""
+    pairs = list(zip(rows_of(y), y))[t:]
+    return sum(lp[r, k] - lq[r, k] for r, k in pairs)
+
+
+def angle_degrees(a, b):
+    """The angle between two gradients: 0 for a rescaled copy, so a scale-free bias."""
+    a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+    cos = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+    return math.degrees(math.acos(min(1.0, cos)))
+
+
+def gamma_one(reduction):
+    def loss_of(th, s, t, mask, batch):
+        return sampled_token_opd_loss(s, t, mask, gamma=1.0, reduction=reduction)
+    return loss_of
+
+
+# --------------------------------------------------------------------- item: gamma = 1
+@pytest.mark.parametrize("B", [1, 2])
+def test_gamma_one_is_unbiased_with_a_length_independent_normaliser(B):
+    theta, phi = model()
+    true = sequence_kl_gradient(theta, phi)
+    # E[sum over the batch] = B * grad KL; seq-mean-token-sum divides by B; -norm by T = 2
+    for reduction, scale in [("sum", B), ("seq-mean-token-sum", 1.0),
+                             ("seq-mean-token-sum-norm", B / T)]:
+        got = expected_gradient(theta, phi, gamma_one(reduction), B)
+        torch.testing.assert_close(got, scale * true, rtol=1e-12, atol=1e-13)
+
+
+# The figures the docs quote: the angle between the expected gradient and the true one (0 for
+# an unbiased reduction, whatever its scale), from the numpy reference.
+TOKEN_MEAN_ANGLE = {1: 7.26, 2: 3.42}
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_gamma_one_is_biased_with_token_mean(B):
+    theta, phi = model()
+    true = sequence_kl_gradient(theta, phi).numpy()
+    got = expected_gradient(theta, phi, gamma_one("token-mean"), B).numpy()
+
+    ref = numpy_reference(theta, phi, lambda batch, b: 1.0 / sum(len(y) for y in batch),
+                          reward_to_go)
+    out = ref(B)
+    np.testing.assert_allclose(got, out, rtol=1e-12, atol=1e-13)
+    # not a rescaled true gradient: the direction is off
+    assert angle_degrees(out, true) == pytest.approx(TOKEN_MEAN_ANGLE[B], abs=0.01)
+    assert angle_degrees(true, 2.0 * true) < 1e-6  # the measure ignores the scale
+
+
+def test_gamma_one_is_biased_with_seq_mean_token_mean():
+    theta, phi = model()
+    true = sequence_kl_gradient(theta, phi).numpy()
+    got = expected_gradient(theta, phi, gamma_one("seq-mean-token-mean"), 2).numpy()
+    ref = numpy_reference(theta, phi, lambda batch, b: 1.0 / (2 * len(batch[b])), reward_to_go)
+    out = ref(2)
+    np.testing.assert_allclose(got, out, rtol=1e-12, atol=1e-13)
+    # with 1 / n_b per sequence the batch size does not matter: the B = 1 token-mean figure
+    assert angle_degrees(out, true) == pytest.approx(TOKEN_MEAN_ANGLE[1], abs=0.01)
+
+
+# ----------------------------------------------------- item: E[Task-2] = Task-3 gradient
+def full_vocab_tensors(theta, phi, y):
+    """(1, T, V) logits at the visited states; padding rows are -inf in the teacher."""
+    th = theta.clone().requires_grad_(True)
+    rows = rows_of(y)
+    student = torch.stack([th[r] for r in rows] + [th[0]] * (T - len(y)))[None]
+    teacher = torch.stack([phi[r] for r in rows]
+                          + [torch.full((V,), -math.inf, dtype=DOUBLE)] * (T - len(y)))[None]
+    mask = torch.tensor([[1.0] * len(y) + [0.0] * (T - len(y))], dtype=DOUBLE)
+    return th, student, teacher, mask
+
+
+def expected_task3(theta, phi, reduce):
+    total = torch.zeros_like(theta)
+    for y in SEQUENCES:
+        th, student, teacher, mask = full_vocab_tensors(theta, phi, y)
+        reduce(student, teacher, mask).backward()
+        total += batch_probability(theta, [y]) * th.grad
+    return total
+
+
+def test_task2_equals_task3_in_expectation_with_a_fixed_normaliser():
+    theta, phi = model()
+    task2 = expected_gradient(
+        theta, phi, lambda th, s, t, m, b: sampled_token_opd_loss(s, t, m, 0.0, "sum"), 1)
+    task3 = expected_task3(
+        theta, phi, lambda s, t, m: aggregate_loss(reverse_kl_per_position(s, t, m), m, "sum"))
+    torch.testing.assert_close(task2, task3, rtol=1e-12, atol=1e-14)
+
+
+TASK2_VS_TASK3_TOKEN_MEAN = 0.215  # |E[Task-2] - E[Task-3]| / |E[Task-3]|, same scale
+
+
+def test_task2_differs_from_task3_in_expectation_with_token_mean():
+    theta, phi = model()
+
+    def task2_loss(th, s, t, m, b):
+        return opd_pg_loss(s, reverse_kl_rewards(s, t, m), m)
+
+    task2 = expected_gradient(theta, phi, task2_loss, 1).numpy()
+    task3 = expected_task3(theta, phi, full_vocab_reverse_kl).numpy()
+
+    # independent: the same sums with the per-state gradients written by hand
+    lp, lq = theta.log_softmax(-1).numpy(), phi.log_softmax(-1).numpy()
+    p = np.exp(lp)
+    ref2, ref3 = np.zeros_like(lp), np.zeros_like(lp)
+    for y in SEQUENCES:
+        prob = math.exp(sum(lp[r, k] for r, k in zip(rows_of(y), y)))
+        for row, tok in zip(rows_of(y), y):
+            d = lp[row] - lq[row]
+            score = -p[row].copy()
+            score[tok] += 1.0
+            ref2[row] += prob / len(y) * d[tok] * score
+            ref3[row] += prob / len(y) * p[row] * (d - p[row] @ d)
+    np.testing.assert_allclose(task2, ref2, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(task3, ref3, rtol=1e-12, atol=1e-14)
+    relative = np.linalg.norm(ref2 - ref3) / np.linalg.norm(ref3)
+    assert relative == pytest.approx(TASK2_VS_TASK3_TOKEN_MEAN, abs=1e-3)
