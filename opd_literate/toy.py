@@ -12,8 +12,7 @@ The toy:
 * A response is a sequence $y = (y_1, \dots, y_T)$ of tokens from a vocabulary of $V$; there
   are $M = V^T$ of them ($4^6 = 4096$ by default) and we list them all.
 * The **trainer** draws position $t$ independently: $\pi(y_t = v) = \mathrm{softmax}(\theta_t)_v$.
-  (A real LM conditions on the prefix; independence keeps the toy enumerable, and none of the
-  estimators studied here relies on it.)
+  (A real LM conditions on the prefix; independence keeps the toy enumerable.)
 * The **sampler** sees the same logits with an error: $\mu(y_t = v) = \mathrm{softmax}(\theta_t +
   \epsilon\, b_t)_v$, with $b$ a fixed table drawn from a Student-t with 3 degrees of freedom
   (heavy tails: a few tokens are far off, as with real numerical mismatch) and $\epsilon$ the
@@ -36,6 +35,30 @@ $8 M (3T + 3 + TV)$ bytes ([opd_literate.toy.toy_nbytes][]). Some sizes: $(T, V)
 $(12, 4)$: 10.9 GiB. Each estimate array of ``estimators`` is as large as ``score`` again.
 ``make_toy`` refuses, before allocating anything, a toy whose arrays would exceed
 ``MAX_TOY_BYTES`` (2 GiB) and says how much it would take.
+
+**What holds only because the positions are independent.** The estimators of
+[opd_literate.estimators][] are defined for any sequence model, and the unbiasedness of the
+sequence ratio ($\mathbb{E}_\mu[\rho f] = \mathbb{E}_\pi[f]$) holds for any. Three results on
+these pages use the independence of this toy and fail for an autoregressive model, where
+$\pi_t$ and $\mu_t$ depend on the sampled prefix:
+
+* the product formula $\mathbb{E}_\mu[\rho^2] = \prod_t (1 + \chi^2(\pi_t \,\|\, \mu_t))$
+  for the second moment of the sequence ratio (with a prefix, the factors are conditional on
+  it and their product is not the expectation of the product);
+* the exactness of the token ratio for a per-token objective
+  ([opd_literate.opd_mismatch][]): $\mathbb{E}_\mu[\rho_t f(y_t)] = \mathbb{E}_\pi[f(y_t)]$
+  needs the marginal of $y_t$ under $\mu$ to be $\mu_t$, whatever the earlier tokens;
+* the score of a sequence as a sum of per-position rows, $\partial \log \pi(y) / \partial
+  \theta_t = e_{y_t} - \pi_t$, on which ``true_grad`` and every estimate here are built.
+
+The numbers (how large each bias is) are those of this toy, not of a language model.
+
+The sampler's logits must stay finite with room to spare: ``make_toy`` accepts
+$|\epsilon| \le$ ``MAX_MISMATCH`` $= 10^6$ (at $10^{308}$ the logits $\epsilon b$ overflow to
+infinity and the probabilities become NaN). Long before that bound the importance ratios of
+[opd_literate.estimators][] overflow float64, which they report as a clear error: on the
+default table the sequence ratios do at $\epsilon = 50$, the per-token ratios at
+$\epsilon = 1000$.
 """
 
 from __future__ import annotations
@@ -45,12 +68,16 @@ import math
 
 import numpy as np
 
+from ._checks import check_finite_number
+
 __all__ = [
     "MAX_TOY_BYTES",
+    "MAX_MISMATCH",
     "TOY_KEYS",
     "log_softmax",
     "toy_nbytes",
     "make_toy",
+    "toy_from_logits",
     "sample_from_sampler",
     "estimator_moments",
     "check_toy",
@@ -58,6 +85,9 @@ __all__ = [
 
 MAX_TOY_BYTES = 2 * 1024**3
 """The largest toy (all its arrays together, in bytes) that ``make_toy`` builds."""
+
+MAX_MISMATCH = 1e6
+r"""The largest $|\epsilon|$ that ``make_toy`` accepts (see the module's last paragraph)."""
 
 TOY_KEYS = ("Y", "logp_train", "logp_sampler", "p_train", "p_sampler", "R", "score",
             "true_grad", "theta", "b", "mismatch", "T", "V")
@@ -88,7 +118,8 @@ def log_softmax(z):
     [0.0, -1000.0]
     """
     z = np.asarray(z, dtype=float)
-    shifted = z - z.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):  # a gap above float max: -inf, the limit (probability 0)
+        shifted = z - z.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
@@ -122,7 +153,8 @@ def make_toy(T=6, V=4, mismatch=0.3, seed=0):
     V : int
         Vocabulary size, >= 1.
     mismatch : float
-        $\epsilon$, finite: the sampler's logits are $\theta + \epsilon b$.
+        $\epsilon$, with $|\epsilon| \le$ ``MAX_MISMATCH``: the sampler's logits are
+        $\theta + \epsilon b$.
     seed : int
         Seed of the random table.
 
@@ -137,8 +169,8 @@ def make_toy(T=6, V=4, mismatch=0.3, seed=0):
     Raises
     ------
     ValueError
-        For ``T < 1``, ``V < 1``, a non-finite ``mismatch``, or a toy larger than
-        ``MAX_TOY_BYTES``.
+        For ``T < 1``, ``V < 1``, a ``mismatch`` that is not finite or above
+        ``MAX_MISMATCH`` in absolute value, or a toy larger than ``MAX_TOY_BYTES``.
 
     Examples
     --------
@@ -158,23 +190,69 @@ def make_toy(T=6, V=4, mismatch=0.3, seed=0):
     0.0
     """
     T, V = _check_size("T", T), _check_size("V", V)
-    mismatch = float(mismatch)
-    if not math.isfinite(mismatch):
-        raise ValueError(f"mismatch must be a finite number, got {mismatch!r}")
-    nbytes = toy_nbytes(T, V)
-    if nbytes > MAX_TOY_BYTES:
+    mismatch = check_finite_number("mismatch", mismatch)
+    if abs(mismatch) > MAX_MISMATCH:
         raise ValueError(
-            f"make_toy(T={T}, V={V}) would enumerate V**T = {V**T:,} sequences and take "
-            f"{nbytes / 1024**3:.1f} GiB, above MAX_TOY_BYTES = {MAX_TOY_BYTES / 1024**3:.0f} GiB; "
-            "choose a smaller T or V"
+            f"mismatch must be in [-{MAX_MISMATCH:g}, {MAX_MISMATCH:g}] (MAX_MISMATCH), got "
+            f"{mismatch!r}: the sampler's logits theta + mismatch * b would be too large to "
+            "compute its probabilities"
         )
+    _check_toy_size(T, V, "make_toy")
 
     rng = np.random.default_rng(seed)
-    theta = rng.normal(0.0, 0.7, size=(T, V))   # trainer logits
-    b = rng.standard_t(3, size=(T, V))          # the sampler's heavy-tailed logit error
-    log_pi = log_softmax(theta)                 # (T, V)
-    log_mu = log_softmax(theta + mismatch * b)  # (T, V)
+    theta = rng.normal(0.0, 0.7, size=(T, V))  # trainer logits
+    b = rng.standard_t(3, size=(T, V))         # the sampler's heavy-tailed logit error
+    toy = _enumerate(log_softmax(theta), log_softmax(theta + mismatch * b))
+    return dict(toy, theta=theta, b=b, mismatch=mismatch)
 
+
+def toy_from_logits(train_logits, sampler_logits):
+    r"""The toy of ``make_toy`` with the trainer's and the sampler's logits given by hand.
+
+    Position $t$ of the trainer is $\mathrm{softmax}$ of row $t$ of ``train_logits``, of the
+    sampler $\mathrm{softmax}$ of row $t$ of ``sampler_logits``; positions are independent and
+    the reward is the same as in ``make_toy``. Small enough to check by hand: the estimators'
+    examples use it.
+
+    Parameters
+    ----------
+    train_logits, sampler_logits : array_like
+        ``(T, V)`` finite logits (log-probabilities work: ``np.log([[0.5, 0.5]])``).
+
+    Returns
+    -------
+    dict
+        The keys of ``make_toy``, with ``theta = train_logits``, ``b = sampler_logits -
+        train_logits`` and ``mismatch = 1.0``.
+
+    Examples
+    --------
+    One position, two tokens; the trainer is uniform, the sampler prefers token 0. Token 0
+    is the only sequence with reward 1:
+
+    >>> toy = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))
+    >>> toy["Y"].tolist(), toy["R"].tolist(), toy["p_sampler"].round(12).tolist()
+    ([[0], [1]], [1.0, 0.0], [0.8, 0.2])
+    >>> toy["true_grad"].round(12).tolist()  # pi(0) * (e_0 - pi) = 0.5 * (0.5, -0.5)
+    [[0.25, -0.25]]
+    """
+    train = _check_logits("train_logits", train_logits)
+    sampler = _check_logits("sampler_logits", sampler_logits)
+    if sampler.shape != train.shape:
+        raise ValueError(f"sampler_logits must have the shape of train_logits {train.shape}, "
+                         f"got {sampler.shape}")
+    T, V = train.shape
+    _check_toy_size(T, V, "toy_from_logits")
+    toy = _enumerate(log_softmax(train), log_softmax(sampler))
+    return dict(toy, theta=train, b=sampler - train, mismatch=1.0)
+
+
+def _enumerate(log_pi, log_mu):
+    """Every array of the toy from the per-position log-probabilities, each (T, V)."""
+    T, V = log_pi.shape
+    if not (np.isfinite(log_pi).all() and np.isfinite(log_mu).all()):
+        raise ValueError("a token has probability 0 (log-probability -inf) under the trainer or "
+                         "the sampler: its importance ratio is undefined; use smaller logits")
     Y = np.array(list(itertools.product(range(V), repeat=T)), dtype=np.int64)  # (M, T)
     positions = np.arange(T)
     logp_train = log_pi[positions, Y]    # (M, T): log pi(y_t)
@@ -188,8 +266,38 @@ def make_toy(T=6, V=4, mismatch=0.3, seed=0):
     # grad J = sum_y pi(y) R(y) sum_t score_t(y); the sum over t lands each score on its row.
     true_grad = np.einsum("m,m,mtv->tv", p_train, R, score)
     return dict(Y=Y, logp_train=logp_train, logp_sampler=logp_sampler, p_train=p_train,
-                p_sampler=p_sampler, R=R, score=score, true_grad=true_grad,
-                theta=theta, b=b, mismatch=mismatch, T=T, V=V)
+                p_sampler=p_sampler, R=R, score=score, true_grad=true_grad, T=T, V=V)
+
+
+def _check_logits(name, logits):
+    array = np.asarray(logits)
+    if array.dtype == bool or not (np.issubdtype(array.dtype, np.floating)
+                                   or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(f"{name} must have shape (T, V) with T, V >= 1, got {array.shape}")
+    array = array.astype(float)
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} must be finite, got {float(array[~np.isfinite(array)][0])!r}")
+    return array
+
+
+def _check_toy_size(T, V, caller):
+    """Refuse, before allocating anything, a toy whose arrays would exceed MAX_TOY_BYTES."""
+    # log2 of the size first: V**T itself is a huge integer for T = 10**6 (too long to print).
+    if T * math.log2(V) > 60:
+        digits = T * math.log10(V)
+        raise ValueError(
+            f"{caller}(T={T}, V={V}) would enumerate V**T ~ 10^{digits:.0f} sequences, far above "
+            f"MAX_TOY_BYTES = {MAX_TOY_BYTES / 1024**3:.0f} GiB; choose a smaller T or V"
+        )
+    nbytes = toy_nbytes(T, V)
+    if nbytes > MAX_TOY_BYTES:
+        raise ValueError(
+            f"{caller}(T={T}, V={V}) would enumerate V**T = {V**T:,} sequences and take "
+            f"{nbytes / 1024**3:.1f} GiB, above MAX_TOY_BYTES = {MAX_TOY_BYTES / 1024**3:.0f} GiB; "
+            "choose a smaller T or V"
+        )
 
 
 def _check_size(name, value):
@@ -293,13 +401,22 @@ def estimator_moments(toy, per_seq_estimate):
         raise ValueError(
             f"per_seq_estimate must have shape (M, T, V) = {expected_shape}, got {estimate.shape}"
         )
+    if not np.isfinite(estimate).all():
+        raise ValueError(f"per_seq_estimate holds {int((~np.isfinite(estimate)).sum())} "
+                         "non-finite values; its moments would be NaN")
     mu = toy["p_sampler"]
-    mean = np.einsum("m,mtv->tv", mu, estimate)
-    bias = float(np.linalg.norm(mean - target))
+    # Work on estimate / 2**k with 2**k <= max |estimate| < 2**(k + 1) (exact: a power of two),
+    # so that huge finite estimates give inf, never inf - inf or 0 * inf = NaN.
+    scale = np.ldexp(1.0, np.frexp(np.max(np.abs(estimate), initial=0.0))[1] - 1)
+    scaled = estimate / scale
+    mean_scaled = np.einsum("m,mtv->tv", mu, scaled)
     # sum_m mu_m ||g_m - mean||^2, from the centred values: E||g||^2 - ||mean||^2 would lose
     # every digit to cancellation when the variance is small against the mean.
-    centred = estimate - mean
-    var = float(np.einsum("m,mtv,mtv->", mu, centred, centred))
+    centred = scaled - mean_scaled
+    with np.errstate(over="ignore"):  # a huge estimate has an infinite variance: inf, not NaN
+        mean = mean_scaled * scale
+        var = float(np.einsum("m,mtv,mtv->", mu, centred, centred) * scale * scale)
+        bias = float(np.linalg.norm(mean_scaled - target / scale) * scale)
     norm = float(np.linalg.norm(target))
 
     def relative(error):
@@ -311,6 +428,7 @@ def estimator_moments(toy, per_seq_estimate):
     def rel_rmse(N):
         if not N >= 1:
             raise ValueError(f"N must be >= 1, got {N!r}")
-        return relative(float(np.sqrt(bias**2 + var / N)))
+        with np.errstate(over="ignore"):
+            return relative(float(np.sqrt(np.float64(bias) ** 2 + var / N)))
 
     return dict(mean=mean, bias=bias, var=var, rel_bias=relative(bias), rel_rmse=rel_rmse)
