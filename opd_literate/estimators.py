@@ -22,18 +22,30 @@ it differs from the others only in the weight $w_t$ that it puts on token $t$.
 $\nabla J = \mathbb{E}_{\pi}[A \sum_t s_t]$ (the baseline $b$ drops out because
 $\mathbb{E}_\pi[s_t] = 0$). For any function $f$,
 $\mathbb{E}_\mu[\rho f(y)] = \sum_y \mu(y) \tfrac{\pi(y)}{\mu(y)} f(y) = \mathbb{E}_\pi[f(y)]$,
-so $w_t = \rho$ is unbiased, whatever the mismatch. Its variance is the price: $\rho$ is a
-product of $T$ ratios and its second moment $\mathbb{E}_\mu[\rho^2] = \prod_t (1 +
-\chi^2(\pi_t \,\|\, \mu_t))$ grows exponentially with the length. Everything else in this module
-trades some bias for less variance: per-token ratios (the right ratio for the last token but not
-for the prefix that led to it), truncation (cap the weight), masking and rejection (drop the
-sample), and geometric means (length-normalized ratios).
+so $w_t = \rho$ is unbiased, whatever the mismatch (for any sequence model, as long as $\mu > 0$
+wherever $\pi > 0$). Its variance is the price: $\rho$ is a product of $T$ ratios, and when the
+positions are independent, as in this toy (see [opd_literate.toy][] for what relies on that),
+its second moment is $\mathbb{E}_\mu[\rho^2] = \prod_t (1 + \chi^2(\pi_t \,\|\, \mu_t))$, which
+grows exponentially with the length. Every other estimator in this module gives up
+unbiasedness to get less variance: per-token ratios (the right ratio for the last token but
+not for the prefix that led to it), truncation (cap the weight), masking and rejection (drop
+the sample), and geometric means (length-normalized ratios). The trade usually pays on this
+toy, but not always: at mismatch 0.05 the variance of ``token_is`` is above that of ``seq_is``.
 
 **Bypass mode.** Several estimators come from PPO-style losses. They are evaluated here at the
 point where the gradient is taken, $\theta_{\mathrm{old}} = \theta$, with the rollout policy as
 the PPO anchor ("bypass mode" in verl's ``rollout_correction``), so the PPO ratio *is* $\rho_t$.
 The gradient of a clipped term is then $\rho_t A s_t$ where the clip is inactive and 0 where it
 is active.
+
+**The hand-made examples.** Each estimator's example uses a toy of one or two positions built
+with [opd_literate.toy.toy_from_logits][], where the ratios are round numbers: with the trainer
+uniform, $\pi_t = (0.5, 0.5)$, and the sampler at $\mu_t = (0.8, 0.2)$, the token ratios are
+$\rho_t(0) = 0.625$ and $\rho_t(1) = 2.5$. Token 0 earns the reward, so with one position
+$R = (1, 0)$ for the two sequences; with two positions the sequences are
+$(0,0), (0,1), (1,0), (1,1)$ with $R = (1, 1, 1, 0)$ and $\rho = (0.390625, 1.5625, 1.5625,
+6.25)$. The examples print weights (``return_weights=True``), which a reader can check by hand
+against the formula, and each shows a threshold, cap or clip that changes a weight.
 
 Each public estimator is ``name(toy, <thresholds>, baseline=0.0, *, return_weights=False)``;
 ``return_weights=True`` returns the ``(M, T)`` weights $w_t$ instead of the estimate, which is
@@ -50,7 +62,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._checks import check_finite_number
-from .toy import check_toy, estimator_moments, make_toy
+from .toy import (
+    check_toy,
+    estimator_moments,
+    make_toy,
+    toy_from_logits,  # noqa: F401 (the examples build their toys with it)
+)
+
+# The verl source read for every "verl ..." statement of this module (volcengine/verl, main).
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 
 __all__ = [
     "token_ratios",
@@ -72,6 +92,7 @@ __all__ = [
     "k3_seq_rs",
     "geo_rs_token_tis",
     "gspo",
+    "VERL_COMMIT",
     "EstimatorSpec",
     "REGISTRY",
     "estimator_weights",
@@ -120,6 +141,8 @@ def _exp_ratio(log_ratio, level, toy):
 def geometric_ratio(toy):
     r"""Length-normalized sequence ratios $\rho_{\mathrm{geo}} = \rho^{1/T}$, shape ``(M,)``.
 
+    ``inf`` where $\rho_{\mathrm{geo}}$ overflows float64 (then outside every finite band).
+
     Examples
     --------
     >>> toy = make_toy(T=3, V=2)
@@ -128,7 +151,8 @@ def geometric_ratio(toy):
     True
     """
     check_toy(toy, keys=("logp_train", "logp_sampler"))
-    return np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])
+    with np.errstate(over="ignore"):
+        return np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])
 
 
 def weighted_score(toy, weights, baseline=0.0):
@@ -165,8 +189,16 @@ def weighted_score(toy, weights, baseline=0.0):
             "from them would be NaN"
         )
     advantage = toy["R"] - baseline  # (M,)
-    # w_t * A * s_t: (M, T, 1) * (M, 1, 1) * (M, T, V)
-    return (weights * advantage[:, None])[:, :, None] * toy["score"]
+    with np.errstate(over="ignore"):
+        weighted_advantage = weights * advantage[:, None]  # (M, T)
+    if not np.isfinite(weighted_advantage).all():
+        raise ValueError(
+            f"the weights times the advantage R - baseline overflow float64 (baseline="
+            f"{baseline!r}, largest weight {float(np.max(np.abs(weights))):.3g}); use a smaller "
+            "baseline or mismatch"
+        )
+    # w_t * A * s_t: (M, T, 1) * (M, T, V); |s_t| <= 1, so this product cannot overflow
+    return weighted_advantage[:, :, None] * toy["score"]
 
 
 def _check_band(low, high, *, low_name="low", high_name="high"):
@@ -195,15 +227,26 @@ def naive(toy, baseline=0.0, *, return_weights=False):
     \hat g_t = A\, s_t .
     $$
 
-    What a trainer computes when it ignores the mismatch. Biased whenever $\mu \ne \pi$: its
-    mean is $\mathbb{E}_\mu[A \sum_t s_t]$, the gradient direction for the wrong distribution.
-    Unbiased at ``mismatch = 0``.
+    What a trainer computes when it ignores the mismatch. Its mean is
+    $\mathbb{E}_\mu[A \sum_t s_t]$, the gradient for the wrong distribution: biased in general
+    when $\mu \ne \pi$, unbiased at ``mismatch = 0``. Not biased for *every* $\mu \ne \pi$,
+    though: the bias depends on the baseline, and with one position, two tokens and
+    $b = \pi(1)$ the estimate $A s$ is the same for both tokens, so it is exact whatever $\mu$.
 
     Examples
     --------
-    >>> toy = make_toy(mismatch=0.0)
-    >>> estimator_moments(toy, naive(toy))["rel_bias"] < 1e-12
-    True
+    One position, $\pi = (0.5, 0.5)$, $\mu = (0.8, 0.2)$. Token 0 ($R = 1$) gives
+    $A s = (0.5, -0.5)$, token 1 gives 0, so the mean is $0.8 \cdot (0.5, -0.5)$ where
+    $\nabla J = 0.5 \cdot (0.5, -0.5)$:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> estimator_moments(one, naive(one))["mean"].round(6).tolist()
+    [[0.4, -0.4]]
+
+    With the baseline $b = \pi(1) = 0.5$ both tokens give $(0.25, -0.25) = \nabla J$:
+
+    >>> estimator_moments(one, naive(one, baseline=0.5))["mean"].round(6).tolist()
+    [[0.25, -0.25]]
     """
     check_toy(toy)
     ### BEGIN SOLUTION Task 1: every token's weight is 1
@@ -220,17 +263,24 @@ def token_is(toy, baseline=0.0, *, return_weights=False):
     $$
 
     The ratio of PPO's surrogate, $\pi_\theta(y_t \mid s_t) / \pi_{\mathrm{old}}(y_t \mid s_t)$,
-    with the rollout policy as the anchor (verl ``rollout_is: token``, no threshold). It corrects
-    the distribution of the token $y_t$ but not of the prefix before it, nor of the reward,
-    which depends on the whole sequence: **biased**, with a bias that is second order in the
-    mismatch per token.
+    with the rollout policy as the anchor (verl ``rollout_is: token`` without truncation). It
+    corrects the distribution of the token $y_t$ but not of the other tokens, on which the
+    reward also depends: with $T \ge 2$ it is **biased**, and the bias is *first* order in the
+    mismatch (doubling a small mismatch doubles it; on the default toy the ratio
+    $\text{bias}(2\epsilon) / \text{bias}(\epsilon)$ is 2.003 at $\epsilon = 0.0125$). In this
+    toy, $\mathbb{E}_\mu[\rho_t A s_t]$ draws $y_t$ from $\pi_t$ but the other positions from
+    $\mu$, which differ from $\pi$ by $O(\epsilon)$. With one position it is ``seq_is``.
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> m = estimator_moments(toy, token_is(toy))
-    >>> 0 < m["rel_bias"] < estimator_moments(toy, naive(toy))["rel_bias"]
-    True
+    One position: the weights are the two ratios, and the mean is $0.8 \cdot 0.625 \cdot
+    (0.5, -0.5) = \nabla J$:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> token_is(one, return_weights=True).round(6).tolist()
+    [[0.625], [2.5]]
+    >>> estimator_moments(one, token_is(one))["mean"].round(6).tolist()
+    [[0.25, -0.25]]
     """
     ### BEGIN SOLUTION Task 2: the per-token ratio pi(y_t) / mu(y_t) (see token_ratios)
     weights = token_ratios(toy)
@@ -246,18 +296,22 @@ def seq_is(toy, baseline=0.0, *, return_weights=False):
     \mathbb{E}_\mu\Big[\rho A \sum_t s_t\Big] = \mathbb{E}_\pi\Big[A \sum_t s_t\Big] = \nabla J .
     $$
 
-    The textbook correction (verl ``rollout_is: sequence`` without a threshold). The ratio is
+    The textbook correction (verl ``rollout_is: sequence`` without truncation). The ratio is
     summed in log space, $\rho = \exp \sum_t (\log \pi(y_t) - \log \mu(y_t))$, so it does not
-    underflow for long sequences. Its variance grows like $\prod_t (1 + \chi^2(\pi_t \| \mu_t))$.
+    underflow for long sequences. With independent positions (this toy) the second moment of
+    its weight is $\mathbb{E}_\mu[\rho^2] = \prod_t (1 + \chi^2(\pi_t \| \mu_t))$: exponential
+    in the length.
 
     Examples
     --------
-    >>> toy = make_toy(mismatch=1.0)
-    >>> estimator_moments(toy, seq_is(toy))["rel_bias"] < 1e-12
-    True
+    Two positions: $\rho$ is the product of the token ratios $0.625$ and $2.5$:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> seq_is(two, return_weights=True).round(6).tolist()
+    [0.390625, 1.5625, 1.5625, 6.25]
     """
     ### BEGIN SOLUTION Task 3: the sequence ratio pi(y) / mu(y), summed in log space
-    weights = np.exp(_log_seq_ratio(toy))
+    weights = _exp_ratio(_log_seq_ratio(toy), "sequence", toy)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
 
@@ -282,9 +336,11 @@ def token_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(token_tis(toy, cap=np.inf), token_is(toy)))
-    True
+    The cap 2 truncates the ratio 2.5 of token 1:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> token_tis(one, cap=2.0, return_weights=True).round(6).tolist()
+    [[0.625], [2.0]]
     """
     cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     ### BEGIN SOLUTION Task 4: the per-token ratio, truncated from above at cap
@@ -300,9 +356,16 @@ def seq_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     \hat g_t = \min(\rho, C)\, A\, s_t .
     $$
 
-    verl ``rollout_is: sequence`` with ``rollout_is_threshold`` (default 2.0); the
-    variance is bounded by $C^2$ times that of ``naive``. Biased by exactly
-    $\mathbb{E}_\mu[(\rho - C)_+ A \sum_t s_t]$, the mass above the cap.
+    verl ``rollout_is: sequence`` with ``rollout_is_threshold`` (default 2.0). Since
+    $\min(\rho, C)^2 \le C^2$, the *second moment* $\mathbb{E}_\mu \lVert \hat g \rVert^2$ is at
+    most $C^2$ times that of ``naive``. The *variance* has no such bound: with one position,
+    two tokens, mismatch 0.5 and the baseline $\pi(1)$, ``naive`` has variance 0 (its estimate
+    is the same for both tokens) and ``seq_tis`` does not. Since $\min(\rho, C) = \rho - (\rho
+    - C)_+$, its bias is exactly the mass above the cap, with a minus sign:
+
+    $$
+    \mathbb{E}_\mu[\hat g] - \nabla J = -\mathbb{E}_\mu\Big[(\rho - C)_+\, A \sum_t s_t\Big].
+    $$
 
     Parameters
     ----------
@@ -311,13 +374,17 @@ def seq_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(seq_tis(toy, cap=np.inf), seq_is(toy)))
-    True
+    The cap 2 truncates the ratio 6.25 of the sequence $(1, 1)$:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> seq_tis(two, cap=2.0, return_weights=True).round(6).tolist()
+    [0.390625, 1.5625, 1.5625, 2.0]
     """
     cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     ### BEGIN SOLUTION Task 5: the sequence ratio, truncated from above at cap
-    weights = np.minimum(np.exp(_log_seq_ratio(toy)), cap)
+    # min(rho, C) = exp(min(log rho, log C)): finite even where rho itself overflows
+    with np.errstate(divide="ignore"):  # log(inf) = inf for an infinite cap is fine
+        weights = _exp_ratio(np.minimum(_log_seq_ratio(toy), np.log(cap)), "sequence", toy)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
 
@@ -330,18 +397,25 @@ def token_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     $$
 
     From J. Liu, Y. Li et al., *When Speed Kills Stability: Demystifying RL Collapse from the
-    Training-Inference Mismatch* (2025); verl ``rollout_rs: token`` with ``rollout_rs_threshold``
-    and ``rollout_rs_threshold_lower``, on top of token IS weights. Where truncation keeps an
-    outlier token at weight $C$, masking drops it: an outlier ratio is taken as a sign that the
-    sample is broken, not as information. $l = 0$ is upper-only; $l > 0$ the two-sided band.
+    Training-Inference Mismatch* (2025). Where truncation keeps an outlier token at weight $C$,
+    masking drops it: an outlier ratio is taken as a sign that the sample is broken, not as
+    information. $l = 0$ (the default here) is upper-only; $l > 0$ the two-sided band.
+
+    In verl today: ``rollout_is: token`` with ``rollout_rs: token_k1``, whose band is read on
+    $-\log \rho_t$: the threshold ``"a_b"`` keeps $\log a \le -\log \rho_t \le \log b$, i.e.
+    $1/b \le \rho_t \le 1/a$, and a single number $h$ keeps $[1/h, h]$. verl requires
+    $a > 0$, so the upper-only band has no verl equivalent; ``token_mis(low=0.5, high=2.0)`` is
+    verl's ``rollout_rs_threshold: 2.0`` with ``rollout_is_threshold`` $\ge 2$. (Until
+    December 2025 the option was ``rollout_rs: token`` with ``rollout_rs_threshold`` and
+    ``rollout_rs_threshold_lower``.)
 
     Examples
     --------
-    A band containing every ratio masks nothing:
+    The band $[0, 2]$ masks the ratio 2.5 of token 1 (``token_tis`` would keep it at 2):
 
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(token_mis(toy, low=0.0, high=np.inf), token_is(toy)))
-    True
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> token_mis(one, low=0.0, high=2.0, return_weights=True).round(6).tolist()
+    [[0.625], [0.0]]
     """
     low, high = _check_band(low, high)
     ### BEGIN SOLUTION Task 6: the per-token ratio where low <= rho_t <= high, else 0
@@ -358,26 +432,39 @@ def seq_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     \hat g_t = \rho\, \mathbb{1}[l \le \rho \le h]\, A\, s_t .
     $$
 
-    Liu, Li et al. (2025), the sequence-level MIS; verl ``rollout_is: sequence`` with
-    ``rollout_rs: sequence`` (``rollout_rs_threshold``; the lower bound defaults to its
-    reciprocal in verl, to 0 here). Unbiased on the kept sequences, biased by the dropped
-    mass $\mathbb{E}_\mu[\rho\,\mathbb{1}[\rho \notin [l, h]]\, A \sum_t s_t]$.
+    Liu, Li et al. (2025), the sequence-level MIS. In verl today: ``rollout_is: sequence``
+    with ``rollout_rs: seq_sum_k1`` (the band read on $-\log \rho$ as for ``token_mis``; the
+    preset ``decoupled_seq_is_rs`` sets ``"0.5_2.0"``, i.e. ``seq_mis(low=0.5, high=2.0)``;
+    until December 2025, ``rollout_rs: sequence``). The lower bound defaults to 0 here. The kept
+    sequences keep their exact weight, so the bias is exactly the dropped mass, with a minus
+    sign:
+
+    $$
+    \mathbb{E}_\mu[\hat g] - \nabla J
+    = -\mathbb{E}_\mu\Big[\rho\,\mathbb{1}[\rho \notin [l, h]]\, A \sum_t s_t\Big].
+    $$
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(seq_mis(toy, low=0.0, high=np.inf), seq_is(toy)))
-    True
+    The band $[0.5, 2]$ drops the sequences $(0, 0)$ ($\rho = 0.390625$) and $(1, 1)$
+    ($\rho = 6.25$):
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> seq_mis(two, low=0.5, high=2.0, return_weights=True).round(6).tolist()
+    [0.0, 1.5625, 1.5625, 0.0]
     """
     low, high = _check_band(low, high)
     ### BEGIN SOLUTION Task 7: the sequence ratio where low <= rho <= high, else 0
-    rho = np.exp(_log_seq_ratio(toy))
-    weights = np.where((rho >= low) & (rho <= high), rho, 0.0)
+    log_rho = _log_seq_ratio(toy)
+    with np.errstate(divide="ignore"):  # log 0 = -inf: a lower bound of 0 keeps everything
+        kept = (log_rho >= np.log(low)) & (log_rho <= np.log(high))
+    # exp only where kept (a finite high bounds it); elsewhere the weight is 0
+    weights = np.where(kept, _exp_ratio(np.where(kept, log_rho, 0.0), "sequence", toy), 0.0)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
 
 
-def geo_rs(toy, low=0.999, high=1.001, baseline=0.0, *, return_weights=False):
+def geo_rs(toy, low=1 / 1.001, high=1 / 0.999, baseline=0.0, *, return_weights=False):
     r"""Geometric-mean rejection sampling: $w_t = \mathbb{1}[l \le \rho_{\mathrm{geo}} \le h]$.
 
     $$
@@ -385,21 +472,29 @@ def geo_rs(toy, low=0.999, high=1.001, baseline=0.0, *, return_weights=False):
     \hat g_t = \mathbb{1}[l \le \rho_{\mathrm{geo}} \le h]\, A\, s_t .
     $$
 
-    verl ``rollout_rs: geometric`` with ``rollout_rs_threshold: 1.001`` and
-    ``rollout_rs_threshold_lower: 0.999`` (the ``pg_rs`` / ``decoupled_geo_rs`` presets); Liu,
-    Li et al. (2025), part 3. Rejection only: kept sequences get weight 1, no ratio. The
-    geometric mean is length-normalized, so long sequences are not rejected just for being
-    long. Biased: the kept samples are still distributed as $\mu$, not $\pi$.
+    Liu, Li et al. (2025), part 3. In verl today: ``rollout_rs: seq_mean_k1`` with the
+    threshold ``"0.999_1.001"`` (the presets ``decoupled_geo_rs``, ``bypass_pg_geo_rs``,
+    ``bypass_ppo_clip_geo_rs``). verl reads that band on the mean of $-\log \rho_t$, which is
+    $-\log \rho_{\mathrm{geo}}$, so it keeps $1/1.001 \le \rho_{\mathrm{geo}} \le 1/0.999$: the
+    defaults here. (Until December 2025: ``rollout_rs: geometric`` with
+    ``rollout_rs_threshold: 1.001``, read on $\rho_{\mathrm{geo}}$ itself with the lower bound
+    $1/1.001$, and a token veto, ``token_veto``.)
+    Rejection only: kept sequences get weight 1, no ratio. The geometric mean is
+    length-normalized, so long sequences are not rejected just for being long. Biased in
+    general: the kept samples are still distributed as $\mu$, not $\pi$.
 
     Examples
     --------
-    >>> toy = make_toy(mismatch=0.0)
-    >>> bool(np.array_equal(geo_rs(toy), naive(toy)))  # every rho_geo is 1 at mismatch 0
-    True
+    The geometric ratios of the two-position toy are $0.625, 1.25, 1.25, 2.5$; the band
+    $[0.8, 1.3]$ rejects the first and the last:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> geo_rs(two, low=0.8, high=1.3, return_weights=True).tolist()
+    [0.0, 1.0, 1.0, 0.0]
     """
     low, high = _check_band(low, high)
     ### BEGIN SOLUTION Task 8: 1 where low <= rho ** (1 / T) <= high, else 0 (no ratio)
-    rho_geo = np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])
+    rho_geo = geometric_ratio(toy)  # exp(mean_t log rho_t)
     weights = ((rho_geo >= low) & (rho_geo <= high)).astype(float)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
@@ -420,9 +515,12 @@ def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(icepop(toy), token_mis(toy, low=0.5, high=5.0)))
-    True
+    With $\pi = (0.9, 0.1)$ and $\mu = (0.5, 0.5)$ the ratios are 1.8 and 0.2; 0.2 is below
+    the band:
+
+    >>> toy = toy_from_logits(np.log([[0.9, 0.1]]), np.log([[0.5, 0.5]]))
+    >>> icepop(toy, return_weights=True).round(6).tolist()
+    [[1.8], [0.0]]
     """
     # The same weights as token_mis, with IcePop's band as the default.
     return token_mis(toy, low, high, baseline, return_weights=return_weights)
@@ -441,10 +539,11 @@ def token_clamp(toy, low=0.5, high=2.0, baseline=0.0, *, return_weights=False):
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> w = token_clamp(toy, return_weights=True)
-    >>> float(w.min()) >= 0.5 and float(w.max()) <= 2.0
-    True
+    The ratios 1.8 and 0.2: the floor 0.5 lifts the second (``icepop`` drops it):
+
+    >>> toy = toy_from_logits(np.log([[0.9, 0.1]]), np.log([[0.5, 0.5]]))
+    >>> token_clamp(toy, low=0.5, high=2.0, return_weights=True).round(6).tolist()
+    [[1.8], [0.5]]
     """
     low, high = _check_band(low, high)
     weights = np.clip(token_ratios(toy), low, high)
@@ -468,9 +567,12 @@ def cispo(toy, eps_low=1.0, eps_high=4.0, baseline=0.0, *, return_weights=False)
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(cispo(toy, 0.5, 1.0), token_clamp(toy, 0.5, 2.0)))
-    True
+    With $\pi = (0.9, 0.1)$ and $\mu = (0.1, 0.9)$ the ratios are 9 and 1/9; the default
+    $\varepsilon_{\mathrm{high}} = 4$ caps 9 at 5:
+
+    >>> toy = toy_from_logits(np.log([[0.9, 0.1]]), np.log([[0.1, 0.9]]))
+    >>> cispo(toy, return_weights=True).round(6).tolist()
+    [[5.0], [0.111111]]
     """
     eps_low = check_finite_number("eps_low", eps_low)
     eps_high = check_finite_number("eps_high", eps_high, allow_inf=True)
@@ -481,37 +583,65 @@ def cispo(toy, eps_low=1.0, eps_high=4.0, baseline=0.0, *, return_weights=False)
                        return_weights=return_weights)
 
 
-def ppo_clip_bypass(toy, eps=0.2, baseline=0.0, *, return_weights=False):
-    r"""PPO's clipped surrogate in bypass mode: the rollout policy is the PPO anchor.
+def ppo_clip_bypass(toy, eps=0.2, clip_ratio_c=3.0, baseline=0.0, *, return_weights=False):
+    r"""PPO's clipped surrogate with dual clip in bypass mode: the rollout policy is the anchor.
 
-    The loss of token $t$ is $-\min(\rho_t A,\ \mathrm{clip}(\rho_t, 1 - \varepsilon,
-    1 + \varepsilon) A)$ with $\rho_t = \pi_\theta(y_t) / \mu(y_t)$ (verl ``bypass_mode: true``
-    with the PPO loss, ``clip_ratio`` 0.2). Its gradient is $\rho_t A s_t$ where the unclipped
-    term is the minimum, and 0 where the clipped constant is:
+    With $\rho_t = \pi_\theta(y_t) / \mu(y_t)$, the loss of token $t$ is PPO's
+    $L_t = -\min(\rho_t A,\ \mathrm{clip}(\rho_t, 1 - \varepsilon, 1 + \varepsilon) A)$ and,
+    for $A < 0$, the dual clip of Ye et al. (2020) bounds it by $-c A$: $L_t = \min(L_t, -cA)$.
+    Its gradient is $\rho_t A s_t$ where the unclipped term is the active one, and 0 where a
+    clipped constant is:
 
     $$
     w_t = \rho_t \big(1 - \mathbb{1}[A > 0,\ \rho_t > 1 + \varepsilon]
-    - \mathbb{1}[A < 0,\ \rho_t < 1 - \varepsilon]\big).
+    - \mathbb{1}[A < 0,\ \rho_t < 1 - \varepsilon]
+    - \mathbb{1}[A < 0,\ \rho_t > c]\big).
     $$
 
-    So PPO's trust region becomes a one-sided token mask that depends on the sign of the
+    This is verl's bypass mode (``bypass_mode: true`` with its default ``loss_type:
+    ppo_clip``), which calls its vanilla PPO loss: ``clip_ratio`` 0.2 and ``clip_ratio_c`` 3.0
+    (verl requires $c > 1$). verl also clamps $\log \rho_t$ to $[-20, 20]$, which sets to 0
+    the weight of a token with $A > 0$ and $\rho_t < e^{-20}$ (here it keeps its tiny
+    $\rho_t$). So PPO's trust region becomes a token mask that depends on the sign of the
     advantage. Biased.
+
+    Parameters
+    ----------
+    eps : float
+        $\varepsilon > 0$, PPO's clip range.
+    clip_ratio_c : float
+        $c > 1$, the dual clip for negative advantages; ``inf`` turns it off.
 
     Examples
     --------
-    With a huge $\varepsilon$ nothing is clipped and it is ``token_is``:
+    One position with baseline 0.5, so $A = +0.5$ for token 0 ($\rho = 0.625$) and $-0.5$ for
+    token 1 ($\rho = 2.5$). Nothing is clipped by default; a dual clip $c = 2$ removes token 1:
 
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(ppo_clip_bypass(toy, eps=1e9), token_is(toy)))
-    True
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> ppo_clip_bypass(one, baseline=0.5, return_weights=True).round(6).tolist()
+    [[0.625], [2.5]]
+    >>> ppo_clip_bypass(one, clip_ratio_c=2.0, baseline=0.5, return_weights=True).round(6).tolist()
+    [[0.625], [0.0]]
+
+    With the ratios 1.8 ($A > 0$) and 0.2 ($A < 0$) PPO's clip removes both:
+
+    >>> toy = toy_from_logits(np.log([[0.9, 0.1]]), np.log([[0.5, 0.5]]))
+    >>> ppo_clip_bypass(toy, baseline=0.5, return_weights=True).round(6).tolist()
+    [[0.0], [0.0]]
     """
     eps = check_finite_number("eps", eps, positive=True)
+    clip_ratio_c = check_finite_number("clip_ratio_c", clip_ratio_c, allow_inf=True)
+    if not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c must be > 1 (the dual clip bounds ratios above 1), got "
+                         f"{clip_ratio_c!r}")
     baseline_value = check_finite_number("baseline", baseline)
     ratio = token_ratios(toy)  # (M, T): PPO's ratio, anchored at the rollout policy
     advantage = (toy["R"] - baseline_value)[:, None]  # (M, 1)
     # The clipped branch of min(ratio A, clip(ratio) A) is a constant: no gradient there.
     clipped = ((advantage > 0) & (ratio > 1 + eps)) | ((advantage < 0) & (ratio < 1 - eps))
-    weights = np.where(clipped, 0.0, ratio)
+    # Dual clip: for A < 0 the loss is min(L, -c A), a constant once ratio > c.
+    dual_clipped = (advantage < 0) & (ratio > clip_ratio_c)
+    weights = np.where(clipped | dual_clipped, 0.0, ratio)
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -522,17 +652,24 @@ def token_veto(toy, threshold=1e-4, baseline=0.0, *, return_weights=False):
     \hat g_t = \mathbb{1}\big[\min_k \rho_k \ge \tau\big]\, A\, s_t .
     $$
 
-    verl ``rollout_token_veto_threshold`` (off by default; 1e-4 in the ``decoupled_geo_rs`` and
-    ``pg_rs`` presets). A token the trainer finds $10^4$ times less likely than the sampler
-    did is a sign of a numerical accident, and the whole sequence is dropped. Rejection only,
-    so biased wherever $\mu \ne \pi$: the kept sequences are still drawn from $\mu$, with
-    weight 1.
+    A token the trainer finds $1/\tau = 10^4$ times less likely than the sampler did is a sign
+    of a numerical accident, and the whole sequence is dropped. Rejection only, so biased in
+    general when $\mu \ne \pi$: the kept sequences are still drawn from $\mu$, with weight 1.
+
+    This was verl's ``rollout_token_veto_threshold`` (off by default; 1e-4 in the presets that
+    combined geometric rejection with it, such as ``decoupled_geo_rs``), removed in January
+    2026. verl today has no one-sided veto; the nearest are ``rollout_rs: seq_max_k2`` and
+    ``seq_max_k3``, which reject a sequence when any token's $\tfrac12 (\log \rho_t)^2$ or
+    $\rho_t - 1 - \log \rho_t$ exceeds a bound, on both sides of $\rho_t = 1$; no preset
+    uses them.
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(token_veto(toy, threshold=0.0), naive(toy)))
-    True
+    The threshold 0.7 vetoes token 0, whose ratio is 0.625:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> token_veto(one, threshold=0.7, return_weights=True).tolist()
+    [0.0, 1.0]
     """
     threshold = check_finite_number("threshold", threshold)
     if threshold < 0:
@@ -550,16 +687,21 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     \hat g_t = \mathbb{1}[\bar k_3 \le \tau]\, A\, s_t .
     $$
 
-    With $y_t \sim \mu$, $\mathbb{E}_\mu[\rho_t - 1 - \log \rho_t] = \mathrm{KL}(\mu_t \,\|\,
-    \pi_t)$, and each term is $\ge 0$: $\bar k_3$ is a per-token estimate of how far sampler and
-    trainer are apart on this sequence. verl ``rollout_rs: seq_mean_k3`` with
-    ``rollout_rs_threshold`` (no default there; 0.01 here). Rejection only. Biased.
+    With $y_t \sim \mu_t$, $\mathbb{E}_{\mu_t}[\rho_t - 1 - \log \rho_t] = \mathrm{KL}(\mu_t
+    \,\|\, \pi_t)$, and each term is $\ge 0$: $\bar k_3$ is a per-token estimate of how far
+    sampler and trainer are apart on this sequence. verl ``rollout_rs: seq_mean_k3``, whose
+    presets (``decoupled_k3_rs``, ``bypass_ppo_clip_k3_rs`` and the ``k3_rs`` combinations with
+    TIS) set ``rollout_rs_threshold`` to 0.01, the default here. Rejection only. Biased in
+    general.
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> bool(np.array_equal(k3_seq_rs(toy, threshold=np.inf), naive(toy)))
-    True
+    One position: $k_3(0.625) = 0.0950$, $k_3(2.5) = 0.5837$; the threshold 0.1 keeps token 0
+    only:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> k3_seq_rs(one, threshold=0.1, return_weights=True).tolist()
+    [1.0, 0.0]
     """
     threshold = check_finite_number("threshold", threshold, allow_inf=True)
     if threshold < 0:
@@ -570,21 +712,24 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     return _finish(toy, weights, baseline, return_weights)
 
 
-def geo_rs_token_tis(toy, low=0.999, high=1.001, cap=2.0, baseline=0.0, *,
+def geo_rs_token_tis(toy, low=1 / 1.001, high=1 / 0.999, cap=2.0, baseline=0.0, *,
                      return_weights=False):
     r"""Geometric rejection combined with token TIS: $w_t = \mathbb{1}[l \le \rho_{\mathrm{geo}}
     \le h] \min(\rho_t, C)$.
 
-    The combination verl allows with ``rollout_rs: geometric`` and ``rollout_is: token``: reject
-    the sequences that are far off on average, reweight the tokens of the others. Biased.
+    Reject the sequences that are far off on average, reweight the tokens of the others. verl's
+    presets ``decoupled_geo_rs_token_tis`` and ``bypass_pg_geo_rs_token_tis``: ``rollout_is:
+    token`` (threshold 2.0) with ``rollout_rs: seq_mean_k1`` at ``"0.999_1.001"``, which keeps
+    $1/1.001 \le \rho_{\mathrm{geo}} \le 1/0.999$ (see ``geo_rs``). Biased.
 
     Examples
     --------
-    >>> toy = make_toy()
-    >>> w = geo_rs_token_tis(toy, return_weights=True)
-    >>> bool(np.array_equal(w, geo_rs(toy, return_weights=True)[:, None]
-    ...                      * token_tis(toy, return_weights=True)))
-    True
+    Two positions, the band $[0.8, 1.3]$ and the cap 1.5: the sequences $(0, 0)$ and $(1, 1)$
+    are rejected, and the ratio 2.5 of token 1 is capped in the other two:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> geo_rs_token_tis(two, low=0.8, high=1.3, cap=1.5, return_weights=True).round(6).tolist()
+    [[0.0, 0.0], [0.625, 1.5], [1.5, 0.625], [0.0, 0.0]]
     """
     low, high = _check_band(low, high)
     cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
@@ -602,17 +747,23 @@ def gspo(toy, eps_low=3e-4, eps_high=4e-4, baseline=0.0, *, return_weights=False
     $$
 
     From C. Zheng et al., *Group Sequence Policy Optimization* (Qwen, 2025), with its clip
-    range $\varepsilon_l = 3 \cdot 10^{-4}$, $\varepsilon_h = 4 \cdot 10^{-4}$ (TRL
-    ``importance_sampling_level="sequence"``). The GSPO objective also divides each sequence's
-    log-likelihood by its length; that is a loss-reduction choice (see
+    range $\varepsilon_l = 3 \cdot 10^{-4}$, $\varepsilon_h = 4 \cdot 10^{-4}$. In TRL:
+    ``GRPOConfig(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)`` (the
+    ratio is the exponential of the mean token log-ratio; TRL's default clip range is 0.2, and
+    its anchor is the old policy, not the sampler). The GSPO objective also divides each
+    sequence's log-likelihood by its length; that is a loss-reduction choice (see
     [opd_literate.opd.aggregate_loss][]) and is left out here so that every estimator targets
     the same $\nabla J$. Biased.
 
     Examples
     --------
-    >>> toy = make_toy(mismatch=0.0)
-    >>> bool(np.array_equal(gspo(toy), naive(toy)))  # rho_geo = 1: nothing clipped
-    True
+    One position, $\pi = (0.8, 0.2)$, $\mu = (0.5, 0.5)$: the ratios are 1.6 and 0.4. With
+    baseline 0, token 0 has $A = 1 > 0$ and a ratio above $1 + \varepsilon_h$: clipped;
+    token 1 has $A = 0$: kept.
+
+    >>> toy = toy_from_logits(np.log([[0.8, 0.2]]), np.log([[0.5, 0.5]]))
+    >>> gspo(toy, return_weights=True).round(6).tolist()
+    [0.0, 0.4]
     """
     eps_low = check_finite_number("eps_low", eps_low, positive=True)
     eps_high = check_finite_number("eps_high", eps_high, positive=True)
@@ -653,41 +804,66 @@ REGISTRY = {
                       "token"),
         EstimatorSpec("seq_is", seq_is, {}, "sequence importance sampling", True, "sequence"),
         EstimatorSpec("token_tis", token_tis, {"cap": 2.0},
-                      "Yao et al. 2025 (TIS); verl rollout_is=token", False, "token"),
-        EstimatorSpec("seq_tis", seq_tis, {"cap": 2.0}, "verl rollout_is=sequence", False,
-                      "sequence"),
+                      "Yao et al. 2025 (TIS); verl rollout_is=token, threshold 2.0", False,
+                      "token"),
+        EstimatorSpec("seq_tis", seq_tis, {"cap": 2.0},
+                      "verl rollout_is=sequence, threshold 2.0", False, "sequence"),
         EstimatorSpec("token_mis", token_mis, {"low": 0.0, "high": 2.0},
-                      "Liu, Li et al. 2025 (MIS); verl rollout_rs=token", False, "token"),
+                      "Liu, Li et al. 2025 (MIS); verl rollout_rs=token_k1 (needs low > 0)",
+                      False, "token"),
         EstimatorSpec("seq_mis", seq_mis, {"low": 0.0, "high": 2.0},
-                      "Liu, Li et al. 2025 (MIS); verl rollout_rs=sequence", False, "sequence"),
-        EstimatorSpec("geo_rs", geo_rs, {"low": 0.999, "high": 1.001},
-                      "verl rollout_rs=geometric (pg_rs preset)", False, "one"),
+                      "Liu, Li et al. 2025 (MIS); verl rollout_rs=seq_sum_k1 (needs low > 0)",
+                      False, "sequence"),
+        EstimatorSpec("geo_rs", geo_rs, {"low": 1 / 1.001, "high": 1 / 0.999},
+                      "verl rollout_rs=seq_mean_k1 0.999_1.001 (decoupled_geo_rs); was "
+                      "rollout_rs=geometric", False, "one"),
         EstimatorSpec("icepop", icepop, {"low": 0.5, "high": 5.0}, "IcePop (Ring-1T, 2025)",
                       False, "token"),
         EstimatorSpec("token_clamp", token_clamp, {"low": 0.5, "high": 2.0},
                       "two-sided TIS (slime tis-clip-low/tis-clip)", False, "token"),
         EstimatorSpec("cispo", cispo, {"eps_low": 1.0, "eps_high": 4.0},
                       "MiniMax-M1 2025 (CISPO)", False, "token"),
-        EstimatorSpec("ppo_clip_bypass", ppo_clip_bypass, {"eps": 0.2},
-                      "PPO clip, verl bypass_mode", False, "token"),
+        EstimatorSpec("ppo_clip_bypass", ppo_clip_bypass, {"eps": 0.2, "clip_ratio_c": 3.0},
+                      "verl bypass_mode, loss_type=ppo_clip: PPO clip 0.2, dual clip 3.0",
+                      False, "token"),
         EstimatorSpec("token_veto", token_veto, {"threshold": 1e-4},
-                      "verl rollout_token_veto_threshold", False, "one"),
+                      "verl rollout_token_veto_threshold (removed Jan 2026)", False, "one"),
         EstimatorSpec("k3_seq_rs", k3_seq_rs, {"threshold": 0.01},
-                      "verl rollout_rs=seq_mean_k3", False, "one"),
+                      "verl rollout_rs=seq_mean_k3 0.01 (decoupled_k3_rs)", False, "one"),
         EstimatorSpec("geo_rs_token_tis", geo_rs_token_tis,
-                      {"low": 0.999, "high": 1.001, "cap": 2.0},
-                      "verl rollout_rs=geometric + rollout_is=token", False, "token"),
+                      {"low": 1 / 1.001, "high": 1 / 0.999, "cap": 2.0},
+                      "verl preset decoupled_geo_rs_token_tis", False, "token"),
         EstimatorSpec("gspo", gspo, {"eps_low": 3e-4, "eps_high": 4e-4},
-                      "Zheng et al. 2025 (GSPO), bypass", False, "geometric"),
+                      "Zheng et al. 2025 (GSPO), bypass; TRL importance_sampling_level=sequence",
+                      False, "geometric"),
     ]
 }
-"""Every estimator of this module by name, with its default thresholds and source."""
+"""Every estimator of this module by name, with its default thresholds and source.
+
+Each "verl" source is verl's code at ``VERL_COMMIT``: its files
+``verl/trainer/ppo/rollout_corr_helper.py``, ``verl/trainer/ppo/core_algos.py`` and
+``verl/trainer/config/algorithm.py``."""
 
 
-def estimator_weights(toy, name, **params):
-    """The ``(M, T)`` weights of a registered estimator (its defaults, updated by ``params``)."""
+def estimator_weights(toy, name, baseline=0.0, **params):
+    """The ``(M, T)`` weights of a registered estimator (its defaults, updated by ``params``).
+
+    ``baseline`` matters for the estimators whose weight depends on the sign of the advantage
+    (``ppo_clip_bypass``, ``gspo``).
+
+    Examples
+    --------
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> estimator_weights(one, "ppo_clip_bypass", baseline=0.5, clip_ratio_c=2.0).tolist()
+    [[0.625], [0.0]]
+    """
     spec = _spec(name)
-    weights = spec.fn(toy, **{**spec.defaults, **params}, return_weights=True)
+    unknown = sorted(set(params) - set(spec.defaults))
+    if unknown:
+        raise ValueError(f"unknown parameters {unknown} for estimator {name!r}; it takes "
+                         f"{sorted(spec.defaults)}")
+    weights = spec.fn(toy, **{**spec.defaults, **params}, baseline=baseline,
+                      return_weights=True)
     weights = np.asarray(weights, dtype=float)
     if weights.ndim == 1:
         weights = np.broadcast_to(weights[:, None], toy["logp_train"].shape)
@@ -732,11 +908,14 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
     baseline : float
         Passed to every estimator.
     params : dict, optional
-        ``{name: {param: value}}`` overriding defaults.
+        ``{name: {param: value}}`` overriding defaults. An estimator or a parameter that does
+        not exist is a ``ValueError`` that names it.
 
     Returns
     -------
     list of dict
+        Each row's ``bias``, ``var`` and ``rel_rmse`` are those of the estimator called
+        directly, ``fn(toy, **params, baseline=baseline)``.
 
     Examples
     --------
@@ -745,14 +924,20 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
     [('naive', False, False), ('seq_is', True, False), ('token_tis', False, True)]
     """
     check_toy(toy)
-    params = params or {}
+    params = {} if params is None else dict(params)
     names = list(REGISTRY) if names is None else list(names)
+    for name in [*names, *params]:
+        _spec(name)  # an unknown name is an error, not silently ignored
+    stray = sorted(set(params) - set(names))
+    if stray:
+        raise ValueError(f"params names estimators that are not compared: {stray}; compared: "
+                         f"{names}")
     mu = toy["p_sampler"]
     rows = []
     for name in names:
         spec = _spec(name)
-        kwargs = {**spec.defaults, **params.get(name, {})}
-        weights = estimator_weights(toy, name, **kwargs)
+        # The weights depend on the baseline for ppo_clip_bypass and gspo (the advantage's sign).
+        weights = estimator_weights(toy, name, baseline=baseline, **params.get(name, {}))
         estimate = weighted_score(toy, weights, baseline)
         moments = estimator_moments(toy, estimate)
         modified = ~np.isclose(weights, _reference_weights(toy, spec.reference),

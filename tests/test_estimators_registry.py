@@ -38,11 +38,32 @@ def test_infinite_caps_and_full_bands_remove_the_correction():
 def test_ppo_clip_bypass_zeroes_only_in_the_advantage_direction():
     toy = make_toy(mismatch=1.0)
     rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
-    w = E.ppo_clip_bypass(toy, eps=0.2, baseline=0.5, return_weights=True)
     A = toy["R"][:, None] - 0.5
+    # PPO's clip alone (no dual clip): one-sided in the advantage's direction
+    w = E.ppo_clip_bypass(toy, eps=0.2, clip_ratio_c=np.inf, baseline=0.5, return_weights=True)
     zeroed = w == 0
     assert (zeroed == (((A > 0) & (rho_t > 1.2)) | ((A < 0) & (rho_t < 0.8)))).all()
     np.testing.assert_array_equal(w[~zeroed], rho_t[~zeroed])
+
+
+def test_ppo_clip_bypass_dual_clip_removes_negative_advantage_tokens_above_c():
+    """verl's vanilla PPO loss: for A < 0 the loss is min(L, -c A), constant once rho_t > c."""
+    toy = make_toy(mismatch=1.0)
+    rho_t = np.exp(toy["logp_train"] - toy["logp_sampler"])
+    A = toy["R"][:, None] - 0.5
+    w = E.ppo_clip_bypass(toy, baseline=0.5, return_weights=True)  # eps 0.2, c = 3
+    dual = (A < 0) & (rho_t > 3.0)
+    assert toy["p_sampler"] @ dual.any(axis=1) > 0.01  # the dual clip bites on this toy
+    expected = np.where(((A > 0) & (rho_t > 1.2)) | ((A < 0) & (rho_t < 0.8)) | dual, 0.0, rho_t)
+    np.testing.assert_array_equal(w, expected)
+    # a smaller c removes more: every token with A < 0 and rho_t > 2
+    w2 = E.ppo_clip_bypass(toy, clip_ratio_c=2.0, baseline=0.5, return_weights=True)
+    assert ((w2 == 0) == ((expected == 0) | ((A < 0) & (rho_t > 2.0)))).all()
+    # at baseline 0 no advantage is negative: the dual clip never bites
+    np.testing.assert_array_equal(E.ppo_clip_bypass(toy, clip_ratio_c=1.01),
+                                  E.ppo_clip_bypass(toy, clip_ratio_c=np.inf))
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        E.ppo_clip_bypass(toy, clip_ratio_c=1.0)
 
 
 def test_monte_carlo_mean_agrees_with_exact_mean_within_four_standard_errors():
@@ -87,10 +108,25 @@ def test_overflowing_ratios_give_a_clear_error_not_nan():
         E.token_is(make_toy(mismatch=1000.0))
     toy = make_toy(mismatch=50.0)
     assert np.isfinite(E.token_is(toy)).all()
-    with np.errstate(over="ignore"):
-        with pytest.raises(ValueError, match="non-finite values"):
-            E.seq_is(toy)
-        assert np.isfinite(E.geo_rs(toy)).all()  # the geometric mean itself is representable
+    with pytest.raises(ValueError, match="sequence importance ratios overflow float64"):
+        E.seq_is(toy)
+    # Truncated and masked sequence ratios stay finite: computed in log space.
+    log_rho = (toy["logp_train"] - toy["logp_sampler"]).sum(axis=1)
+    assert log_rho.max() > 709.8
+    w = E.seq_tis(toy, return_weights=True)
+    np.testing.assert_allclose(w, np.exp(np.minimum(log_rho, np.log(2.0))), rtol=1e-12)
+    w = E.seq_mis(toy, return_weights=True)
+    inside = log_rho <= np.log(2.0)
+    np.testing.assert_allclose(w, np.where(inside, np.exp(np.minimum(log_rho, 1.0)), 0.0),
+                               rtol=1e-12)
+    assert np.isfinite(E.geo_rs(toy)).all()  # the geometric mean itself is representable
+
+
+def test_huge_baseline_is_a_clear_error_not_inf_or_nan():
+    toy = make_toy(T=2, V=2, mismatch=1.0)
+    with pytest.raises(ValueError, match=r"overflow float64 \(baseline=-1.7e\+308"):
+        E.seq_is(toy, baseline=-1.7e308)
+    assert np.isfinite(E.seq_is(toy, baseline=-1e300)).all()
 
 
 class TestBadInput:
