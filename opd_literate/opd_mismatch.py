@@ -26,10 +26,13 @@ the OPD reward) and the score $s_t = e_{y_t} - \pi_t$. The recipes differ in two
 * **which weight**: none ($w_t = 1$), token-level truncated IS ($w_t = \min(\rho_t, C)$) or the
   plain token ratio ($w_t = \rho_t$).
 
-In this toy the positions are independent, so the token ratio $\rho_t$ is the *exact* correction
-for a per-token quantity: $\mathbb{E}_\mu[\rho_t f(y_t)] = \mathbb{E}_\pi[f(y_t)]$, and
-``logp="trainer", weight="token_is"`` is unbiased. In a real LM the state $s_t$ depends on the
-prefix, which the sampler also chose; the token ratio then corrects the last token only.
+Why ``logp="trainer", weight="token_is"`` is unbiased here, and only because the positions of
+the toy are independent (one of the results listed in [opd_literate.toy][] that need it): the
+estimate of row $t$ depends on $y_t$ alone, and under $\mu$ the marginal of $y_t$ is $\mu_t$,
+so $\mathbb{E}_\mu[\rho_t f(y_t)] = \mathbb{E}_{\pi_t}[f(y_t)]$, while the objective is a sum
+of per-position KLs. In an autoregressive model $\pi_t$ and $\mu_t$ depend on the prefix, which
+the sampler also chose: the token ratio then corrects the last token only, and the recipe is
+biased.
 """
 
 from __future__ import annotations
@@ -74,8 +77,14 @@ def add_teacher(toy, teacher_seed=1, scale=1.0):
     check_toy(toy, keys=("Y", "theta", "T", "V"))
     scale = check_finite_number("scale", scale)
     T, V = toy["T"], toy["V"]
-    phi = np.random.default_rng(teacher_seed).normal(0.0, 1.0, size=(T, V)) * scale
-    log_q = log_softmax(phi)
+    with np.errstate(over="ignore"):
+        phi = np.random.default_rng(teacher_seed).normal(0.0, 1.0, size=(T, V)) * scale
+        log_q = log_softmax(phi)
+    if not np.isfinite(log_q).all():
+        # A teacher probability of 0 makes the reverse KL infinite and its gradient NaN.
+        raise ValueError(f"scale={scale!r} gives the teacher a token of probability 0 (its "
+                         "logits overflow float64 or differ by more than it can represent); "
+                         "use a smaller scale")
     log_pi = log_softmax(toy["theta"])
     pi = np.exp(log_pi)
     kl_t = (pi * (log_pi - log_q)).sum(axis=1)  # (T,)

@@ -6,7 +6,7 @@ import torch
 
 from opd_literate.opd import full_vocab_reverse_kl
 from opd_literate.opd_mismatch import OPD_RECIPES, add_teacher, opd_estimate, opd_mismatch_table
-from opd_literate.toy import estimator_moments, make_toy
+from opd_literate.toy import estimator_moments, log_softmax, make_toy
 
 
 def test_kl_gradient_matches_torch_autograd_of_the_lab_loss():
@@ -53,3 +53,26 @@ def test_bad_arguments():
         opd_estimate(toy, weight="seq")
     with pytest.raises(ValueError, match="toy is missing the keys"):
         opd_estimate(make_toy(T=2, V=2))
+
+
+def test_a_teacher_with_a_zero_probability_is_a_clear_error_not_nan():
+    toy = make_toy(T=2, V=3)
+    assert np.isfinite(add_teacher(toy, scale=1e300)["kl_grad"]).all()
+    with pytest.raises(ValueError, match=r"scale=1e\+308 gives the teacher a token of probability"):
+        add_teacher(toy, scale=1e308)
+
+
+def test_token_is_corrects_a_per_token_reward_because_each_row_sees_only_its_own_token():
+    """The module's explanation, step by step: E_mu[rho_t f(y_t)] = E_pi_t[f(y_t)] per row."""
+    toy = add_teacher(make_toy(T=3, V=3, mismatch=1.3, seed=6))
+    per_seq = opd_estimate(toy, "trainer", "token_is")
+    pi = np.exp(log_softmax(toy["theta"]))
+    for t in range(3):
+        # E_mu[row t] computed by enumeration equals the sum over y_t of pi_t(y_t) * row t
+        row_mean = np.einsum("m,mv->v", toy["p_sampler"], per_seq[:, t])
+        by_token = np.zeros(3)
+        for v in range(3):
+            m = int(np.flatnonzero(toy["Y"][:, t] == v)[0])  # any sequence with y_t = v
+            by_token += pi[t, v] * per_seq[m, t] / np.exp(toy["logp_train"][m, t]
+                                                           - toy["logp_sampler"][m, t])
+        np.testing.assert_allclose(row_mean, by_token, rtol=1e-10, atol=1e-14)
