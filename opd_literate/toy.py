@@ -401,14 +401,16 @@ def estimator_moments(toy, per_seq_estimate):
         raise ValueError(
             f"per_seq_estimate must have shape (M, T, V) = {expected_shape}, got {estimate.shape}"
         )
-    if not np.isfinite(estimate).all():
+    largest = float(np.abs(estimate).max(initial=0.0))  # NaN or inf if any value is
+    if not np.isfinite(largest):
         raise ValueError(f"per_seq_estimate holds {int((~np.isfinite(estimate)).sum())} "
                          "non-finite values; its moments would be NaN")
     mu = toy["p_sampler"]
-    # Work on estimate / 2**k with 2**k <= max |estimate| < 2**(k + 1) (exact: a power of two),
-    # so that huge finite estimates give inf, never inf - inf or 0 * inf = NaN.
-    scale = np.ldexp(1.0, np.frexp(np.max(np.abs(estimate), initial=0.0))[1] - 1)
-    scaled = estimate / scale
+    # Beyond 2**500 a square could overflow: then work on estimate / 2**k with
+    # 2**k <= max |estimate| (exact, a power of two), so that huge finite estimates give inf,
+    # never inf - inf or 0 * inf = NaN.
+    scale = np.ldexp(1.0, np.frexp(largest)[1] - 1) if largest > 2.0**500 else np.float64(1.0)
+    scaled = estimate / scale if scale != 1 else estimate
     mean_scaled = np.einsum("m,mtv->tv", mu, scaled)
     # sum_m mu_m ||g_m - mean||^2, from the centred values: E||g||^2 - ||mean||^2 would lose
     # every digit to cancellation when the variance is small against the mean.
