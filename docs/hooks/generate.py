@@ -51,6 +51,9 @@ def _estimators():
     toy = make_toy()
     rows = comparison_table(toy, N=64)
     _write("estimators_table.md", format_table(rows, N=64) + "\n")
+    # With a baseline some advantages are negative: ppo_clip_bypass and gspo change.
+    rows_baseline = comparison_table(make_toy(mismatch=1.0), N=64, baseline=0.5)
+    _write("estimators_table_baseline.md", format_table(rows_baseline, N=64) + "\n")
 
     names = ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis",
              "icepop", "ppo_clip_bypass", "gspo"]
