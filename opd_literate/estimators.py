@@ -510,8 +510,8 @@ def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
     From the Ling team's IcePop (inclusionAI, Ring-1T, 2025), with their band
     $\alpha = 0.5$, $\beta = 5$: two-sided token masking, i.e. ``token_mis(low=0.5, high=5.0)``.
     Tokens whose training and inference probabilities disagree by more than the band
-    contribute no gradient at all. Biased, like every token-level correction: the ratio
-    corrects the token, not its prefix or the sequence's reward, and the mask drops mass.
+    contribute no gradient at all. Biased in general: the ratio corrects its own token, not the
+    others on which the reward also depends, and the mask drops mass.
 
     Examples
     --------
@@ -894,8 +894,8 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
     Each row holds: ``name``, ``bias``, ``var`` (of one sample), ``rel_bias``,
     ``rel_rmse`` for a batch of ``N`` sequences, ``token_frac`` and ``seq_frac`` (the
     probability under $\mu$ that a token, or a sequence, has a weight other than its
-    uncorrected ratio: truncated, clipped, masked or rejected), ``unbiased`` (by construction)
-    and ``source``.
+    uncorrected ratio: truncated, clipped, masked or rejected), ``unbiased`` (the registry's
+    flag: unbiased at every mismatch, whatever the parameters; only ``seq_is``) and ``source``.
 
     Parameters
     ----------
