@@ -707,7 +707,8 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     log_rho_t = toy["logp_train"] - toy["logp_sampler"]
-    k3 = np.expm1(log_rho_t) - log_rho_t  # rho - 1 - log rho, accurate near rho = 1
+    with np.errstate(over="ignore"):  # rho_t beyond float max: k3 = inf, rejected
+        k3 = np.expm1(log_rho_t) - log_rho_t  # rho - 1 - log rho, accurate near rho = 1
     weights = (k3.mean(axis=1) <= threshold).astype(float)
     return _finish(toy, weights, baseline, return_weights)
 

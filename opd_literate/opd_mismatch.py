@@ -133,7 +133,14 @@ def opd_estimate(toy, logp="trainer", weight="none", cap=2.0):
         w = token_tis(toy, cap, return_weights=True)  # min(rho_t, C)
     else:
         w = token_ratios(toy)  # rho_t
-    return (w * d)[:, :, None] * toy["score"]
+    with np.errstate(over="ignore"):
+        weighted = w * d  # (M, T)
+    if not np.isfinite(weighted).all():
+        raise ValueError(f"the weights times the log-probability gaps overflow float64 "
+                         f"(weight={weight!r}, largest gap {float(np.abs(d).max()):.3g}); use a "
+                         "smaller teacher scale or mismatch")
+    # |s_t| <= 1, so this product cannot overflow
+    return weighted[:, :, None] * toy["score"]
 
 
 def opd_mismatch_table(mismatches, T=6, V=4, seed=0, teacher_seed=1, cap=2.0, N=64):

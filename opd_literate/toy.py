@@ -406,31 +406,37 @@ def estimator_moments(toy, per_seq_estimate):
         raise ValueError(f"per_seq_estimate holds {int((~np.isfinite(estimate)).sum())} "
                          "non-finite values; its moments would be NaN")
     mu = toy["p_sampler"]
-    # Beyond 2**500 a square could overflow: then work on estimate / 2**k with
-    # 2**k <= max |estimate| (exact, a power of two), so that huge finite estimates give inf,
-    # never inf - inf or 0 * inf = NaN.
-    scale = np.ldexp(1.0, np.frexp(largest)[1] - 1) if largest > 2.0**500 else np.float64(1.0)
-    scaled = estimate / scale if scale != 1 else estimate
-    mean_scaled = np.einsum("m,mtv->tv", mu, scaled)
+    # Squares of values beyond 2**500 could overflow, below 2**-500 underflow: then work on
+    # x / 2**k with 2**k <= the largest |value| (exact, a power of two), take the ratios there,
+    # and scale back only the absolute moments (inf at worst, never inf - inf or 0 * inf = NaN).
+    largest = max(largest, float(np.abs(target).max(initial=0.0)))
+    if largest > 2.0**500 or 0 < largest < 2.0**-500:
+        scale = np.ldexp(1.0, np.frexp(largest)[1] - 1)
+        estimate, target = estimate / scale, target / scale
+    else:
+        scale = np.float64(1.0)
+    mean_scaled = np.einsum("m,mtv->tv", mu, estimate)
     # sum_m mu_m ||g_m - mean||^2, from the centred values: E||g||^2 - ||mean||^2 would lose
     # every digit to cancellation when the variance is small against the mean.
-    centred = scaled - mean_scaled
+    centred = estimate - mean_scaled
+    var_scaled = float(np.einsum("m,mtv,mtv->", mu, centred, centred))
+    bias_scaled = float(np.linalg.norm(mean_scaled - target))
+    norm_scaled = float(np.linalg.norm(target))
     with np.errstate(over="ignore"):  # a huge estimate has an infinite variance: inf, not NaN
         mean = mean_scaled * scale
-        var = float(np.einsum("m,mtv,mtv->", mu, centred, centred) * scale * scale)
-        bias = float(np.linalg.norm(mean_scaled - target / scale) * scale)
-    norm = float(np.linalg.norm(target))
+        var = float(var_scaled * scale * scale)
+        bias = float(bias_scaled * scale)
 
-    def relative(error):
+    def relative(error_scaled):
         # A zero true gradient (T = V = 1, say) has no relative scale: 0 stays 0, else inf.
-        if norm > 0:
-            return error / norm
-        return 0.0 if error == 0 else math.inf
+        if norm_scaled > 0:
+            return error_scaled / norm_scaled
+        return 0.0 if error_scaled == 0 else math.inf
 
     def rel_rmse(N):
         if not N >= 1:
             raise ValueError(f"N must be >= 1, got {N!r}")
-        with np.errstate(over="ignore"):
-            return relative(float(np.sqrt(np.float64(bias) ** 2 + var / N)))
+        return relative(math.sqrt(bias_scaled**2 + var_scaled / N))
 
-    return dict(mean=mean, bias=bias, var=var, rel_bias=relative(bias), rel_rmse=rel_rmse)
+    return dict(mean=mean, bias=bias, var=var, rel_bias=relative(bias_scaled),
+                rel_rmse=rel_rmse)

@@ -150,3 +150,11 @@ class TestBadInput:
     def test_errors_name_the_parameter(self, call, message):
         with pytest.raises(ValueError, match=message):
             call(make_toy(T=2, V=2))
+
+
+def test_k3_rejection_of_an_overflowing_ratio_is_silent_and_rejects():
+    toy = make_toy(mismatch=1000.0)  # some rho_t overflow float64: k3 = inf, rejected
+    weights = E.k3_seq_rs(toy, threshold=1e300, return_weights=True)
+    log_rho_t = toy["logp_train"] - toy["logp_sampler"]
+    overflowing = log_rho_t.max(axis=1) > 709.8
+    assert overflowing.any() and (weights[overflowing] == 0).all()

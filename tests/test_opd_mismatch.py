@@ -76,3 +76,9 @@ def test_token_is_corrects_a_per_token_reward_because_each_row_sees_only_its_own
             by_token += pi[t, v] * per_seq[m, t] / np.exp(toy["logp_train"][m, t]
                                                            - toy["logp_sampler"][m, t])
         np.testing.assert_allclose(row_mean, by_token, rtol=1e-10, atol=1e-14)
+
+
+def test_an_overflowing_opd_estimate_is_a_clear_error_not_inf():
+    toy = add_teacher(make_toy(T=2, V=3, mismatch=100.0), scale=1e306)
+    with pytest.raises(ValueError, match="the weights times the log-probability gaps overflow"):
+        opd_estimate(toy, "trainer", "token_is")

@@ -218,3 +218,17 @@ def test_moments_of_huge_finite_estimates_are_inf_never_nan():
     spread = np.random.default_rng(0).normal(size=toy["score"].shape) * 1e307
     moments = estimator_moments(make_toy(), spread)
     assert moments["var"] == np.inf and np.isfinite(moments["bias"])
+
+
+def test_relative_moments_of_a_huge_gradient_are_exact_not_nan():
+    """Norms above 1e154 overflow when squared; the ratios are taken on scaled values."""
+    toy = make_toy(T=2, V=2, mismatch=0.5)
+    estimate = np.random.default_rng(3).normal(size=toy["score"].shape)
+    small = estimator_moments(toy, estimate)
+    huge = estimator_moments(dict(toy, true_grad=toy["true_grad"] * 2.0**700), estimate * 2.0**700)
+    assert huge["rel_bias"] == pytest.approx(small["rel_bias"], rel=1e-12)
+    assert huge["rel_rmse"](5) == pytest.approx(small["rel_rmse"](5), rel=1e-12)
+    assert huge["var"] == np.inf and huge["bias"] == pytest.approx(small["bias"] * 2.0**700)
+    tiny = estimator_moments(dict(toy, true_grad=toy["true_grad"] * 2.0**-700),
+                             estimate * 2.0**-700)
+    assert tiny["rel_bias"] == pytest.approx(small["rel_bias"], rel=1e-12)
