@@ -1,0 +1,253 @@
+"""Top-k approximations of the KL: exact identities, bounds and counterexamples.
+
+The reference values are computed independently, in plain Python floats by enumeration over the
+vocabulary (no torch), from the full distributions that the approximations do not see.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opd_literate import opd
+from opd_literate.topk import (
+    APPROXIMATIONS,
+    DIRECTIONS,
+    plot_topk_bias,
+    topk_bias_figure_data,
+    topk_bias_table,
+    topk_kl,
+    zipf_pair,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent reference: plain Python over the full distributions.
+# ---------------------------------------------------------------------------------------------
+def kl(a, b):
+    """KL(a || b) of two lists of probabilities, 0 log 0 = 0."""
+    total = 0.0
+    for x, y in zip(a, b):
+        if x > 0:
+            total += math.inf if y == 0 else x * math.log(x / y)
+    return total
+
+
+def approximations(p, q, S, direction):
+    """(a), (b), (c), the true KL and the pieces of the chain rule, by enumeration."""
+    a, b = (p, q) if direction == "reverse" else (q, p)
+    A, B = sum(a[v] for v in S), sum(b[v] for v in S)
+    tail = [v for v in range(len(p)) if v not in S]
+    renorm = kl([a[v] / A for v in S], [b[v] / B for v in S])
+    bucket = kl([a[v] for v in S] + [1 - A], [b[v] for v in S] + [1 - B])
+    ignore = sum(a[v] * math.log(a[v] / b[v]) for v in S if a[v] > 0)
+    tail_kl = kl([a[v] / (1 - A) for v in tail], [b[v] / (1 - B) for v in tail]) if A < 1 else 0
+    return {"renormalize": renorm, "tail": bucket, "ignore": ignore, "true": kl(a, b),
+            "A": A, "B": B, "tail_kl": tail_kl, "kl2": kl([A, 1 - A], [B, 1 - B])}
+
+
+def ours(p, q, S, approximation, direction):
+    student = torch.tensor(p, dtype=torch.float64).log()
+    ids = torch.tensor(sorted(S))
+    teacher = torch.tensor([q[v] for v in sorted(S)], dtype=torch.float64).log()
+    return topk_kl(student, teacher, ids, approximation, direction).item()
+
+
+# Distributions on 4 tokens with every entry a positive multiple of 1/8.
+GRID = [tuple(c / 8 for c in counts) for counts in itertools.product(range(1, 6), repeat=4)
+        if sum(counts) == 8]
+
+
+def test_exhaustive_small_cases_match_enumeration_and_satisfy_the_bounds():
+    pairs = list(itertools.product(GRID[::3], GRID[::2]))
+    student = torch.tensor([p for p, _ in pairs], dtype=torch.float64).log()  # (n, 4)
+    teacher = torch.tensor([q for _, q in pairs], dtype=torch.float64).log()
+    checked = 0
+    for k in (1, 2, 3):
+        for S in itertools.combinations(range(4), k):
+            ids = torch.tensor(S).expand(len(pairs), k)
+            for direction in DIRECTIONS:
+                # all pairs at once: one call per (support, direction, approximation)
+                got = {a: topk_kl(student, teacher.gather(-1, ids), ids, a, direction).tolist()
+                       for a in APPROXIMATIONS}
+                for i, (p, q) in enumerate(pairs):
+                    ref = approximations(p, q, S, direction)
+                    for approximation in APPROXIMATIONS:
+                        assert got[approximation][i] == pytest.approx(
+                            ref[approximation], rel=1e-12, abs=1e-14)
+                    D, A, B = ref["true"], ref["A"], ref["B"]
+                    # chain rule: D = kl2(A, B) + A (a) + (1 - A) KL(tails); (b) = first two
+                    assert D == pytest.approx(ref["kl2"] + A * ref["renormalize"]
+                                              + (1 - A) * ref["tail_kl"], abs=1e-12)
+                    assert ref["tail"] == pytest.approx(ref["kl2"] + A * ref["renormalize"],
+                                                        abs=1e-12)
+                    # (b) is a lower bound, and A (a) <= (b)
+                    assert ref["tail"] <= D + 1e-12
+                    assert A * ref["renormalize"] <= ref["tail"] + 1e-12
+                    # (c) is a lower bound when a's tail mass is at least b's
+                    if 1 - A >= 1 - B:
+                        assert ref["ignore"] <= D + 1e-12
+                    checked += 1
+    assert checked > 5000
+
+
+def test_renormalize_is_no_bound():
+    # above the true forward KL: q = (0.4, 0.3, 0.3), p = (0.01, 0.4, 0.59), S = {0, 1}.
+    # By hand: q~ = (4/7, 3/7), p~ = (1/41, 40/41): (a) = 4/7 log(164/7) + 3/7 log(123/280)
+    # = 1.4493 > KL(q || p) = 0.4 log 40 + 0.3 log 0.75 + 0.3 log(30/59) = 1.1864.
+    p, q = [0.01, 0.4, 0.59], [0.4, 0.3, 0.3]
+    a = ours(p, q, {0, 1}, "renormalize", "forward")
+    assert a == pytest.approx(4 / 7 * math.log(164 / 7) + 3 / 7 * math.log(123 / 280), rel=1e-12)
+    assert kl(q, p) == pytest.approx(0.4 * math.log(40) + 0.3 * math.log(0.75)
+                                     + 0.3 * math.log(30 / 59), rel=1e-12)
+    assert a > kl(q, p) + 0.2
+    # below it: same shape on the top-k, different masses: (a) = 0 < KL
+    p, q = [0.1, 0.1, 0.8], [0.4, 0.4, 0.2]
+    assert ours(p, q, {0, 1}, "renormalize", "forward") == pytest.approx(0, abs=1e-15)
+    assert ours(p, q, {0, 1}, "renormalize", "reverse") == pytest.approx(0, abs=1e-15)
+    assert kl(q, p) > 0.5 and kl(p, q) > 0.5
+
+
+def test_ignore_is_no_bound_without_the_tail_condition():
+    # reverse, student tail mass 0.1 < teacher's 0.5: (c) exceeds the true reverse KL
+    p, q = [0.9, 0.05, 0.05], [0.5, 0.01, 0.49]
+    c = ours(p, q, {0}, "ignore", "reverse")
+    assert c == pytest.approx(0.9 * math.log(1.8), rel=1e-12)  # 0.529
+    assert c > kl(p, q) + 0.03  # KL(p || q) = 0.529 + 0.0805 - 0.114 = 0.495
+    # and (c) can be negative: the student puts less mass than the teacher on S
+    assert ours([0.2, 0.8], [0.5, 0.5], {0}, "ignore", "reverse") == pytest.approx(
+        0.2 * math.log(0.4), rel=1e-12)
+
+
+@st.composite
+def pair_and_support(draw):
+    V = draw(st.integers(2, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.3, 1.0, 4.0]))
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(scale * torch.randn(V, generator=g, dtype=torch.float64), -1).tolist()
+    q = torch.softmax(scale * torch.randn(V, generator=g, dtype=torch.float64), -1).tolist()
+    k = draw(st.integers(1, V - 1))
+    S = set(torch.randperm(V, generator=g)[:k].tolist())
+    return p, q, S
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(pair_and_support(), st.sampled_from(DIRECTIONS))
+def test_random_cases_satisfy_the_bounds(case, direction):
+    p, q, S = case
+    ref = approximations(p, q, S, direction)
+    values = {a: ours(p, q, S, a, direction) for a in APPROXIMATIONS}
+    for approximation, value in values.items():
+        assert value == pytest.approx(ref[approximation], rel=1e-10, abs=1e-13)
+    D, A, B = ref["true"], ref["A"], ref["B"]
+    assert values["tail"] <= D + 1e-12
+    assert A * values["renormalize"] <= values["tail"] + 1e-12
+    if 1 - A >= 1 - B:
+        assert values["ignore"] <= D + 1e-12
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_full_support_is_the_full_kl_in_value_and_gradient(direction):
+    student, teacher = zipf_pair(V=7, noise=0.8, seed=3)
+    log_q = torch.log_softmax(teacher, -1)
+    reference = opd.reverse_kl_per_position if direction == "reverse" \
+        else opd.forward_kl_per_position
+    z = student.clone().requires_grad_(True)
+    want = reference(z[None, None], teacher[None, None])[0, 0]
+    (want_grad,) = torch.autograd.grad(want, z)
+    ids = torch.arange(7).flip(0)  # any order
+    for approximation in APPROXIMATIONS:
+        z = student.clone().requires_grad_(True)
+        got = topk_kl(z, log_q[ids], ids, approximation, direction)
+        (grad,) = torch.autograd.grad(got, z)
+        assert got.item() == pytest.approx(want.item(), rel=1e-12)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+
+
+def test_gradients_of_forward_ignore_and_of_tinkers_renormalised_cross_entropy():
+    student, teacher = zipf_pair(V=9, noise=1.0, seed=4)
+    log_q = torch.log_softmax(teacher, -1)
+    ids = torch.tensor([0, 1, 2])
+    q_S = torch.zeros(9, dtype=torch.float64).index_copy(0, ids, log_q[ids].exp())
+    Q = q_S.sum()
+    z = student.clone().requires_grad_(True)
+    c = topk_kl(z, log_q[ids], ids, "ignore", "forward")
+    (grad,) = torch.autograd.grad(c, z)
+    p = torch.softmax(student, -1)
+    # d/dz sum_S q_v (log q_v - log p_v) = Q p - q 1_S
+    torch.testing.assert_close(grad, Q * p - q_S, rtol=1e-12, atol=1e-15)
+    # Tinker's SDFT target: KL(q~ || p) with q~ = q_S / Q, which is (c) / Q - log Q
+    q_tilde = q_S / Q
+    tinker = sum(q_tilde[v] * math.log(q_tilde[v] / p[v]) for v in ids.tolist())
+    assert float(tinker) == pytest.approx(c.item() / Q.item() - math.log(Q.item()), rel=1e-12)
+    # ... whose gradient p - q~ is (c)'s divided by Q
+    torch.testing.assert_close(grad / Q, p - q_tilde, rtol=1e-12, atol=1e-15)
+
+
+def test_half_precision_is_computed_in_float32():
+    student, teacher = zipf_pair(V=16, noise=1.0)
+    ids = torch.tensor([0, 1, 2])
+    log_q = torch.log_softmax(teacher, -1)[ids]
+    for approximation in APPROXIMATIONS:
+        got = topk_kl(student.bfloat16(), log_q.bfloat16(), ids, approximation)
+        want = topk_kl(student.bfloat16().float(), log_q.bfloat16().float(), ids, approximation)
+        assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_batched_positions_equal_one_at_a_time():
+    g = torch.Generator().manual_seed(5)
+    student = torch.randn(2, 3, 10, generator=g, dtype=torch.float64)
+    log_q = torch.log_softmax(torch.randn(2, 3, 10, generator=g, dtype=torch.float64), -1)
+    topk = log_q.topk(4, dim=-1)
+    batched = topk_kl(student, topk.values, topk.indices, "tail", "forward")
+    assert batched.shape == (2, 3)
+    for i, j in itertools.product(range(2), range(3)):
+        single = topk_kl(student[i, j], topk.values[i, j], topk.indices[i, j], "tail", "forward")
+        assert batched[i, j].item() == pytest.approx(single.item(), rel=1e-14)
+
+
+def test_bias_table_signs_follow_the_bounds():
+    student, teacher = zipf_pair(V=256, temperature=0.8, seed=1)
+    rows = topk_bias_table([1, 4, 16, 64], student, teacher)
+    assert len(rows) == 4 * len(DIRECTIONS) * len(APPROXIMATIONS)
+    for row in rows:
+        if row["approximation"] == "tail":
+            assert row["rel_bias"] <= 1e-12  # a lower bound
+        assert 0 < row["teacher_mass"] < 1 and 0 < row["student_mass"] < 1
+    # more of the vocabulary reported, less bias for the tail bucket
+    tail = [abs(r["rel_bias"]) for r in rows
+            if r["approximation"] == "tail" and r["direction"] == "forward"]
+    assert tail == sorted(tail, reverse=True)
+
+
+def test_figure_is_written(tmp_path):
+    data = topk_bias_figure_data(V=64, temperatures=(1.0,), ks=[1, 8, 32])
+    path = plot_topk_bias(tmp_path / "topk_bias.png", data)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+BAD = [
+    (dict(topk_ids=torch.tensor([0.0, 1.0])), TypeError, "topk_ids must be an integer"),
+    (dict(topk_ids=torch.tensor([0, 1, 2])), ValueError, "topk_ids must have the shape"),
+    (dict(topk_ids=torch.tensor([0, 9])), ValueError, "topk_ids must lie in \\[0, V\\)"),
+    (dict(topk_ids=torch.tensor([1, 1])), ValueError, "must be distinct"),
+    (dict(teacher_topk_logp=torch.tensor([0.5, -1.0])), ValueError, "log-probabilities"),
+    (dict(student_logits=torch.zeros(3, 4)), ValueError, "leading shape of student_logits"),
+    (dict(approximation="top"), ValueError, "approximation must be one of"),
+    (dict(direction="both"), ValueError, "direction must be one of"),
+    (dict(student_logits=torch.zeros(4, dtype=torch.long)), TypeError,
+     "student_logits must have a floating dtype"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", BAD)
+def test_bad_input_raises_a_clear_error(change, error, message):
+    kwargs = dict(student_logits=torch.zeros(4), teacher_topk_logp=torch.tensor([-1.0, -2.0]),
+                  topk_ids=torch.tensor([0, 1]), approximation="tail", direction="reverse")
+    kwargs.update(change)
+    with pytest.raises(error, match=message):
+        topk_kl(**kwargs)
