@@ -3,13 +3,15 @@
 Uses Debian's ``/usr/bin/chromium`` driven by Playwright (no downloaded browser). The site is
 ``$OPD_SITE_DIR`` when set (CI builds it once), else built here with ``mkdocs build --strict``.
 Where chromium is missing the browser test skips, unless ``OPD_REQUIRE_BROWSER=1`` (set by CI),
-in which case it fails. A screenshot of every page goes to ``<site>/_screenshots/``.
+in which case it fails. A screenshot of every page goes to ``<site>/_screenshots/``, and one in
+dark mode of each chapter (``<page>-dark.png``).
 """
 
 import functools
 import http.server
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import mathml  # noqa: E402
+import typeset  # noqa: E402
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 REQUIRE_BROWSER = os.environ.get("OPD_REQUIRE_BROWSER") == "1"
@@ -29,22 +31,59 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 
 
-def test_mathml_hook_converts_inline_and_display_math():
+def _typesetter():
+    try:
+        return typeset.Typesetter()
+    except RuntimeError as error:  # MathJax or Node.js missing: the docs extra is not installed
+        _skip_or_fail(str(error))
+
+
+def test_typeset_hook_lays_out_display_sums_and_escaped_operators():
     page = ('<p>A <span class="arithmatex">\\(\\pi_\\theta &lt; 1\\)</span> and</p>'
-            '<div class="arithmatex">\\[\\frac{a}{b}\\]</div>')
-    out = mathml.convert_page(page)
+            '<div class="arithmatex">\\[\\sum_{i=1}^{n} x_i\\]</div>')
+    with _typesetter() as typesetter:
+        out = typeset.typeset_page(page, typesetter)
+        css = typesetter.stylesheet()
     assert "arithmatex" not in out and "\\(" not in out and "\\[" not in out
-    assert out.count("<math") == 2 and 'display="block"' in out and "<mfrac>" in out
-    # The HTML-escaped "<" of the page reached latex2mathml as "<": it is an operator, and
-    # pi_theta is a subscripted identifier (U+03C0, U+03B8).
-    assert "<mo>&#x0003C;</mo>" in out
-    assert "<msub><mi>&#x003C0;</mi><mi>&#x003B8;</mi></msub>" in out
+    assert out.count("<mjx-container") == 2
+    inline, display = out.split("<mjx-container")[1:]
+    assert 'display="true"' in display and 'display="true"' not in inline
+    # Display mode: the sum is a munderover (limits above and below the sign), drawn with the
+    # large-operator glyph U+2211 from the size-2 TeX font; inline it would be an msubsup.
+    assert "<mjx-munderover" in display and "mjx-c2211 TEX-S2" in display
+    # The HTML-escaped "<" reached MathJax as "<": an operator (U+003C), and pi_theta is a
+    # subscripted identifier. The hidden MathML says the same for screen readers.
+    assert "mjx-c3C" in inline and "<mjx-msub>" in inline
+    assert "<mo>&lt;</mo>" in inline and "<mi>&#x3C0;</mi>" in inline
+    # The stylesheet loads MathJax's fonts from beside it, the size-2 font among them.
+    assert 'url("woff-v2/MathJax_Size2-Regular.woff")' in css
 
 
-def test_mathml_hook_refuses_what_it_cannot_convert():
-    for bad in ("x^{", "\\foo x", "\\left( x"):
-        with pytest.raises(ValueError, match="could not convert"):
-            mathml.tex_to_mathml(bad, display=False)
+def test_typeset_hook_refuses_what_mathjax_cannot_typeset():
+    with _typesetter() as typesetter:
+        for bad in ("x^{", "\\foo x", "\\left( x"):
+            with pytest.raises(ValueError, match="MathJax could not typeset"):
+                typesetter.typeset(bad, display=False)
+        # The process goes on after an error.
+        assert "<mjx-container" in typesetter.typeset("x", display=False)
+
+
+def test_built_pages_name_no_host(site):
+    """No canonical link or sitemap entry names the dev server: the site publishes as is."""
+    named = []
+    for path in sorted(site.rglob("*")):
+        if path.suffix not in {".html", ".xml"} or "_screenshots" in path.parts:
+            continue
+        text = path.read_text(encoding="utf-8")
+        # Text that a page shows in code (the README's `mkdocs serve -a 127.0.0.1:8000`) is
+        # content, not a link.
+        text = re.sub(r"<(pre|code)\b.*?</\1>", "", text, flags=re.S)
+        if "127.0.0.1" in text or "localhost" in text:
+            named.append(str(path.relative_to(site)))
+    assert not named, named
+    # A sitemap lists absolute addresses, so it is empty until site_url names the real host.
+    locs = re.findall(r"<loc>(.*?)</loc>", (site / "sitemap.xml").read_text(encoding="utf-8"))
+    assert all(loc.startswith("https://") for loc in locs), locs
 
 
 def _skip_or_fail(reason):
@@ -115,15 +154,63 @@ _VISIBLE_TEXT_WITH_TEX = """() => {
   return bad;
 }"""
 
-_MATH_SIZES = """() => Array.from(document.querySelectorAll('article math'))
-  .filter(m => !m.closest('details:not([open])'))
-  .map(m => { const r = m.getBoundingClientRect(); return [r.width, r.height]; })"""
+# Every math box, with the content column's width: none may be wider (a long display scrolls
+# inside its own box).
+_MATH_BOXES = """() => {
+  const article = document.querySelector('article.md-content__inner');
+  const style = getComputedStyle(article);
+  const column = article.clientWidth - parseFloat(style.paddingLeft)
+                 - parseFloat(style.paddingRight);
+  return Array.from(article.querySelectorAll('mjx-container'))
+    .filter(m => !m.closest('details:not([open])'))
+    .map(m => {
+      const r = m.getBoundingClientRect();
+      const tex = (m.querySelector('mjx-assistive-mml') || m).textContent.slice(0, 60);
+      return {width: r.width, height: r.height, column: column, tex: tex};
+    });
+}"""
+
+# Every sum and product sign of a display formula that has limits: are they under (and over)
+# the sign, centred on it, as in a LaTeX document, or beside it as sub/superscripts?
+_DISPLAY_SUM_LIMITS = """() => {
+  const out = [];
+  const signs = document.querySelectorAll('article mjx-container[display="true"] mjx-mo.mjx-lop');
+  for (const sign of signs) {
+    if (sign.closest('details:not([open])')) continue;
+    if (!sign.querySelector('mjx-c.mjx-c2211, mjx-c.mjx-c220F')) continue;
+    const tex = sign.closest('mjx-container').querySelector('mjx-assistive-mml').textContent;
+    const op = sign.getBoundingClientRect();
+    const under = sign.closest('mjx-munder');
+    const script = sign.closest('mjx-msub, mjx-msup, mjx-msubsup');
+    if (under && under.querySelector('mjx-base').contains(sign)) {
+      const u = under.querySelector(':scope > mjx-row > mjx-under').getBoundingClientRect();
+      const centre = (u.left + u.right) / 2;
+      let below = u.top >= op.bottom - 1 && centre > op.left && centre < op.right;
+      const over = under.closest('mjx-munderover');
+      if (over && over.querySelector('mjx-box').contains(under)) {
+        const o = over.querySelector(':scope > mjx-over').getBoundingClientRect();
+        below = below && o.bottom <= op.top + 1;
+      }
+      out.push({below: below, tex: tex.slice(0, 60)});
+    } else if (script && script.firstElementChild.contains(sign)) {
+      out.push({below: false, tex: tex.slice(0, 60)});
+    }
+  }
+  return out;
+}"""
+
+# MathJax's TeX fonts that the page has loaded (from the site itself: no request leaves it).
+_MATH_FONTS = """() => document.fonts.ready.then(fonts => Array.from(fonts)
+  .filter(f => f.family.startsWith('MJXTEX') && f.status === 'loaded').map(f => f.family))"""
 
 _BROKEN_IMAGES = """() => Array.from(document.images)
   .filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src)"""
 
-# Pages that must show rendered math.
+# Pages that must show rendered math, and those that must show a display sum with limits.
 MATH_PAGES = {"", "opd", "mismatch", "api/opd", "api/toy", "api/estimators"}
+SUM_PAGES = {"opd", "mismatch", "api/opd"}
+# The chapters, screenshot in dark mode too.
+CHAPTERS = {"", "opd", "mismatch", "experiment", "instructors"}
 
 
 def test_every_page_loads_offline_with_rendered_math(site, server, browser):
@@ -153,16 +240,37 @@ def test_every_page_loads_offline_with_rendered_math(site, server, browser):
             problems.append(f"{where}: HTTP {response and response.status}")
         broken = page.evaluate(_BROKEN_IMAGES)
         tex = page.evaluate(_VISIBLE_TEXT_WITH_TEX)
-        sizes = page.evaluate(_MATH_SIZES)
+        boxes = page.evaluate(_MATH_BOXES)
+        sums = page.evaluate(_DISPLAY_SUM_LIMITS)
+        fonts = page.evaluate(_MATH_FONTS)
         problems += [f"{where}: console error {e}" for e in errors]
         problems += [f"{where}: request to {u}" for u in outside]
         problems += [f"{where}: image not loaded {u}" for u in broken]
         problems += [f"{where}: raw TeX in visible text {t!r}" for t in tex]
-        problems += [f"{where}: math element of zero size" for w, h in sizes if w <= 0 or h <= 0]
-        if path in MATH_PAGES and not sizes:
+        problems += [f"{where}: math box of zero size {b['tex']!r}" for b in boxes
+                     if b["width"] <= 0 or b["height"] <= 0]
+        problems += [f"{where}: math box {b['width']:.0f} px wide in a {b['column']:.0f} px "
+                     f"column {b['tex']!r}" for b in boxes if b["width"] > b["column"] + 0.5]
+        problems += [f"{where}: display limits beside the sign, not under it {s['tex']!r}"
+                     for s in sums if not s["below"]]
+        if path in MATH_PAGES and not boxes:
             problems.append(f"{where}: no rendered math")
+        if path in MATH_PAGES and "MJXTEX" not in fonts:
+            problems.append(f"{where}: MathJax's TeX fonts not loaded (only {fonts})")
+        if path in SUM_PAGES and not sums:
+            problems.append(f"{where}: no display sum with limits found")
         page.screenshot(path=str(shots / f"{where.replace('/', '_')}.png"), full_page=True)
         page.close()
+        if path in CHAPTERS:
+            # Dark mode: Material follows the system's colour scheme (the palette's media query).
+            dark = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme="dark")
+            dark.route("**/*", route)
+            dark.goto(f"{server}/{path}/" if path else f"{server}/", wait_until="networkidle")
+            if dark.evaluate("document.body.getAttribute('data-md-color-scheme')") != "slate":
+                problems.append(f"{where}: dark mode not applied")
+            dark.screenshot(path=str(shots / f"{where.replace('/', '_')}-dark.png"),
+                            full_page=True)
+            dark.close()
     assert not problems, "\n".join(problems)
 
 
