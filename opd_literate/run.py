@@ -32,15 +32,19 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
+import uuid
 
+import filelock
 import torch
 
 from . import tinylm as lm
 from .opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
-__all__ = ["DEFAULTS", "QUICK", "METHODS", "prepare", "run_experiment", "headline",
-           "format_headline", "gradient_agreement", "write_plots", "main"]
+__all__ = ["DEFAULTS", "QUICK", "METHODS", "CACHE_MODES", "prepare", "run_experiment",
+           "train_teacher", "teacher_cache_path", "headline", "format_headline",
+           "gradient_agreement", "write_plots", "main"]
 
 METHODS = ("opd_sampled", "opd_full_vocab", "sft", "rl")
 
@@ -52,15 +56,15 @@ DEFAULTS = dict(
     student_hidden=128, student_layers=2, student_pretrain_steps=200, student_pretrain_batch=64,
     target_fraction=0.9,
 )
-"""The default experiment (about 90 s on 2 CPU cores).
+"""The default experiment.
 
 Each method is trained once per learning rate in ``lrs`` and reported at its best one: a common
-grid, so that no method is compared at a step size that suits only the others.
+grid, so that no method is compared at a step size that suits only the others. The site's
+figures come from the committed results of this configuration.
 """
 QUICK = dict(DEFAULTS, steps=80, batch_size=256, lrs=[3e-3], eval_every=20, eval_prompts=500,
              teacher_steps=250)
-"""``--quick``: the same pipeline, smaller, for tests and the docs build (under 20 s)."""
-
+"""``--quick``: the same pipeline, smaller, for the tests and smoke checks."""
 
 def _cache_dir():
     return pathlib.Path(os.environ.get("OPD_LITERATE_CACHE",
@@ -87,27 +91,104 @@ def _supervised(model, pairs, answers, steps, batch, lr, generator, label_smooth
     return model
 
 
-def train_teacher(config, train_pairs, train_answers, use_cache=True):
-    """The teacher: a wide TinyLM trained by supervised learning; cached by configuration."""
-    keys = ("seed", "held_out", "teacher_hidden", "teacher_layers", "teacher_steps",
-            "teacher_batch", "pretrain_lr", "teacher_label_smoothing")
-    key = hashlib.sha256(json.dumps({k: config[k] for k in keys}, sort_keys=True).encode())
-    path = _cache_dir() / f"teacher-{key.hexdigest()[:16]}.pt"
-    torch.manual_seed(config["seed"])  # the initial weights, when it is trained here
-    teacher = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
-    if use_cache and path.exists():
-        teacher.load_state_dict(torch.load(path, weights_only=True))
-        return teacher.eval(), True
-    _supervised(teacher, train_pairs, train_answers, config["teacher_steps"],
-                config["teacher_batch"], config["pretrain_lr"],
-                torch.Generator().manual_seed(config["seed"] + 1),
-                config["teacher_label_smoothing"])
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save(teacher.state_dict(), tmp)
-        tmp.replace(path)  # atomic: a concurrent run never reads half a file
-    return teacher.eval(), False
+CACHE_MODES = ("read", "refresh", "off")
+"""How [opd_literate.run.train_teacher][] uses its cache file.
+
+``read`` loads a valid cached teacher, and trains and caches it when the file is missing or
+fails verification; ``refresh`` (the CLI's ``--no-cache``) always trains and rewrites the
+file, so it also repairs a corrupt one; ``off`` neither reads nor writes it.
+"""
+
+_TEACHER_KEYS = ("seed", "held_out", "teacher_hidden", "teacher_layers", "teacher_steps",
+                 "teacher_batch", "pretrain_lr", "teacher_label_smoothing")
+
+
+def teacher_cache_path(config):
+    """The cache file of the teacher of ``config``: keyed by the settings that shape it."""
+    key = hashlib.sha256(json.dumps({k: config[k] for k in _TEACHER_KEYS},
+                                    sort_keys=True).encode())
+    return _cache_dir() / f"teacher-{key.hexdigest()[:16]}.pt"
+
+
+def _state_digest(state):
+    """SHA-256 of a state dict's names, shapes, dtypes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _load_verified(path, model):
+    """Load ``path`` into ``model``; return None, or why the file is unusable (one line)."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        if not isinstance(saved, dict) or set(saved) != {"state_dict", "sha256"}:
+            return "not a teacher cache file of this version"
+        if _state_digest(saved["state_dict"]) != saved["sha256"]:
+            return "checksum mismatch"
+        model.load_state_dict(saved["state_dict"])
+    except Exception as error:  # a truncated or foreign file fails in many ways; all mean rebuild
+        lines = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return None
+
+
+def _replace_atomically(path, write):
+    """Call ``write(tmp)`` for a new file ``tmp`` beside ``path``, then rename it over ``path``.
+
+    The rename is atomic within a folder: a reader sees the old file or the new one, never
+    half of one, and an interrupted write leaves no partial ``path``.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def train_teacher(config, train_pairs, train_answers, cache="read"):
+    """The teacher: a wide TinyLM trained by supervised learning; cached by configuration.
+
+    Returns ``(teacher, loaded_from_cache)``. ``cache`` is one of
+    [opd_literate.run.CACHE_MODES][]. The cache file (see
+    [opd_literate.run.teacher_cache_path][]) holds the weights and their SHA-256; a file that
+    does not load or does not match its checksum is reported in one line on stderr and rebuilt.
+    A file lock beside it makes concurrent runs safe: the first trains and writes, the others
+    wait and then load its file.
+    """
+    if cache not in CACHE_MODES:
+        raise ValueError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+
+    def trained():
+        torch.manual_seed(config["seed"])  # the initial weights
+        teacher = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
+        _supervised(teacher, train_pairs, train_answers, config["teacher_steps"],
+                    config["teacher_batch"], config["pretrain_lr"],
+                    torch.Generator().manual_seed(config["seed"] + 1),
+                    config["teacher_label_smoothing"])
+        return teacher.eval()
+
+    if cache == "off":
+        return trained(), False
+    path = teacher_cache_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{path}.lock"):
+        if cache == "read" and path.exists():
+            cached = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
+            problem = _load_verified(path, cached)
+            if problem is None:
+                return cached.eval(), True
+            print(f"opd-experiment: warning: teacher cache {path} is unusable ({problem}); "
+                  "retraining the teacher and rewriting it", file=sys.stderr)
+        teacher = trained()
+        state = teacher.state_dict()
+        _replace_atomically(path, lambda tmp: torch.save(
+            {"state_dict": state, "sha256": _state_digest(state)}, tmp))
+    return teacher, False
 
 
 def _step_loss(method, student, teacher, pairs, config, generator):
@@ -143,13 +224,16 @@ def _evaluate(student, teacher, eval_pairs, seed):
                                          torch.Generator().manual_seed(seed)))
 
 
-def prepare(config, use_cache=True):
-    """Data split, teacher and the weak student's initial weights, as every method starts."""
+def prepare(config, cache="read"):
+    """Data split, teacher and the weak student's initial weights, as every method starts.
+
+    ``cache``: how the teacher's cache file is used, one of [opd_literate.run.CACHE_MODES][].
+    """
     torch.manual_seed(config["seed"])
     train_pairs, held_out = _split(config)
     train_answers = lm.answer_tokens(train_pairs)
     eval_pairs = held_out[: config["eval_prompts"]]
-    teacher, cached = train_teacher(config, train_pairs, train_answers, use_cache)
+    teacher, cached = train_teacher(config, train_pairs, train_answers, cache)
     teacher.requires_grad_(False)
 
     torch.manual_seed(config["seed"] + 2)
@@ -161,25 +245,41 @@ def prepare(config, use_cache=True):
     return train_pairs, eval_pairs, teacher, cached, initial_state
 
 
-def run_experiment(config, methods=METHODS, progress=True, use_cache=True):
-    """Run every method; return the ``results.json`` dictionary."""
-    train_pairs, eval_pairs, teacher, cached, initial_state = prepare(config, use_cache)
+def run_experiment(config, methods=METHODS, progress=True, cache="read", on_method=None):
+    """Run every method; return the ``results.json`` dictionary.
+
+    ``cache`` is one of [opd_literate.run.CACHE_MODES][]. ``on_method``, if given, is called
+    after each method with the results so far (the same dictionary, holding the methods
+    finished): the CLI saves them, so that an interrupted run keeps its finished methods.
+    """
+    methods = list(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if unknown or repeated or not methods:
+        raise ValueError(f"methods must be distinct names from {', '.join(METHODS)}; got "
+                         f"{methods!r}")
+    train_pairs, eval_pairs, teacher, cached, initial_state = prepare(config, cache)
     teacher_accuracy = lm.greedy_accuracy(teacher, eval_pairs)
 
     bar = _progress(len(methods) * len(config["lrs"]) * config["steps"], progress)
     target = config["target_fraction"] * teacher_accuracy
     results, search = {}, {}
-    for method in methods:
-        runs = {lr: _train_one(method, lr, initial_state, teacher, train_pairs, eval_pairs,
-                               config, bar) for lr in config["lrs"]}
-        best = min(runs, key=lambda lr: _rank(runs[lr], target))
-        results[method] = dict(runs[best], lr=best)
-        search[method] = {str(lr): dict(samples_to_target=_first_hit(run, target)[0],
-                                        final_accuracy=run["accuracy"][-1])
-                          for lr, run in runs.items()}
-    bar.close()
-    return {"teacher_accuracy": teacher_accuracy, "teacher_cached": cached, "config": config,
-            "methods": results, "lr_search": search}
+    summary = {"teacher_accuracy": teacher_accuracy, "teacher_cached": cached, "config": config,
+               "methods": results, "lr_search": search}
+    try:
+        for method in methods:
+            runs = {lr: _train_one(method, lr, initial_state, teacher, train_pairs, eval_pairs,
+                                   config, bar) for lr in config["lrs"]}
+            best = min(runs, key=lambda lr: _rank(runs[lr], target))
+            results[method] = dict(runs[best], lr=best)
+            search[method] = {str(lr): dict(samples_to_target=_first_hit(run, target)[0],
+                                            final_accuracy=run["accuracy"][-1])
+                              for lr, run in runs.items()}
+            if on_method is not None:
+                on_method(summary)
+    finally:
+        bar.close()
+    return summary
 
 
 def _train_one(method, lr, initial_state, teacher, train_pairs, eval_pairs, config, bar):
@@ -394,40 +494,89 @@ def _methods(text):
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown method {', '.join(unknown) or text!r}; choose from {', '.join(METHODS)}")
+    repeated = sorted({m for m in names if names.count(m) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"method {', '.join(repeated)} given more than once "
+                                         "(each method is run once)")
     return names
 
 
 def build_parser():
     """The ``opd-experiment`` argument parser."""
     parser = _Parser(prog="opd-experiment", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small run (about 15 s)")
-    parser.add_argument("--out", default="runs/latest", help="output folder (default %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smaller QUICK configuration, for tests and smoke checks")
+    parser.add_argument("--out", default="runs/latest",
+                        help="output folder, created if missing (default %(default)s)")
     parser.add_argument("--methods", type=_methods, default=list(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)}")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
+                        help=f"comma-separated subset of {','.join(METHODS)}, each at most once")
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"random seed (default {DEFAULTS['seed']})")
     parser.add_argument("--steps", type=_positive_int, default=None,
-                        help="updates per method (default 300, quick 60)")
-    parser.add_argument("--no-cache", action="store_true", help="retrain the teacher")
+                        help=f"updates per method and learning rate (default {DEFAULTS['steps']}"
+                             f", with --quick {QUICK['steps']})")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="retrain the teacher instead of loading it, and rewrite its cache "
+                             "file (which also repairs a corrupt one)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
+def _check_out(parser, text):
+    """Create ``--out`` and write a test file into it, before any work: a bad folder fails in a
+    second with one line, not after the training with a traceback."""
+    out_dir = pathlib.Path(text)
+    if out_dir.exists() and not out_dir.is_dir():
+        parser.error(f"--out {text!r} exists and is not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {text!r} cannot be created: {error.strerror or error}")
+    try:
+        with tempfile.TemporaryFile(dir=out_dir) as probe:
+            probe.write(b"write test")
+    except OSError as error:
+        parser.error(f"--out {text!r} is not writable: {error.strerror or error}")
+    return out_dir
+
+
 def main(argv=None):
-    """The command line (see ``--help``); bad arguments exit with code 2 and one line."""
+    """The command line (see ``--help``).
+
+    Bad arguments, an ``--out`` that cannot be created or written, or a method named twice
+    exit with code 2 and one line on stderr, before any training. Ctrl-C exits with code 130
+    and one line saying what was kept: the teacher cache, and the methods finished so far,
+    saved in ``results.partial.json`` in ``--out`` after each method.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    out_dir = pathlib.Path(args.out)
-    if out_dir.exists() and not out_dir.is_dir():
-        parser.error(f"--out {args.out!r} exists and is not a folder")
+    out_dir = _check_out(parser, args.out)
     config = dict(QUICK if args.quick else DEFAULTS)
     if args.seed is not None:
         config["seed"] = args.seed
     if args.steps is not None:
         config["steps"] = args.steps
-    results = run_experiment(config, args.methods, progress=not args.no_progress,
-                             use_cache=not args.no_cache)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    cache = "refresh" if args.no_cache else "read"
+    partial = out_dir / "results.partial.json"
+    finished = []
+
+    def save_partial(results):
+        _replace_atomically(partial, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
+        finished[:] = list(results["methods"])
+
+    try:
+        results = run_experiment(config, args.methods, progress=not args.no_progress,
+                                 cache=cache, on_method=save_partial)
+    except KeyboardInterrupt:
+        teacher = teacher_cache_path(config)
+        kept = [f"teacher cache {teacher}" if teacher.exists() else "no teacher cache",
+                f"finished methods {', '.join(finished)} in {partial}" if finished
+                else "no finished method"]
+        print(f"opd-experiment: interrupted; kept: {'; '.join(kept)}", file=sys.stderr)
+        return 130
+    _replace_atomically(out_dir / "results.json",
+                        lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
+    partial.unlink(missing_ok=True)  # superseded by results.json
     write_plots(results, out_dir)
     print(format_headline(results))
     print(f"\nwrote {out_dir / 'results.json'}, accuracy.png, reverse_kl.png")

@@ -1,12 +1,22 @@
 """The OPD experiment: a --quick run learns, same seed gives same numbers, the CLI is strict."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from opd_literate import run
+
+# A configuration small enough to run the whole pipeline in well under a second: for the tests
+# of the CLI's plumbing (results, interruption, the cache), not of learning.
+TINY = dict(run.DEFAULTS, steps=2, batch_size=8, lrs=[1e-3], eval_every=1, eval_prompts=16,
+            teacher_hidden=8, teacher_layers=1, teacher_steps=2, teacher_batch=8,
+            student_hidden=8, student_layers=1, student_pretrain_steps=1,
+            student_pretrain_batch=8)
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +36,19 @@ def quick_results(tmp_path_factory, cache_dir):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.fixture
+def tiny_cli(monkeypatch, tmp_path):
+    """``--quick`` runs the TINY configuration; the teacher cache is a fresh folder."""
+    monkeypatch.setattr(run, "QUICK", TINY)
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
 def test_quick_run_writes_results_and_plots(quick_results):
     out, results = quick_results
     assert (out / "accuracy.png").stat().st_size > 1000
     assert (out / "reverse_kl.png").stat().st_size > 1000
+    assert not (out / "results.partial.json").exists()  # superseded by results.json
     assert 0.9 <= results["teacher_accuracy"] <= 1.0
     assert set(results["methods"]) == set(run.METHODS)
     for record in results["methods"].values():
@@ -53,11 +72,12 @@ def test_quick_run_opd_students_learn(quick_results):
         assert record["reverse_kl"][-1] <= 0.9 * record["reverse_kl"][0], method
 
 
-def test_same_seed_same_numbers(cache_dir, monkeypatch):
-    monkeypatch.setenv("OPD_LITERATE_CACHE", str(cache_dir))
-    config = dict(run.QUICK, steps=6, eval_every=3, eval_prompts=100)
+def test_same_seed_same_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
+    config = dict(TINY, steps=4, eval_every=2, eval_prompts=100, student_pretrain_steps=20)
     first = run.run_experiment(config, ["opd_sampled", "rl"], progress=False)
     second = run.run_experiment(config, ["opd_sampled", "rl"], progress=False)
+    assert second["teacher_cached"] and not first["teacher_cached"]
     for method in ("opd_sampled", "rl"):
         for key in ("samples", "accuracy", "reverse_kl"):
             assert first["methods"][method][key] == second["methods"][method][key]
@@ -80,29 +100,256 @@ def test_headline_counts_first_evaluation_at_target():
     assert "never reached (ratio > 2.0x)" in text
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "opd_literate.run", *args],
-                          capture_output=True, text=True, timeout=60)
+# ---------------------------------------------------------------------------------------------
+# The command line: fails fast, in one line, before any work
+# ---------------------------------------------------------------------------------------------
+def test_help_states_the_real_defaults(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        run.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert stopped.value.code == 0
+    steps = re.search(r"--steps STEPS .*?\(default (\d+), with --quick (\d+)\)", text)
+    assert (int(steps[1]), int(steps[2])) == (run.DEFAULTS["steps"], run.QUICK["steps"])
+    seed = re.search(r"--seed SEED random seed \(default (\d+)\)", text)
+    assert int(seed[1]) == run.DEFAULTS["seed"]
 
 
-def test_help():
-    result = _cli("--help")
-    assert result.returncode == 0 and "--quick" in result.stdout
-
-
-@pytest.mark.parametrize("args, fragment", [
-    (["--steps", "-3"], "expected a positive integer, got -3"),
-    (["--methods", "opd_sampled,dpo"], "unknown method 'dpo'"),
-])
-def test_bad_arguments_exit_2_with_one_line(args, fragment):
-    result = _cli(*args)
+def test_the_module_command_refuses_a_repeated_method():
+    """``python -m opd_literate.run``, as a user types it: rc 2 and one line, no traceback."""
+    result = subprocess.run([sys.executable, "-m", "opd_literate.run", "--methods", "rl,rl",
+                             "--out", "/nonexistent-never-written"],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and fragment in result.stderr
+    assert result.stderr == ("opd-experiment: error: argument --methods: method rl given more "
+                             "than once (each method is run once)\n")
 
 
-def test_out_that_is_a_file(tmp_path):
-    path = tmp_path / "file.txt"
-    path.write_text("x")
-    result = _cli("--out", str(path))
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "is not a folder" in result.stderr
+@pytest.fixture
+def no_training(monkeypatch):
+    """Any training at all fails the test: the CLI must refuse before it starts."""
+    def fail(*args, **kwargs):
+        pytest.fail("the CLI started training before checking its arguments")
+    monkeypatch.setattr(run, "run_experiment", fail)
+    monkeypatch.setattr(run, "prepare", fail)
+
+
+def _bad_out_cases(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["--steps", "-3"], "expected a positive integer, got -3"),
+        (["--methods", "opd_sampled,dpo"], "unknown method 'dpo'"),
+        (["--methods", "opd_sampled,rl,opd_sampled"], "method opd_sampled given more than once"),
+        (["--out", str(a_file)], f"--out {str(a_file)!r} exists and is not a folder"),
+        (["--out", str(a_file / "sub")], f"--out {str(a_file / 'sub')!r} cannot be created: "),
+    ]
+    if sys.platform.startswith("linux"):  # /proc refuses new entries, even to root
+        cases += [(["--out", "/proc/x"], "--out '/proc/x' cannot be created: "),
+                  (["--out", "/proc"], "--out '/proc' is not writable: ")]
+    return cases
+
+
+def test_bad_arguments_exit_2_with_one_line_before_any_work(capsys, tmp_path, no_training):
+    for args, fragment in _bad_out_cases(tmp_path):
+        with pytest.raises(SystemExit) as stopped:
+            run.main(args)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2, args
+        assert err.count("\n") == 1 and fragment in err, (args, err)
+
+
+def test_duplicate_methods_are_refused_by_the_library_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "prepare", lambda *a: pytest.fail("prepared before checking"))
+    with pytest.raises(ValueError, match="distinct names"):
+        run.run_experiment(TINY, ["rl", "rl"])
+
+
+def test_out_is_created_and_written(tiny_cli, capsys):
+    out = tiny_cli / "new" / "nested"
+    assert run.main(["--quick", "--out", str(out), "--no-progress", "--methods", "rl"]) == 0
+    assert set(json.loads((out / "results.json").read_text())["methods"]) == {"rl"}
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy.png", "results.json",
+                                                     "reverse_kl.png"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: one line saying what was kept, exit code 130
+# ---------------------------------------------------------------------------------------------
+def test_ctrl_c_keeps_finished_methods_and_exits_130(tiny_cli, monkeypatch, capsys):
+    real_train_one = run._train_one
+
+    def train_one(method, *args):
+        if method == "sft":  # the third method: the user presses Ctrl-C during it
+            raise KeyboardInterrupt
+        return real_train_one(method, *args)
+
+    monkeypatch.setattr(run, "_train_one", train_one)
+    out = tiny_cli / "out"
+    assert run.main(["--quick", "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("opd-experiment: interrupted; kept: ")
+    assert f"teacher cache {run.teacher_cache_path(TINY)}" in err
+    partial = out / "results.partial.json"
+    assert f"finished methods opd_sampled, opd_full_vocab in {partial}" in err
+    kept = json.loads(partial.read_text())
+    assert list(kept["methods"]) == ["opd_sampled", "opd_full_vocab"]
+    assert not (out / "results.json").exists()
+
+
+def test_ctrl_c_before_any_method_says_nothing_was_finished(tiny_cli, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "_supervised", interrupted)  # during the teacher's training
+    assert run.main(["--quick", "--out", str(tiny_cli / "out"), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err == "opd-experiment: interrupted; kept: no teacher cache; no finished method\n"
+    assert not run.teacher_cache_path(TINY).exists()
+
+
+def test_sigint_in_a_real_process_exits_130_with_one_line(tmp_path):
+    """The signal itself, in a child process: it interrupts itself during the second method."""
+    code = f"""
+import os, signal, sys
+from opd_literate import run
+run.QUICK = {TINY!r}
+real = run._train_one
+def train_one(method, *args):
+    if method == "opd_full_vocab":
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(method, *args)
+run._train_one = train_one
+sys.exit(run.main(["--quick", "--out", {str(tmp_path / "out")!r}, "--no-progress"]))
+"""
+    env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "interrupted; kept: teacher cache " in result.stderr
+    assert "finished methods opd_sampled in " in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The teacher cache: atomic, verified, locked
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def data():
+    train_pairs, _ = run._split(TINY)
+    return train_pairs, run.lm.answer_tokens(train_pairs)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                   b.state_dict().values()))
+
+
+def _leftovers(folder):
+    """Files in the cache folder other than the cache files and their locks."""
+    return [p.name for p in folder.iterdir() if not p.name.endswith((".pt", ".pt.lock"))]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_a_damaged_cache_file_is_reported_in_one_line_and_rebuilt(cache, data, capsys, damage):
+    first, loaded = run.train_teacher(TINY, *data)
+    assert not loaded
+    path = run.teacher_cache_path(TINY)
+    blob = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":  # the same length, one byte of the weights changed
+        flipped = bytearray(blob)
+        flipped[len(blob) - 600] ^= 0x40
+        path.write_bytes(bytes(flipped))
+    elif damage == "garbage":
+        path.write_bytes(b"not a checkpoint")
+    else:
+        path.write_bytes(b"")
+    capsys.readouterr()
+    second, loaded = run.train_teacher(TINY, *data)
+    err = capsys.readouterr().err
+    assert not loaded and err.count("\n") == 1
+    assert err.startswith(f"opd-experiment: warning: teacher cache {path} is unusable (")
+    assert _same_weights(first, second)  # retrained to the same weights...
+    third, loaded = run.train_teacher(TINY, *data)  # ...and the file is whole again
+    assert loaded and capsys.readouterr().err == "" and _same_weights(first, third)
+    assert _leftovers(cache) == []
+
+
+def test_refresh_rewrites_a_corrupt_cache_without_reading_it(cache, data, capsys):
+    path = run.teacher_cache_path(TINY)
+    cache.mkdir()
+    path.write_bytes(b"corrupt")
+    _, loaded = run.train_teacher(TINY, *data, cache="refresh")
+    assert not loaded and capsys.readouterr().err == ""
+    _, loaded = run.train_teacher(TINY, *data)
+    assert loaded and capsys.readouterr().err == ""
+
+
+def test_no_cache_flag_repairs_a_corrupt_cache(tiny_cli, capsys):
+    path = run.teacher_cache_path(TINY)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"corrupt")
+    args = ["--quick", "--no-cache", "--out", str(tiny_cli / "out"), "--no-progress",
+            "--methods", "rl"]
+    assert run.main(args) == 0
+    assert capsys.readouterr().err == ""  # not read, so no warning
+    assert json.loads((tiny_cli / "out" / "results.json").read_text())["teacher_cached"] is False
+    assert run._load_verified(path, run.lm.TinyLM(TINY["teacher_hidden"],
+                                                  TINY["teacher_layers"])) is None
+
+
+def test_cache_off_touches_no_file(cache, data):
+    _, loaded = run.train_teacher(TINY, *data, cache="off")
+    assert not loaded and not cache.exists()
+    with pytest.raises(ValueError, match="cache must be one of read, refresh, off"):
+        run.train_teacher(TINY, *data, cache=False)
+
+
+def test_an_interrupted_write_leaves_neither_a_partial_cache_nor_a_temporary(cache, data,
+                                                                             monkeypatch):
+    def save_half_then_stop(obj, path):
+        run.pathlib.Path(path).write_bytes(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run.torch, "save", save_half_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run.train_teacher(TINY, *data)
+    assert not run.teacher_cache_path(TINY).exists() and _leftovers(cache) == []
+
+
+def test_two_concurrent_runs_train_the_teacher_once(cache, data, monkeypatch):
+    """Two threads ask for the same teacher at once: the lock lets one train while the other
+    waits, then loads the file. Without it both would find no file and both would train."""
+    import threading
+    import time
+
+    real_supervised, trainings = run._supervised, []
+
+    def slow_supervised(*args, **kwargs):
+        trainings.append(threading.get_ident())
+        time.sleep(0.3)  # long enough for the other thread to reach the cache
+        return real_supervised(*args, **kwargs)
+
+    monkeypatch.setattr(run, "_supervised", slow_supervised)
+    start, outcomes = threading.Barrier(2), []
+
+    def worker():
+        start.wait()
+        outcomes.append(run.train_teacher(TINY, *data))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(trainings) == 1
+    assert sorted(loaded for _, loaded in outcomes) == [False, True]
+    assert _same_weights(outcomes[0][0], outcomes[1][0])
+    assert _leftovers(cache) == []
