@@ -146,11 +146,14 @@ class _ChunkedDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher_logits, teacher_hidden, teacher_weight,
-                teacher_bias, rows, divergence, beta, normalize, chunk_size):
+                teacher_bias, rows, divergence, beta, normalize, chunk_size, grad_enabled):
         dtype = compute_dtype(*(t for t in (hidden, weight, bias, teacher_logits,
                                             teacher_hidden, teacher_weight, teacher_bias)
                                 if t is not None))
-        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        # needs_input_grad says True under torch.no_grad too: an evaluation pass would pay for
+        # the gradient products, so the caller's grad mode is passed in as well.
+        want_hidden, want_weight, want_bias = (grad_enabled and need
+                                               for need in ctx.needs_input_grad[:3])
         weight_c = weight.detach().to(dtype)
         bias_c = None if bias is None else bias.detach().to(dtype)
         if teacher_logits is None:
@@ -201,7 +204,7 @@ class _ChunkedDivergence(torch.autograd.Function):
             # second (V, H) buffer.
             scaled = stored if bool(grad_output == 1) else stored * grad_output
             grads.append(scaled.to(dtype))
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 def _check_inputs(student_hidden, student_weight, student_bias, mask, teacher_logits,
@@ -335,7 +338,8 @@ def chunked_divergence(student_hidden, student_weight, mask, *, teacher_logits=N
         beta, normalize = (1.0 if divergence == "reverse_kl" else 0.0), False
     return _ChunkedDivergence.apply(student_hidden, student_weight, student_bias, teacher_logits,
                                     teacher_hidden, teacher_weight, teacher_bias, rows,
-                                    divergence, beta, normalize, chunk_size)
+                                    divergence, beta, normalize, chunk_size,
+                                    torch.is_grad_enabled())
 
 
 def chunked_reverse_kl(student_hidden, student_weight, mask, *, teacher_logits=None,

@@ -226,6 +226,16 @@ def test_gradcheck(divergence, beta):
         inputs, fast_mode=True)
 
 
+def test_no_grad_gives_the_same_value():
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"])
+    h = hidden.clone().requires_grad_(True)
+    with torch.no_grad():
+        value = chunked_reverse_kl(h, weight, mask, teacher_logits=teacher)
+    assert not value.requires_grad
+    assert value.item() == chunked_reverse_kl(h, weight, mask, teacher_logits=teacher).item()
+
+
 def test_jsd_wrapper_passes_beta_and_normalize():
     hidden, weight, bias, teacher = make_inputs()
     mask = torch.ones(10)
