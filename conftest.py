@@ -1,5 +1,7 @@
 """Shared pytest set-up for the tests and the doctests of ``opd_literate``.
 
+It also registers the Hypothesis profiles (below).
+
 Fixing the print options here keeps doctest output stable across numpy and torch versions:
 the doctests show values a reader can check, so their reprs must not drift.
 """
@@ -7,6 +9,15 @@ the doctests show values a reader can check, so their reprs must not drift.
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
+
+# Hypothesis profiles for the property tests that take their example count from the profile
+# (tests/test_opd_properties.py): "fast" for the normal suite, "ci" for the separate CI run
+# `pytest tests/test_opd_properties.py --hypothesis-profile=ci` (1,000 examples a property).
+# derandomize: the same examples on every run, so a failure reproduces; no example database.
+settings.register_profile("fast", max_examples=40, deadline=None, derandomize=True, database=None)
+settings.register_profile("ci", max_examples=1000, deadline=None, derandomize=True, database=None)
+settings.load_profile("fast")  # --hypothesis-profile=ci, if given, is loaded after this
 
 
 @pytest.fixture(autouse=True)

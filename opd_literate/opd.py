@@ -37,16 +37,36 @@ reductions.
 
 Conventions shared by every function here:
 
-* Inputs are validated: a wrong shape, ndim or dtype, or a mask value outside {0, 1}, raises a
-  ``ValueError`` or ``TypeError`` naming the argument. Nothing is broadcast silently.
-* bf16 and fp16 inputs are computed in float32 (see ``_checks.compute_dtype``).
+* Inputs are validated: a wrong shape, ndim or dtype, a mask value outside {0, 1}, a missing
+  mask, or a bool or string where a number is expected, raises a ``ValueError`` or
+  ``TypeError`` naming the argument. Nothing is broadcast silently.
+* bf16 and fp16 inputs are computed in float32 (see ``_checks.compute_dtype``) by every
+  function, and the result is float32; gradients flow back to the inputs in their own dtype
+  (in fp16 a gradient above 65504 in magnitude overflows to ``inf`` on the way back).
 * Positions where ``mask == 0`` contribute exactly 0 to values *and* gradients, whatever the
-  inputs hold there (even ``-inf``): masked entries are selected away with ``torch.where``,
-  never multiplied by 0 (``0 * inf`` is NaN).
+  inputs hold there (``-inf``, a row of ``-inf``, NaN): they are selected away with
+  ``torch.where`` before any arithmetic, never multiplied by 0 (``0 * inf`` is NaN).
 * A ``-inf`` logit means "this vocabulary entry is impossible". Where the student gives an entry
-  probability 0 it contributes $0 \log 0 = 0$, in the forward and the backward pass. Where the
+  probability 0 it contributes $0 \log 0 = 0$, in the forward and the backward pass; an entry
+  impossible in both models (a padded vocabulary) contributes nothing anywhere. Where the
   teacher gives probability 0 to an entry that the student can emit, the reverse KL is $+\infty$:
-  that is the true value, and it is returned as such.
+  that is the true value, and it is returned as such (with a finite gradient, that of the
+  finite part).
+* ``B = 0`` or ``T = 0`` is allowed: a loss is 0 (an empty mean), a per-token result is empty.
+  ``V = 0`` is a ``ValueError``.
+
+**Which identities hold for variable-length responses.** When a response can end early at
+``<eos>``, the number of tokens in a batch is random and depends on the sampled tokens. The
+per-state identities (E over $y_t$ of the Task-2 gradient = the Task-3 gradient; discount 1
+gives the sequence reverse-KL gradient) survive the batch reduction only when its normaliser
+does not depend on the sampled lengths: ``"sum"``, ``"seq-mean-token-sum"`` (a fixed $1/B$) and
+``"seq-mean-token-sum-norm"`` (a fixed $1/T$). With ``"token-mean"`` (Task 2 and Task 3 as
+written) or ``"seq-mean-token-mean"`` the expected gradients differ. On the enumerable two-step
+model with ``<eos>`` of ``tests/test_opd_lengths.py`` the discount-1 expected gradient of
+``token-mean`` points 7.26 degrees away from the sequence-KL gradient (3.42 degrees with two
+responses a batch), and with one response a batch E[Task-2 gradient] differs from
+E[Task-3 gradient] by 21.5% of the latter's norm; with a fixed normaliser both identities hold
+to $10^{-12}$.
 """
 
 from __future__ import annotations
@@ -315,6 +335,14 @@ def opd_pg_loss(student_logp, rewards, mask):
     ignores how $y_t$ changes the *later* states; see
     [opd_literate.opd.sampled_token_opd_loss][] for $\gamma > 0$.
 
+    The identity holds per state. Over a batch it needs the normaliser $N$ not to depend on the
+    sampled tokens: with responses that can end at ``<eos>``, $N$ does (sampling ``<eos>``
+    shortens the response), and the expected token-mean gradient of this loss is no longer the
+    expected token-mean gradient of [opd_literate.opd.full_vocab_reverse_kl][] (21.5% apart on
+    the two-step model of ``tests/test_opd_lengths.py``). With a fixed normaliser,
+    ``sampled_token_opd_loss(..., gamma=0, reduction="sum")`` against the ``"sum"`` of
+    [opd_literate.opd.reverse_kl_per_position][], they agree exactly.
+
     Parameters
     ----------
     student_logp : torch.Tensor
@@ -328,7 +356,8 @@ def opd_pg_loss(student_logp, rewards, mask):
     Returns
     -------
     torch.Tensor
-        A scalar. An all-zero mask gives a loss of 0 with a zero (finite) gradient.
+        A scalar (float32 for half-precision inputs). An all-zero mask, or an empty batch,
+        gives a loss of 0 with a zero (finite) gradient.
 
     Examples
     --------
@@ -375,6 +404,11 @@ def reverse_kl_per_position(student_logits, teacher_logits, mask=None):
     ----------
     student_logits, teacher_logits : torch.Tensor
         ``(B, T, V)`` floating logits of the same shape.
+    mask : torch.Tensor, optional
+        ``(B, T)`` with values in {0, 1}. Where it is 0 the result is exactly 0 with a zero
+        gradient, whatever the logits hold. Pass it rather than selecting afterwards: a
+        position that is selected away after the computation still sends NaN back through the
+        softmax if its row is all ``-inf`` or NaN.
 
     Returns
     -------
@@ -420,6 +454,10 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     $\mathrm{Var}_{v \sim p}[d_v \nabla \log p_v] > 0$ unless $p = q$. The price is the
     teacher's full ``(B, T, V)`` logits instead of one log-probability per token.
 
+    That expectation is per state. Over whole responses of variable length, E[Task-2 gradient]
+    = E[Task-3 gradient] holds with a normaliser that does not depend on the sampled lengths,
+    not with this token-mean (see the module docstring).
+
     Parameters
     ----------
     student_logits : torch.Tensor
@@ -432,8 +470,10 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     Returns
     -------
     torch.Tensor
-        A scalar $\ge 0$; 0 when the two distributions agree at every masked-in position, and 0
-        (with zero gradient) for an all-zero mask.
+        A scalar $\ge 0$ (float32 for half-precision inputs); 0 when the two distributions agree
+        at every masked-in position, and 0 (with zero gradient) for an all-zero mask. Masked-out
+        positions may hold anything, ``-inf`` and NaN included: they reach neither the value
+        nor the gradient.
 
     Examples
     --------
@@ -479,6 +519,9 @@ def forward_kl_per_position(student_logits, teacher_logits, mask=None):
     ----------
     student_logits, teacher_logits : torch.Tensor
         ``(B, T, V)`` floating; the teacher is detached.
+    mask : torch.Tensor, optional
+        ``(B, T)`` in {0, 1}: 0 gives exactly 0 in value and gradient (as in
+        [opd_literate.opd.reverse_kl_per_position][]).
 
     Returns
     -------
@@ -533,9 +576,9 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     r"""Generalized Jensen-Shannon divergence at every position (GKD's loss).
 
     With $p = \pi_\theta(\cdot \mid s_t)$, $q = \pi_T(\cdot \mid s_t)$ and weight
-    $\beta \in [0, 1]$, this module uses the convention of TRL's ``GKDTrainer``
-    (``GKDConfig.beta``, default 0.5) from Agarwal et al. (2024), *On-Policy Distillation of
-    Language Models: Learning from Self-Generated Mistakes*:
+    $\beta \in [0, 1]$, this module uses the convention of TRL's ``GKDTrainer.generalized_jsd_loss``
+    (``GKDConfig.beta``, default 0.5; the trainer of Agarwal et al. (2024), *On-Policy
+    Distillation of Language Models: Learning from Self-Generated Mistakes*):
 
     $$
     m = \beta q + (1 - \beta) p, \qquad
@@ -562,6 +605,23 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     continuous on $[0, 1]$ and equal to the forward and reverse KL at the endpoints. For every
     $\beta$, $\mathrm{JSD}_\beta \le -\beta \log \beta - (1 - \beta) \log (1 - \beta) \le \log 2$.
 
+    Both KLs to the mixture are computed as sums of nonnegative terms,
+    $\mathrm{KL}(a \,\|\, m) = \sum_{a_v > 0} a_v \varphi(\log m_v - \log a_v)
+    + \sum_{a_v = 0} m_v$ with $\varphi(u) = e^u - 1 - u$: the first-order terms, which cancel
+    in $\sum_v a_v (\log a_v - \log m_v)$, are removed before rounding. Dividing the plain form
+    by $\beta = 10^{-6}$ in float32 turns its rounding into an error of about 0.03 (it returned
+    0.033 for $\mathrm{JSD}(p, p) = 0$); this form keeps the normalized value accurate to
+    float32 precision for any $\beta \in (0, 1)$.
+
+    Notes
+    -----
+    References: the convention and the special-cased endpoints are those of
+    ``trl/experimental/gkd/gkd_trainer.py`` (``generalized_jsd_loss``; ``F.kl_div(input,
+    target)`` is $\mathrm{KL}(\mathrm{target} \,\|\, \mathrm{input})$, so ``beta == 0`` is
+    $\mathrm{KL}(q \,\|\, p)$ and ``beta == 1`` is $\mathrm{KL}(p \,\|\, q)$, with the mixture
+    $(1 - \beta) p + \beta q$) and ``trl/experimental/gkd/gkd_config.py`` of huggingface/trl at
+    commit ``f2cd57710ae345ea6428ae95363267fcf38a3dc8``.
+
     Parameters
     ----------
     student_logits, teacher_logits : torch.Tensor
@@ -570,6 +630,9 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
         The weight in $[0, 1]$.
     normalize : bool
         Divide by $\beta(1 - \beta)$ for $0 < \beta < 1$ (continuous in $\beta$).
+    mask : torch.Tensor, optional
+        ``(B, T)`` in {0, 1}: 0 gives exactly 0 in value and gradient (as in
+        [opd_literate.opd.reverse_kl_per_position][]).
 
     Returns
     -------
@@ -649,12 +712,13 @@ def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=Fa
     >>> abs(jsd - swapped) < 1e-7, 0.0 < jsd < 0.6931  # symmetric at 1/2, below log 2
     (True, True)
 
-    ``normalize=True`` approaches the endpoints continuously:
+    ``normalize=True`` approaches the endpoints continuously, in float32 too:
 
-    >>> s64, t64 = student.double(), teacher.double()
-    >>> [round(generalized_jsd(s64, t64, ones, beta=b, normalize=True).item(), 4)
+    >>> [round(generalized_jsd(student, teacher, ones, beta=b, normalize=True).item(), 4)
     ...  for b in (1e-6, 1 - 1e-6)]
     [0.0589, 0.0566]
+    >>> generalized_jsd(teacher, teacher, ones, beta=1e-6, normalize=True).item()  # JSD(p, p)
+    0.0
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
     per_position = generalized_jsd_per_position(
@@ -670,8 +734,9 @@ def kl_estimator(student_logp, teacher_logp, kind="k1"):
     r"""Single-sample estimates of $\mathrm{KL}(\pi_\theta \,\|\, \pi_T)$ from a sampled token.
 
     With the log-ratio $d = \log \pi_\theta(y) - \log \pi_T(y)$ of a token $y \sim \pi_\theta$
-    (J. Schulman, *Approximating KL Divergence*, 2020; the ``kl_penalty`` / ``kl_loss_type``
-    options ``"kl"``/``"k1"``, ``"mse"``/``"k2"`` and ``"low_var_kl"``/``"k3"`` of verl):
+    (J. Schulman, *Approximating KL Divergence*, 2020; verl's ``kl_penalty`` / ``kl_loss_type``
+    names ``"kl"`` or ``"k1"``, ``"mse"`` or ``"k2"``, ``"low_var_kl"`` or ``"k3"``, see the
+    Notes for how verl's k3 differs):
 
     $$
     k_1 = d, \qquad k_2 = \tfrac{1}{2} d^2, \qquad k_3 = e^{-d} - 1 + d .
@@ -709,7 +774,22 @@ def kl_estimator(student_logp, teacher_logp, kind="k1"):
     Returns
     -------
     torch.Tensor
-        The elementwise estimate, with gradient through ``student_logp``.
+        The elementwise estimate, with gradient through ``student_logp`` (float32 for
+        half-precision inputs).
+
+    Notes
+    -----
+    verl's ``kl_penalty`` function (used for both ``algorithm.kl_penalty`` and the actor's
+    ``kl_loss_type``, default ``"low_var_kl"``) also knows ``"abs"`` ($|d|$) and ``"full"``
+    (not implemented there), and a ``"+"`` suffix (``"k1+"``, ``"low_var_kl+"``, ...) that keeps
+    the value of the named estimator with the gradient of $k_2$ (a straight-through trick).
+    Its k3 is not exactly this one: it clamps $-d$ to $[-20, 20]$ before the exponential and
+    the result to $[-10, 10]$; here $k_3$ is unclamped (``+inf`` where the teacher gives the
+    token probability 0, its true value).
+
+    References: ``kl_penalty`` and ``kl_penalty_forward`` in ``verl/trainer/ppo/core_algos.py``
+    and ``kl_loss_type`` in ``verl/workers/config/actor.py``, volcengine/verl at commit
+    ``b178a3cd56f58b2d502255daba591e92833930a7``.
 
     Examples
     --------
@@ -747,9 +827,19 @@ def expected_kl_estimator_gradient(student_logits, teacher_logits, kind="k1", mo
 
     the expectation over $y \sim p$ of what one sampled token contributes to the gradient when
     $k$ is backpropagated as a loss, or used as a cost in a REINFORCE surrogate
-    $\mathrm{sg}(k)\log p_y$. Both are computed with autograd on the surrogate
-    $\sum_v \mathrm{sg}(p_v)\,(\cdot)$, so the result is exact (no sampling), and can be compared
-    with $\nabla \mathrm{KL}(p \,\|\, q)$ and $\nabla \mathrm{KL}(q \,\|\, p)$.
+    $\mathrm{sg}(k)\log p_y$. Both are sums $\sum_v c_v \nabla_z \log p_v = c - p \sum_v c_v$
+    (since $\nabla_z \log p_v = e_v - p$) with $c_v = p_v k'(d_v)$ (loss) or $p_v k(d_v)$
+    (reward), so the result is exact (no sampling), and can be compared with
+    $\nabla \mathrm{KL}(p \,\|\, q)$ and $\nabla \mathrm{KL}(q \,\|\, p)$.
+
+    The weights are formed in log space: $p_v e^{-d_v}$ is computed as $q_v$, never as a
+    product whose factor $e^{-d_v}$ overflows (float32 overflows at $-d_v > 88.7$, e.g. for a
+    student logit 90 below the others). A token the student cannot sample ($p_v = 0$, a
+    ``-inf`` logit) is never drawn, so it contributes nothing. This is a discontinuity for k3:
+    as a logit tends to $-\infty$ its token keeps contributing $-q_v \nabla \log p_v$ (as a
+    loss) in the limit, and contributes 0 at $-\infty$ itself. Where the student can sample a
+    token the teacher cannot ($d_v = +\infty$) the expected gradient is not finite, except for
+    k1 and k3 as a loss.
 
     Parameters
     ----------
@@ -761,10 +851,18 @@ def expected_kl_estimator_gradient(student_logits, teacher_logits, kind="k1", mo
     Returns
     -------
     torch.Tensor
-        The gradient with respect to ``student_logits``, same shape, summed over states.
+        The expected gradient with respect to ``student_logits``, same shape, one row per
+        state (float32 for half-precision inputs).
 
     Examples
     --------
+    k3 as a loss gives the forward-KL gradient $p - q$: with $p = (1/2, 1/2)$ and
+    $q = (3/4, 1/4)$, that is $(-1/4, 1/4)$:
+
+    >>> z, zt = torch.zeros(2), torch.log(torch.tensor([0.75, 0.25]))
+    >>> expected_kl_estimator_gradient(z, zt, "k3", "loss").tolist()
+    [-0.25, 0.25]
+
     k1 as a loss has zero expected gradient, whatever the teacher:
 
     >>> z = torch.tensor([0.3, -0.2, 1.0], dtype=torch.float64)
@@ -859,11 +957,26 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
       $\frac{1}{B} \sum_b \frac{1}{n_b} \sum_t m_{b,t}\ell_{b,t}$. Every sequence weighs the
       same, so a token of a short response weighs more than one of a long response: a length
       bias.
-    * ``"sum"``: $\sum_{b,t} m_{b,t}\ell_{b,t}$. No normalization; the gradient scale depends on
-      the batch size and lengths.
+    * ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normaliser):
+      $\frac{1}{T} \sum_{b,t} m_{b,t}\ell_{b,t}$ with $T$ the padded length
+      ``per_token_loss.shape[1]``, verl's default ``loss_scale_factor``.
+    * ``"sum"`` (not a verl mode): $\sum_{b,t} m_{b,t}\ell_{b,t}$. No normalization; the
+      gradient scale depends on the batch size and lengths.
 
-    A sequence with no token ($n_b = 0$) contributes 0 and still counts in the $1/B$ of the
-    sequence means (as in verl); an all-zero mask gives 0 for every reduction.
+    **Which are unbiased.** ``"sum"``, ``"seq-mean-token-sum"`` and ``"seq-mean-token-sum-norm"``
+    divide by a constant ($1$, $B$, $T$), so the expectation of the reduced loss's gradient is
+    the constant times the expectation of the summed one: the per-state identities of OPD carry
+    over to the batch. ``"token-mean"`` and ``"seq-mean-token-mean"`` divide by token counts
+    that depend on the sampled lengths; with responses that can end at ``<eos>`` their
+    expected gradient is not a rescaled sequence-KL gradient (see
+    [opd_literate.opd.sampled_token_opd_loss][] and the module docstring).
+
+    A sequence with no token ($n_b = 0$) contributes 0 and **counts** in the $1/B$ of the
+    sequence means: $B$ stays a fixed normaliser. verl's ``agg_loss`` does otherwise: with no
+    ``global_batch_size`` given it divides by the number of sequences with at least one token
+    (a fully masked sequence is left out), while its trainer passes the mini-batch size as
+    ``global_batch_size``, which counts them. An all-zero mask, or an empty batch, gives 0 for
+    every reduction here.
 
     Parameters
     ----------
@@ -877,7 +990,16 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
     Returns
     -------
     torch.Tensor
-        A scalar.
+        A scalar (float32 for half-precision inputs).
+
+    Notes
+    -----
+    References: ``agg_loss`` in ``verl/trainer/ppo/core_algos.py`` (the four
+    ``loss_agg_mode`` values and the exclusion of fully masked sequences),
+    ``loss_agg_mode: token-mean`` in ``verl/trainer/config/actor/actor.yaml``, and
+    ``global_batch_size=ppo_mini_batch_size`` in ``verl/trainer/ppo/ray_trainer.py``,
+    volcengine/verl at commit ``b178a3cd56f58b2d502255daba591e92833930a7``. The exclusion
+    entered in commit ``4424616d7dfe03cc564866dc5e99dfaba1daba2e`` (October 2025).
 
     Examples
     --------
@@ -926,11 +1048,20 @@ def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reductio
     * $\gamma = 0$ with ``"token-mean"`` is the lab's loss,
       [opd_literate.opd.opd_pg_loss][] of [opd_literate.opd.reverse_kl_rewards][]: a greedy,
       per-state objective that ignores how $y_t$ changes the states after it.
-    * $\gamma = 1$ makes $A_t$ the remaining sequence-level log-ratio, and the policy
-      gradient is then an unbiased estimate of the gradient of the *sequence* reverse KL
-      $\mathrm{KL}(\pi_\theta(y \mid x) \,\|\, \pi_T(y \mid x)) = \mathbb{E}\big[\sum_t
-      -r_t\big]$, which also counts the cost of steering into states where the teacher and the
-      student disagree later. It has more variance; the published recipes use $\gamma = 0$.
+    * $\gamma = 1$ makes $A_t$ the remaining sequence-level log-ratio, and with
+      ``reduction="sum"`` the policy gradient is an unbiased estimate of the gradient of the
+      *sequence* reverse KL $\mathrm{KL}(\pi_\theta(y \mid x) \,\|\, \pi_T(y \mid x)) =
+      \mathbb{E}\big[\sum_t -r_t\big]$, which also counts the cost of steering into states
+      where the teacher and the student disagree later. It has more variance.
+
+    The $\gamma = 1$ claim needs a reduction whose normaliser does not depend on the sampled
+    lengths: ``"sum"`` ($B$ times the gradient), ``"seq-mean-token-sum"`` (the gradient) or
+    ``"seq-mean-token-sum-norm"`` ($B/T$ times it). With ``"token-mean"`` or
+    ``"seq-mean-token-mean"`` and responses that can end at ``<eos>``, sampling ``<eos>``
+    changes the weight of every token of the response, and the expected gradient is biased: on
+    the two-step model of ``tests/test_opd_lengths.py`` it points 7.26 degrees away from the
+    true gradient (a rescaled copy would point 0 degrees away). With a fixed length every
+    reduction is a constant multiple of ``"sum"`` and all are unbiased up to scale.
 
     Parameters
     ----------
