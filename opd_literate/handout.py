@@ -23,23 +23,27 @@ Usage:
 
     python -m opd_literate.handout OUTDIR --lab opd|mismatch|all [--force]
     python -m opd_literate.handout grade LABDIR
+
+``OUTDIR`` receives a ``.opd-handout`` marker that lists the files written and their SHA-256;
+``--force`` replaces only such a folder, deletes only those files (refusing if one was changed
+since) and keeps every other file.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 from dataclasses import dataclass
 
-__all__ = ["LABS", "Lab", "MarkerError", "strip_solutions", "write_lab", "grade", "main"]
+__all__ = ["LABS", "MARKER", "Lab", "MarkerError", "strip_solutions", "write_lab", "grade", "main"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -240,56 +244,146 @@ markers =
 """
 
 
+MARKER = ".opd-handout"
+"""The file that marks a folder as written by this tool: the files it wrote and their SHA-256."""
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _written_files(out_dir: pathlib.Path) -> dict:
+    """The files the marker of ``out_dir`` lists, ``{relative path: sha256}``; ValueError when
+    the folder has no marker or it is not one this tool writes."""
+    marker = out_dir / MARKER
+    refuse = (f"OUTDIR {str(out_dir)!r} was not written by opd-handout (no valid {MARKER} "
+              "marker); --force replaces only a folder this tool wrote")
+    if marker.is_symlink() or not marker.is_file():
+        raise ValueError(refuse)
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+        assert manifest["tool"] == "opd-handout" and isinstance(files, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise ValueError(refuse) from None
+    for name in files:
+        relative = pathlib.PurePosixPath(name)
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise ValueError(refuse)
+    return files
+
+
+def _replaceable(out_dir: pathlib.Path) -> dict:
+    """What ``--force`` may delete in ``out_dir``: the files its marker lists, when every one of
+    them is still as this tool wrote it (or gone). Raises ValueError, deleting nothing,
+    otherwise: a changed file holds someone else's work."""
+    if out_dir.is_symlink():
+        raise ValueError(f"OUTDIR {str(out_dir)!r} is a symbolic link (to "
+                         f"{os.readlink(out_dir)!r}); --force replaces only a real folder")
+    files = _written_files(out_dir)
+    for name, digest in sorted(files.items()):
+        path = out_dir / name
+        above = [p for p in pathlib.PurePosixPath(name).parents if p.parts]
+        if any((out_dir / p).is_symlink() for p in above):
+            raise ValueError(f"OUTDIR {str(out_dir)!r}: a folder above {name} is a symbolic "
+                             "link; --force replaces only real folders")
+        if path.is_symlink() or (path.exists() and (not path.is_file()
+                                                     or _sha256(path) != digest)):
+            raise ValueError(f"OUTDIR {str(out_dir)!r}: {name} was changed since opd-handout "
+                             "wrote it; move it away first (--force deletes only unchanged "
+                             "files it wrote)")
+    return files
+
+
+def _remove(out_dir: pathlib.Path, files: dict) -> None:
+    """Delete ``files`` and the marker, then the folders they leave empty (nothing else)."""
+    for name in sorted(files):
+        (out_dir / name).unlink(missing_ok=True)
+    (out_dir / MARKER).unlink()
+    folders = {p for name in files for p in pathlib.PurePosixPath(name).parents if p.parts}
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        path = out_dir / folder
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+
+
 def write_lab(lab_name: str, out_dir, force: bool = False) -> list[pathlib.Path]:
     """Write the lab folder(s) for ``lab_name`` ("opd", "mismatch" or "all") under ``out_dir``.
 
-    ``all`` writes one sub-folder per lab. Refuses an existing non-empty ``out_dir`` unless
-    ``force`` (which empties it first). Returns the lab folders written.
+    ``all`` writes one sub-folder per lab. ``out_dir`` gets a [MARKER][opd_literate.handout.MARKER]
+    file listing every file written, with its SHA-256. An existing non-empty ``out_dir`` is
+    refused unless ``force``. ``force`` replaces only a real folder (not a symbolic link) that
+    holds this marker, and deletes only the files the marker lists; it refuses, before deleting
+    anything, when one of them was changed since, or when a file it would write exists and is
+    not one of them. Every other file stays. Returns the lab folders written.
     """
     if lab_name != "all" and lab_name not in LABS:
         raise ValueError(f"unknown lab {lab_name!r}; choose from {', '.join([*LABS, 'all'])}")
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"OUTDIR {str(out_dir)!r} exists and is not a folder")
+    names = list(LABS) if lab_name == "all" else [lab_name]
+    files = {(f"{name}/" if lab_name == "all" else "") + relative: text
+             for name in names for relative, text in _render(LABS[name]).items()}
+    replaceable = {}
     if out_dir.exists() and any(out_dir.iterdir()):
         if not force:
             raise ValueError(f"OUTDIR {str(out_dir)!r} exists and is not empty; "
-                             "use --force to replace its contents")
-        shutil.rmtree(out_dir)
-    if lab_name == "all":
-        return [_write_one(LABS[name], out_dir / name) for name in LABS]
-    return [_write_one(LABS[lab_name], out_dir)]
+                             "use --force to replace a folder this tool wrote")
+        replaceable = _replaceable(out_dir)
+    for relative in files:  # a file that --force keeps must not be overwritten either
+        above = [p for p in pathlib.PurePosixPath(relative).parents if p.parts]
+        taken = relative not in replaceable and os.path.lexists(out_dir / relative)
+        if taken or any((out_dir / p).is_symlink() or (out_dir / p).is_file() for p in above):
+            raise ValueError(f"OUTDIR {str(out_dir)!r}: {relative} (or a folder above it) "
+                             "exists and was not written by opd-handout; move it away first")
+    if replaceable:
+        _remove(out_dir, replaceable)
+    digests = {relative: hashlib.sha256(text.encode()).hexdigest()
+               for relative, text in sorted(files.items())}
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for relative, text in files.items():
+            path = out_dir / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(text.encode())
+        (out_dir / MARKER).write_bytes(json.dumps({"tool": "opd-handout", "lab": lab_name,
+                                                  "files": digests}, indent=1).encode() + b"\n")
+    except OSError as error:
+        raise ValueError(f"cannot write OUTDIR {str(out_dir)!r}: "
+                         f"{error.strerror or error}") from error
+    return [out_dir / name for name in names] if lab_name == "all" else [out_dir]
 
 
-def _write_one(lab: Lab, folder: pathlib.Path) -> pathlib.Path:
-    (folder / "tests").mkdir(parents=True, exist_ok=True)
-    all_tasks = []
+def _render(lab: Lab) -> dict[str, str]:
+    """The files of one lab folder, ``{relative path: text}``, in the order they are written."""
+    files, all_tasks = {}, []
     for module in lab.student_modules:
         source = PACKAGE / f"{module}.py"
         student, tasks = strip_solutions(_read(source), str(source))
         if not tasks:
             raise MarkerError(f"{source}: a student module without any solution region")
-        (folder / f"{module}.py").write_text(_flatten_imports(student))
+        files[f"{module}.py"] = _flatten_imports(student)
         all_tasks += [(n, name, module) for n, name in tasks]
     for module in lab.given_modules:
         source = PACKAGE / f"{module}.py"
         given, tasks = strip_solutions(_read(source), str(source))
         if tasks:
             raise MarkerError(f"{source}: given code must not hold solution regions")
-        (folder / f"{module}.py").write_text(_flatten_imports(given))
+        files[f"{module}.py"] = _flatten_imports(given)
     for test in lab.tests:
-        source = REPO / test
-        (folder / "tests" / pathlib.Path(test).name).write_text(_flatten_imports(_read(source)))
-    (folder / "pytest.ini").write_text(_PYTEST_INI)
-    (folder / "conftest.py").write_text(_CONFTEST)
+        files[f"tests/{pathlib.PurePosixPath(test).name}"] = _flatten_imports(
+            _read(REPO / test))
+    files["pytest.ini"] = _PYTEST_INI
+    files["conftest.py"] = _CONFTEST
     all_tasks.sort()
-    (folder / "README.md").write_text(_student_readme(lab, all_tasks))
+    files["README.md"] = _student_readme(lab, all_tasks)
     functions = {}
     for n, name, _ in all_tasks:
         functions.setdefault(str(n), []).append(name)
     manifest = {"lab": lab.name, "title": lab.title, "tasks": functions}
-    (folder / "lab.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    return folder
+    files["lab.json"] = json.dumps(manifest, indent=1) + "\n"
+    return files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,8 +495,9 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None) -> int:
     """The command line: ``OUTDIR --lab NAME [--force]`` writes, ``grade LABDIR`` grades.
 
-    Bad arguments (an unknown lab, a non-empty OUTDIR without ``--force``, a folder without
-    ``lab.json``) exit with code 2 and a one-line message.
+    Bad arguments (an unknown lab, a non-empty OUTDIR without ``--force``, ``--force`` on a
+    folder this tool did not write or on a symbolic link, an OUTDIR that cannot be written, a
+    folder without ``lab.json``) exit with code 2 and a one-line message.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:
@@ -423,11 +518,12 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write the lab into")
     parser.add_argument("--lab", default="all", help="opd, mismatch or all (default all)")
     parser.add_argument("--force", action="store_true",
-                        help="replace the contents of a non-empty OUTDIR")
+                        help="replace a non-empty OUTDIR that this tool wrote (it deletes only "
+                             f"the unchanged files listed in OUTDIR/{MARKER})")
     args = parser.parse_args(argv)
     try:
         folders = write_lab(args.lab, args.out_dir, force=args.force)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # bad input, or a folder that cannot be written
         parser.error(str(error))
     for folder in folders:
         print(f"wrote {folder}")

@@ -110,16 +110,21 @@ def test_running_twice_is_byte_identical(labs, tmp_path):
     assert_same(comparison)
 
 
-@pytest.mark.parametrize("name", list(LABS))
-def test_fresh_handout_scores_zero_and_full_solution_full_marks(labs, tmp_path, name):
-    fresh = grade(labs / name)
-    assert fresh["score"] == 0
+# Each grade runs a lab's tests in a fresh interpreter, so the grading tests share the work:
+# the OPD lab is graded fresh by the CLI test, solved here, and half solved below; the
+# mismatch lab fresh here and solved except for one wrong task below.
+def test_fresh_mismatch_handout_scores_zero(labs):
+    fresh = grade(labs / "mismatch")
+    assert fresh["score"] == 0 and fresh["total"] == 8
     assert {t["status"] for t in fresh["tasks"].values()} == {"not implemented"}
-    solved = tmp_path / name
-    shutil.copytree(labs / name, solved)
+
+
+def test_full_solution_of_the_opd_lab_gets_full_marks(labs, tmp_path):
+    solved = tmp_path / "opd"
+    shutil.copytree(labs / "opd", solved)
     _restore(solved, keep=set(range(1, 100)))
     result = grade(solved)
-    assert result["score"] == result["total"] == len(fresh["tasks"])
+    assert result["score"] == result["total"] == 3
     assert all(t["passed"] == t["tests"] > 0 for t in result["tasks"].values())
 
 
@@ -145,6 +150,10 @@ def test_wrong_solution_is_failed(labs, tmp_path):
                                    "np.minimum(token_ratios(toy), 2 * cap)"))
     result = grade(folder)
     assert result["tasks"][4]["status"] == "failed"
+    # Every other task, solved, passes all its tests: the full solution's marks, less one.
+    others = [t for n, t in result["tasks"].items() if n != 4]
+    assert len(others) == 7 and all(t["status"] == "passed" and t["passed"] == t["tests"] > 0
+                                    for t in others)
     assert result["score"] == result["total"] - 1
 
 
@@ -157,6 +166,7 @@ def test_cli_writes_and_grades(tmp_path):
                             capture_output=True, text=True)
     assert graded.returncode == 0
     assert "| 1 | reverse_kl_rewards | not implemented | 0/" in graded.stdout
+    assert graded.stdout.count("| not implemented | 0/") == 3
     assert "score: 0/3" in graded.stdout
 
 
@@ -167,13 +177,14 @@ class TestBadInput:
         assert run.returncode == 2 and "unknown lab 'rlhf'" in run.stderr
         assert run.stderr.count("\n") == 1
 
-    def test_non_empty_outdir_needs_force(self, tmp_path):
+    def test_non_empty_outdir_needs_force_and_force_needs_a_handout(self, tmp_path):
         (tmp_path / "old.txt").write_text("keep me")
         with pytest.raises(ValueError, match="exists and is not empty; use --force"):
             write_lab("opd", tmp_path)
-        assert (tmp_path / "old.txt").exists()
-        write_lab("opd", tmp_path, force=True)
-        assert not (tmp_path / "old.txt").exists() and (tmp_path / "opd.py").exists()
+        with pytest.raises(ValueError, match="was not written by opd-handout"):
+            write_lab("opd", tmp_path, force=True)
+        assert (tmp_path / "old.txt").read_text() == "keep me"
+        assert not (tmp_path / "opd.py").exists()
 
     @pytest.mark.parametrize("text, message", [
         ("def f():\n    ### BEGIN SOLUTION Task 1: x\n    return 1\n", "src.py:2: .*never closed"),
