@@ -82,6 +82,9 @@ def test_numpy_only_modules_never_load_torch(module):
 
 
 def test_importing_the_package_imports_no_submodule():
-    code = "import sys, opd_literate; print(sorted(m for m in sys.modules if m.startswith('opd_literate.')))"
+    code = (
+        "import sys, opd_literate; "
+        "print(sorted(m for m in sys.modules if m.startswith('opd_literate.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
