@@ -89,6 +89,7 @@ __all__ = [
     "zipf_pair",
     "topk_bias_table",
     "topk_bias_figure_data",
+    "format_topk_bias_table",
     "plot_topk_bias",
 ]
 
@@ -371,13 +372,46 @@ def topk_bias_figure_data(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noise=1
     [1, 64]
     """
     if ks is None:
-        # k from 1 to V / 2: at k = V every approximation is the full KL
-        ks = sorted({int(round(x)) for x in torch.logspace(0, math.log10(V / 2), 25).tolist()})
+        # k from 1 to V / 2 (at k = V every approximation is the full KL), with the table's
+        ks = {int(round(x)) for x in torch.logspace(0, math.log10(V / 2), 25).tolist()}
+        ks = sorted(ks | {k for k in (1, 5, 20, 100, 500) if k < V})
     rows = {}
     for temperature in temperatures:
         student, teacher = zipf_pair(V, exponent, temperature, noise, seed)
         rows[float(temperature)] = topk_bias_table(ks, student, teacher)
     return {"V": V, "exponent": exponent, "noise": noise, "ks": list(ks), "rows": rows}
+
+
+def format_topk_bias_table(data, ks=(1, 5, 20, 100, 500)):
+    r"""A Markdown table of ``data`` (from ``topk_bias_figure_data``) at a few values of $k$.
+
+    One row per temperature and $k$; one column per direction and approximation, each cell
+    "relative value bias / relative gradient bias".
+
+    Examples
+    --------
+    At $k = V$ the teacher reports everything ($Q = 1$) and every cell is exact:
+
+    >>> data = topk_bias_figure_data(V=64, temperatures=(1.0,), ks=[64])
+    >>> row = format_topk_bias_table(data, ks=[64]).splitlines()[2]
+    >>> cells = row.strip("| ").split(" | ")
+    >>> cells[:3], sorted({c.lstrip("+-") for c in cells[3:]})  # zero up to rounding
+    (['1', '64', '1.000'], ['0.000 / 0.000'])
+    """
+    columns = [(d, a) for d in DIRECTIONS for a in APPROXIMATIONS]
+    header = "| τ | k | teacher mass Q | " + " | ".join(
+        f"{d} ({'abc'[APPROXIMATIONS.index(a)]}) {a}" for d, a in columns) + " |"
+    lines = [header, "| ---: | ---: | ---: | " + " | ".join("---:" for _ in columns) + " |"]
+    for temperature, rows in data["rows"].items():
+        for k in ks:
+            cells = {(r["direction"], r["approximation"]): r for r in rows if r["k"] == k}
+            if not cells:
+                raise ValueError(f"k = {k} is not in the data (ks = {data['ks']})")
+            mass = next(iter(cells.values()))["teacher_mass"]
+            lines.append(f"| {temperature:g} | {k} | {mass:.3f} | " + " | ".join(
+                f"{cells[c]['rel_bias'] + 0.0:+.3f} / {cells[c]['rel_grad_bias']:.3f}"
+                for c in columns) + " |")
+    return "\n".join(lines)
 
 
 def plot_topk_bias(path, data=None):

@@ -251,3 +251,26 @@ def test_bad_input_raises_a_clear_error(change, error, message):
     kwargs.update(change)
     with pytest.raises(error, match=message):
         topk_kl(**kwargs)
+
+
+def test_the_chapters_claims_about_the_study():
+    # docs/large_vocab.md reads these off the generated table (default figure settings)
+    data = topk_bias_figure_data(ks=[1, 5, 20, 100, 500])
+    for temperature, rows in data["rows"].items():
+        cell = {(r["k"], r["direction"], r["approximation"]): r for r in rows}
+        for direction in DIRECTIONS:
+            for k in (5, 20, 100, 500):
+                grads = {a: cell[k, direction, a]["rel_grad_bias"] for a in APPROXIMATIONS}
+                # the tail bucket has the smallest gradient bias of the three for k >= 5
+                assert min(grads, key=grads.get) == "tail"
+            # the renormalised loss is 0 at k = 1: no signal at all
+            assert cell[1, direction, "renormalize"]["approx"] == 0
+        if temperature == 1.0:
+            for direction in DIRECTIONS:
+                # renormalising: a gradient farther from the truth than 0 is, at k = 5 ...
+                assert cell[5, direction, "renormalize"]["rel_grad_bias"] > 1
+                # ... and a value above the true KL at k = 20 (no lower bound)
+                assert cell[20, direction, "renormalize"]["rel_bias"] > 0
+            # (c) of the reverse KL is negative at k = 1 and 5
+            assert cell[1, "reverse", "ignore"]["approx"] < 0
+            assert cell[5, "reverse", "ignore"]["approx"] < 0
