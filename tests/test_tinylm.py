@@ -1,5 +1,7 @@
 """tinylm: the sampler, the mask and the teacher pass give the OPD functions what they expect."""
 
+from collections import Counter
+
 import torch
 
 from opd_literate import tinylm as lm
@@ -35,18 +37,106 @@ def test_sampler_logp_is_log_softmax_of_its_logits_at_the_sampled_tokens():
     assert out.logp.requires_grad and out.logits.requires_grad
 
 
-def test_teacher_forced_logits_equal_the_step_by_step_sampler_logits():
-    """The recomputed logits must be those the sampler drew from (no train-inference gap)."""
-    model = _model(2)
-    prompts = _prompts(16, seed=3)
-    g = torch.Generator().manual_seed(4)
-    tokens, mask = lm.sample_tokens(model, prompts, g)
+def _plain_forward(model, prompts, tokens):
+    """Teacher forcing written out here, one sequence and one position at a time, with no
+    helper of the module: position t sees the prompt, ``tokens[:t]``, then ``<pad>``."""
+    B = prompts.shape[0]
+    logits = torch.empty(B, lm.MAX_ANSWER, lm.V)
     with torch.no_grad():
-        forced = model.logits(prompts, tokens)
-        for t in range(lm.MAX_ANSWER):
-            step = model(model.window(prompts, tokens)[:, t],
-                         torch.full((16,), t, dtype=torch.long))
-            torch.testing.assert_close(forced[:, t], step)
+        for b in range(B):
+            for t in range(lm.MAX_ANSWER):
+                context = (prompts[b].tolist() + tokens[b, :t].tolist()
+                           + [lm.PAD] * (lm.MAX_ANSWER - 1 - t))
+                assert len(context) == lm.PROMPT_LEN + lm.MAX_ANSWER - 1
+                logits[b, t] = model(torch.tensor(context), torch.tensor(t))
+    return logits
+
+
+def _sampler_vs_plain_forward(model, prompts, generator, greedy=False):
+    """Sample with the sampler while recording the logits it computes at each step; return
+    them ``(B, T, V)``, the plain forward's logits of the tokens it returned, the tokens and
+    the mask. Up to and including ``<eos>`` the two must agree."""
+    steps = []
+    hook = model.register_forward_hook(lambda module, args, out: steps.append(out.clone()))
+    try:
+        tokens, mask = lm.sample_tokens(model, prompts, generator, greedy=greedy)
+    finally:
+        hook.remove()
+    assert len(steps) == lm.MAX_ANSWER  # one call per answer position
+    return torch.stack(steps, dim=1), _plain_forward(model, prompts, tokens), tokens, mask
+
+
+def test_the_sampler_draws_from_the_logits_of_its_own_prefix():
+    """The logits the sampler computed at each position are those of an independent
+    teacher-forced pass over the tokens it returned (so each conditions on the tokens sampled
+    before it), and greedy decoding takes their argmax."""
+    model = _model(2)
+    prompts = _prompts(24, seed=3)
+    own, plain, tokens, mask = _sampler_vs_plain_forward(model, prompts,
+                                                         torch.Generator().manual_seed(4))
+    inside = mask.bool()
+    assert inside[:, 1:].sum() > 20  # positions after the first are compared too
+    torch.testing.assert_close(own[inside], plain[inside], rtol=1e-5, atol=1e-5)
+    own, plain, tokens, mask = _sampler_vs_plain_forward(model, prompts, None, greedy=True)
+    inside = mask.bool()
+    torch.testing.assert_close(own[inside], plain[inside], rtol=1e-5, atol=1e-5)
+    assert (tokens[inside] == plain.argmax(-1)[inside]).all()
+
+
+def test_the_check_catches_a_sampler_that_ignores_its_prefix(monkeypatch):
+    """A sampler whose contexts leave out the answer written so far (every position sees the
+    prompt and ``<pad>``) must fail the comparison above at the later positions."""
+
+    def prefix_blind(prompts, answers, t):
+        return torch.cat([prompts, torch.full((prompts.shape[0], lm.MAX_ANSWER - 1), lm.PAD)],
+                         dim=1)
+
+    monkeypatch.setattr(lm.TinyLM, "context_at", staticmethod(prefix_blind))
+    model = _model(2)
+    own, plain, _, mask = _sampler_vs_plain_forward(model, _prompts(24, seed=3),
+                                                    torch.Generator().manual_seed(4))
+    inside = mask.bool()
+    torch.testing.assert_close(own[:, 0], plain[:, 0], rtol=1e-5, atol=1e-5)  # no prefix yet
+    gap = (own - plain).abs().amax(-1)[:, 1:][inside[:, 1:]]
+    assert gap.max() > 0.1  # the check above fails for this sampler
+
+
+def test_sampled_token_frequencies_match_the_plain_forward_probabilities():
+    """20,000 answers to one prompt: at every position and prefix seen at least 1,000 times,
+    each token's frequency is within 5 standard errors, sqrt(p (1 - p) / n), of its
+    probability under the plain forward. A sampler that ignored its prefix, or sampled from
+    the wrong position, would be off by far more at the later positions."""
+    model = _model(5)
+    n = 20_000
+    prompt = lm.make_prompts(torch.tensor([[37, 48]]))
+    tokens, mask = lm.sample_tokens(model, prompt.expand(n, -1),
+                                    torch.Generator().manual_seed(6))
+    checked = 0
+    for t in range(lm.MAX_ANSWER):
+        live = mask[:, t].bool()  # sequences still going at position t
+        for prefix, count in Counter(map(tuple, tokens[live, :t].tolist())).items():
+            if count < 1000:
+                continue
+            rows = live & (tokens[:, :t] == torch.tensor(prefix, dtype=torch.long)).all(dim=1)
+            frequency = torch.bincount(tokens[rows, t], minlength=lm.V).double() / count
+            answer = torch.tensor([list(prefix) + [lm.PAD] * (lm.MAX_ANSWER - t)])
+            probs = torch.softmax(_plain_forward(model, prompt, answer)[0, t].double(), -1)
+            bound = 5 * (probs * (1 - probs) / count).sqrt() + 1e-9
+            assert ((frequency - probs).abs() <= bound).all(), (t, prefix)
+            checked += 1
+    assert checked >= 4  # several positions and prefixes, not only the first token
+
+
+def test_teacher_pass_equals_the_plain_forward():
+    """``score``: the teacher's logits and log-probs of given tokens are the plain forward's."""
+    teacher = _model(1, hidden=64)
+    prompts = _prompts(16, seed=7)
+    tokens, _ = lm.sample_tokens(_model(0), prompts, torch.Generator().manual_seed(8))
+    logp, logits = lm.score(teacher, prompts, tokens)
+    plain = _plain_forward(teacher, prompts, tokens)
+    torch.testing.assert_close(logits, plain, rtol=1e-5, atol=1e-5)
+    expected = torch.log_softmax(plain.double(), -1).gather(-1, tokens[..., None])[..., 0]
+    torch.testing.assert_close(logp.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_mask_includes_eos_and_nothing_after():
