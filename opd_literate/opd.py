@@ -32,7 +32,7 @@ a given state.
 
 The module also holds the variants the training frameworks ship: the k1/k2/k3 single-sample KL
 estimators (and what their gradients are as a loss versus as a reward), the forward KL, the
-generalized Jensen-Shannon divergence, a discounted sampled-token loss and the four loss
+generalized Jensen-Shannon divergence, a discounted sampled-token loss and the five loss
 reductions.
 
 Conventions shared by every function here:
@@ -451,7 +451,8 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     [opd_literate.opd.opd_pg_loss][] (see there). By the law of total variance, replacing a
     random quantity by its conditional expectation can only lower the variance: at a fixed
     state the full-vocabulary gradient has none, while the sampled-token gradient has
-    $\mathrm{Var}_{v \sim p}[d_v \nabla \log p_v] > 0$ unless $p = q$. The price is the
+    $\mathrm{Var}_{v \sim p}[d_v \nabla \log p_v]$, which is 0 when $p = q$ and in general
+    positive otherwise. The price is the
     teacher's full ``(B, T, V)`` logits instead of one log-probability per token.
 
     That expectation is per state. Over whole responses of variable length, E[Task-2 gradient]
@@ -935,6 +936,8 @@ def discounted_returns(rewards, mask, gamma):
     dtype = compute_dtype(rewards)  # float32 for half precision
     r = rewards.detach().to(dtype)
     r = torch.where(mask, r, torch.zeros_like(r))
+    if gamma == 0.0:
+        return r  # G_t = r_t; the recursion would form 0 * (-inf) = NaN after a -inf reward
     returns = torch.zeros_like(r)
     running = r.new_zeros(r.shape[0])  # (B,); T = 0 gives an empty (B, 0) result
     for t in reversed(range(r.shape[1])):  # T is a response length: a short loop

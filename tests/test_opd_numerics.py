@@ -191,6 +191,12 @@ def test_half_precision_gradient_flows_back_in_the_input_dtype():
     assert s.grad.dtype == torch.float16 and torch.isfinite(s.grad).all()
 
 
+def test_gamma_zero_keeps_a_finite_reward_before_an_infinite_one():
+    # G_0 = r_0 at gamma = 0; the recursion r_0 + 0 * G_1 gave NaN when G_1 = -inf
+    returns = discounted_returns(torch.tensor([[1.0, -INF]]), torch.ones(1, 2), 0.0)
+    assert returns.tolist() == [[1.0, -INF]]
+
+
 # --------------------------------------------------------------------- empty batches
 @pytest.mark.parametrize("shape", [(2, 0), (0, 3), (0, 0)])
 def test_empty_batches_give_zero_losses_and_empty_results(shape):

@@ -179,7 +179,7 @@ def reference_sampled_token(student, teacher, mask, gamma, reduction):
     advantage = np.zeros((B, T))
     running = np.zeros(B)
     for i in reversed(range(T)):
-        running = r[:, i] + gamma * running
+        running = r[:, i] + (gamma * running if gamma else 0.0)  # gamma = 0: A_t = r_t
         advantage[:, i] = running
     with np.errstate(invalid="ignore", over="ignore"):  # a -inf teacher: the true loss is inf
         per_token = np.where(m, -advantage * np.where(m, s, 0.0), 0.0)
