@@ -15,9 +15,10 @@ handout replaces every marked region with its hint and a stub:
     raise NotImplementedError("Task 1: reverse_kl_rewards")
 
 and writes a self-contained lab folder: the student module(s) (docstrings and derivations kept),
-the given code whole, the lab's tests (importing from the folder), a ``pytest.ini`` and a
-README for students. ``grade`` runs those tests and reports each task as passed, failed or not
-implemented.
+the given code whole, the lab's tests (importing from the folder), a ``pytest.ini``, a
+``conftest.py`` (for ``pytest --task N``), a ``lab.json`` naming the tasks and a README for
+students. ``grade`` runs those tests and reports each task as passed, not implemented, blocked
+(by another task's stub), failed, or without tests.
 
 Usage:
 
@@ -440,8 +441,8 @@ def grade(lab_dir) -> dict:
 
     A task is *passed* when all its tests pass, *not implemented* when one of its tests stops on
     its own ``NotImplementedError("Task N: ...")``, *blocked* when its only failures come from
-    another task's stub, and *failed* otherwise. Returns ``{"lab", "tasks": {n: {...}},
-    "score", "total"}``.
+    another task's stub, *no tests* when no test is marked with it, and *failed* otherwise.
+    Returns ``{"lab", "tasks": {n: {...}}, "score", "total"}``.
     """
     folder = pathlib.Path(lab_dir)
     manifest_path = folder / "lab.json"
