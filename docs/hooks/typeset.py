@@ -28,6 +28,8 @@ import re
 import shutil
 import subprocess
 
+from mkdocs.exceptions import PluginError
+
 HERE = pathlib.Path(__file__).resolve().parent
 ASSETS = "assets/mathjax"  # where the stylesheet and fonts go, relative to the site's root
 STYLESHEET = f"{ASSETS}/mathjax.css"
@@ -84,6 +86,7 @@ class Typesetter:
             [node_executable(), str(HERE / "typeset.js"), str(mathjax_es5())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8",
         )
+        self._done: dict[tuple[str, bool], str] = {}
 
     def _ask(self, request: dict) -> dict:
         self._process.stdin.write(json.dumps(request) + "\n")
@@ -95,6 +98,13 @@ class Typesetter:
 
     def typeset(self, tex: str, display: bool) -> str:
         """The HTML of one formula; a ValueError with MathJax's message if it has an error."""
+        # The API pages repeat many formulas (pi_theta, the shapes): typeset each once.
+        key = (tex, display)
+        if key not in self._done:
+            self._done[key] = self._typeset(tex, display)
+        return self._done[key]
+
+    def _typeset(self, tex: str, display: bool) -> str:
         answer = self._ask({"tex": tex, "display": display})
         if "error" in answer:
             raise ValueError(f"MathJax could not typeset {tex!r}: {answer['error']}")
@@ -154,8 +164,8 @@ def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
 def on_page_content(html_content, page, config, files):  # noqa: ARG001 (MkDocs hook API)
     try:
         return typeset_page(html_content, _typesetter)
-    except ValueError as error:
-        raise ValueError(f"{page.file.src_path}: {error}") from None
+    except ValueError as error:  # a clean "Error: page: message" and a failed build
+        raise PluginError(f"{page.file.src_path}: {error}") from None
 
 
 def on_post_build(config):
