@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -104,6 +105,7 @@ def main(argv=None) -> None:
         return
 
     runs = {"dense": [], "chunked": []}
+    load_before = os.getloadavg()[0]  # other work on the machine slows both variants
     for _ in range(args.repeats):
         for variant in runs:
             command = [sys.executable, __file__, "--child", variant,
@@ -114,7 +116,8 @@ def main(argv=None) -> None:
     print(f"bench_large_vocab: {sizes['tokens']:,} tokens, V = {sizes['vocab']:,}, "
           f"H = {sizes['hidden']:,}, float32, CPU ({platform.processor() or platform.machine()}),"
           f" torch {first['torch']}, {first['threads']} threads, chunk_size {args.chunk_size}, "
-          f"best of {args.repeats}")
+          f"best of {args.repeats}; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
     print(f"{'variant':<10}{'loss':>12}{'added peak RSS (MiB)':>24}{'forward+backward (s)':>24}")
     best = {}
     for variant, results in runs.items():

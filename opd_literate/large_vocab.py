@@ -102,8 +102,8 @@ def _chunk_loss_and_grad(z, zt, divergence, beta, normalize):
     """Per-row loss (chunk,) and its gradient with respect to the student logits (chunk, V).
 
     ``z`` and ``zt`` (student and teacher logits of the chunk) are overwritten: the caller
-    passes them without keeping a reference, so each chunk holds about three ``(chunk, V)``
-    buffers at its peak.
+    passes them without keeping a reference, so each chunk holds three ``(chunk, V)`` buffers
+    (log p, log q, p) plus the temporaries of one operation at a time.
     """
     # log_softmax in place: log p = z - logsumexp(z) (logsumexp subtracts the max first)
     log_p = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
@@ -301,8 +301,9 @@ def chunked_divergence(student_hidden, student_weight, mask, *, teacher_logits=N
         The JSD's weight in $[0, 1]$ and normalisation, as in
         [opd_literate.opd.generalized_jsd][]; ignored by the two KLs.
     chunk_size : int
-        Rows of logits computed at once. Peak extra memory is about three ``(chunk_size, V)``
-        buffers in the compute dtype, plus the stored gradients (``(N, H)`` and ``(V, H)``).
+        Rows of logits computed at once. Peak extra memory is about five ``(chunk_size, V)``
+        buffers in the compute dtype (three live ones and the temporaries of one operation),
+        plus the stored gradients (``(N, H)`` and ``(V, H)``).
 
     Returns
     -------
