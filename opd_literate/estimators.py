@@ -4,7 +4,12 @@ The rollouts come from the sampler $\mu$ (the inference engine), the gradient is
 trainer $\pi = \pi_\theta$. Every estimator here returns, for each of the $M$ sequences of the
 toy of [opd_literate.toy.make_toy][], the ``(T, V)`` gradient estimate it would produce if the
 sampler had drawn that sequence: an ``(M, T, V)`` array that
-[opd_literate.toy.estimator_moments][] turns into an exact mean, bias and variance.
+[opd_literate.toy.estimator_moments][] turns into an exact mean, bias and variance. They work
+unchanged on the autoregressive toy of [opd_literate.toy.make_ar_toy][], whose estimates are
+``(M, T, V + 1, V)`` (the parameters of token $t$ are the row of the token before it) and whose
+responses can end at ``<eos>``: there $T$ below is the length $n$ of the response, padded
+positions have $\rho_t = 1$ and a score of 0, and the product $\rho = \prod_t \rho_t$ of
+conditional ratios $\pi(y_t \mid y_{<t}) / \mu(y_t \mid y_{<t})$ is still $\pi(y) / \mu(y)$.
 
 Notation (per sequence $y \sim \mu$):
 
@@ -118,6 +123,13 @@ def token_ratios(toy):
     return _exp_ratio(toy["logp_train"] - toy["logp_sampler"], "per-token", toy)
 
 
+def _lengths(toy):
+    """Tokens per response: the int T for make_toy, the (M,) mask sums for make_ar_toy."""
+    if "mask" in toy:
+        return np.asarray(toy["mask"]).sum(axis=1)
+    return toy["logp_train"].shape[1]
+
+
 def _log_seq_ratio(toy):
     """log rho = sum_t log rho_t, shape (M,): summed in log space, never as a product."""
     return (toy["logp_train"] - toy["logp_sampler"]).sum(axis=1)
@@ -141,7 +153,10 @@ def _exp_ratio(log_ratio, level, toy):
 def geometric_ratio(toy):
     r"""Length-normalized sequence ratios $\rho_{\mathrm{geo}} = \rho^{1/T}$, shape ``(M,)``.
 
-    ``inf`` where $\rho_{\mathrm{geo}}$ overflows float64 (then outside every finite band).
+    $T$ is the length of the response ($n$, the tokens of its mask, for
+    [opd_literate.toy.make_ar_toy][]): the mean of $\log \rho_t$ over its tokens, as verl's
+    ``seq_mean`` criteria take it. ``inf`` where $\rho_{\mathrm{geo}}$ overflows float64 (then
+    outside every finite band).
 
     Examples
     --------
@@ -152,11 +167,14 @@ def geometric_ratio(toy):
     """
     check_toy(toy, keys=("logp_train", "logp_sampler"))
     with np.errstate(over="ignore"):
-        return np.exp(_log_seq_ratio(toy) / toy["logp_train"].shape[1])
+        return np.exp(_log_seq_ratio(toy) / _lengths(toy))
 
 
 def weighted_score(toy, weights, baseline=0.0):
-    r"""The estimate $\hat g_{m,t} = w_{m,t}\, (R_m - b)\, s_{m,t}$, shape ``(M, T, V)``.
+    r"""The estimate $\hat g_{m,t} = w_{m,t}\, (R_m - b)\, s_{m,t}$, the shape of the score.
+
+    ``(M, T, V)`` for [opd_literate.toy.make_toy][], ``(M, T, V + 1, V)`` for
+    [opd_literate.toy.make_ar_toy][]: the weight of token $t$ multiplies its score.
 
     Parameters
     ----------
@@ -197,8 +215,10 @@ def weighted_score(toy, weights, baseline=0.0):
             f"{baseline!r}, largest weight {float(np.max(np.abs(weights))):.3g}); use a smaller "
             "baseline or mismatch"
         )
-    # w_t * A * s_t: (M, T, 1) * (M, T, V); |s_t| <= 1, so this product cannot overflow
-    return weighted_advantage[:, :, None] * toy["score"]
+    # w_t * A * s_t: (M, T, 1) * (M, T, V), or (M, T, 1, 1) * (M, T, V + 1, V);
+    # |s_t| <= 1, so this product cannot overflow
+    extra = (1,) * (np.ndim(toy["score"]) - 2)
+    return weighted_advantage.reshape(weighted_advantage.shape + extra) * toy["score"]
 
 
 def _check_band(low, high, *, low_name="low", high_name="high"):
@@ -674,7 +694,10 @@ def token_veto(toy, threshold=1e-4, baseline=0.0, *, return_weights=False):
     threshold = check_finite_number("threshold", threshold)
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
-    keep = token_ratios(toy).min(axis=1) >= threshold
+    rho_t = token_ratios(toy)
+    if "mask" in toy:  # the padding after <eos> is no token of the response
+        rho_t = np.where(np.asarray(toy["mask"]) > 0, rho_t, np.inf)
+    keep = rho_t.min(axis=1) >= threshold
     weights = keep.astype(float)
     return _finish(toy, weights, baseline, return_weights)
 
@@ -709,7 +732,11 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     log_rho_t = toy["logp_train"] - toy["logp_sampler"]
     with np.errstate(over="ignore"):  # rho_t beyond float max: k3 = inf, rejected
         k3 = np.expm1(log_rho_t) - log_rho_t  # rho - 1 - log rho, accurate near rho = 1
-    weights = (k3.mean(axis=1) <= threshold).astype(float)
+    if "mask" in toy:  # the mean over the response's own tokens
+        mean_k3 = np.where(np.asarray(toy["mask"]) > 0, k3, 0.0).sum(axis=1) / _lengths(toy)
+    else:
+        mean_k3 = k3.mean(axis=1)
+    weights = (mean_k3 <= threshold).astype(float)
     return _finish(toy, weights, baseline, return_weights)
 
 
@@ -879,13 +906,15 @@ def _spec(name):
 
 def _reference_weights(toy, kind):
     log_rho_t = toy["logp_train"] - toy["logp_sampler"]
-    T = log_rho_t.shape[1]
     if kind == "one":
         return np.ones_like(log_rho_t)
     if kind == "token":
         return np.exp(log_rho_t)
     total = log_rho_t.sum(axis=1, keepdims=True)
-    per_sequence = np.exp(total) if kind == "sequence" else np.exp(total / T)
+    lengths = _lengths(toy)
+    if np.ndim(lengths):
+        lengths = lengths[:, None]
+    per_sequence = np.exp(total) if kind == "sequence" else np.exp(total / lengths)
     return np.broadcast_to(per_sequence, log_rho_t.shape)
 
 
@@ -943,13 +972,18 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
         moments = estimator_moments(toy, estimate)
         modified = ~np.isclose(weights, _reference_weights(toy, spec.reference),
                                rtol=1e-12, atol=0.0)
+        if "mask" in toy:  # count the response's own tokens only, not the padding
+            modified &= np.asarray(toy["mask"]) > 0
+            token_fraction = modified.sum(axis=1) / _lengths(toy)
+        else:
+            token_fraction = modified.mean(axis=1)
         rows.append(dict(
             name=name,
             bias=moments["bias"],
             var=moments["var"],
             rel_bias=moments["rel_bias"],
             rel_rmse=moments["rel_rmse"](N),
-            token_frac=float(mu @ modified.mean(axis=1)),
+            token_frac=float(mu @ token_fraction),
             seq_frac=float(mu @ modified.any(axis=1)),
             unbiased=spec.unbiased,
             source=spec.source,

@@ -52,6 +52,8 @@ $\pi_t$ and $\mu_t$ depend on the sampled prefix:
   \theta_t = e_{y_t} - \pi_t$, on which ``true_grad`` and every estimate here are built.
 
 The numbers (how large each bias is) are those of this toy, not of a language model.
+[opd_literate.toy.make_ar_toy][] builds the autoregressive counterpart, on which all three fail
+and are tested to fail.
 
 The sampler's logits must stay finite with room to spare: ``make_toy`` accepts
 $|\epsilon| \le$ ``MAX_MISMATCH`` $= 10^6$ (at $10^{308}$ the logits $\epsilon b$ overflow to
@@ -81,6 +83,12 @@ __all__ = [
     "sample_from_sampler",
     "estimator_moments",
     "check_toy",
+    "AR_TOY_KEYS",
+    "ar_num_responses",
+    "ar_toy_nbytes",
+    "make_ar_toy",
+    "ar_toy_from_logits",
+    "response_mask",
 ]
 
 MAX_TOY_BYTES = 2 * 1024**3
@@ -190,13 +198,7 @@ def make_toy(T=6, V=4, mismatch=0.3, seed=0):
     0.0
     """
     T, V = _check_size("T", T), _check_size("V", V)
-    mismatch = check_finite_number("mismatch", mismatch)
-    if abs(mismatch) > MAX_MISMATCH:
-        raise ValueError(
-            f"mismatch must be in [-{MAX_MISMATCH:g}, {MAX_MISMATCH:g}] (MAX_MISMATCH), got "
-            f"{mismatch!r}: the sampler's logits theta + mismatch * b would be too large to "
-            "compute its probabilities"
-        )
+    mismatch = _check_mismatch(mismatch)
     _check_toy_size(T, V, "make_toy")
 
     rng = np.random.default_rng(seed)
@@ -298,6 +300,17 @@ def _check_toy_size(T, V, caller):
             f"{nbytes / 1024**3:.1f} GiB, above MAX_TOY_BYTES = {MAX_TOY_BYTES / 1024**3:.0f} GiB; "
             "choose a smaller T or V"
         )
+
+
+def _check_mismatch(mismatch):
+    mismatch = check_finite_number("mismatch", mismatch)
+    if abs(mismatch) > MAX_MISMATCH:
+        raise ValueError(
+            f"mismatch must be in [-{MAX_MISMATCH:g}, {MAX_MISMATCH:g}] (MAX_MISMATCH), got "
+            f"{mismatch!r}: the sampler's logits theta + mismatch * b would be too large to "
+            "compute its probabilities"
+        )
+    return mismatch
 
 
 def _check_size(name, value):
@@ -415,11 +428,13 @@ def estimator_moments(toy, per_seq_estimate):
         estimate, target = estimate / scale, target / scale
     else:
         scale = np.float64(1.0)
-    mean_scaled = np.einsum("m,mtv->tv", mu, estimate)
+    # The parameters may have any shape: (T, V) here, (T, V + 1, V) for make_ar_toy.
+    mean_scaled = np.einsum("m,m...->...", mu, estimate)
     # sum_m mu_m ||g_m - mean||^2, from the centred values: E||g||^2 - ||mean||^2 would lose
     # every digit to cancellation when the variance is small against the mean.
     centred = estimate - mean_scaled
-    var_scaled = float(np.einsum("m,mtv,mtv->", mu, centred, centred))
+    flat = centred.reshape(len(mu), -1)  # (M, number of parameters)
+    var_scaled = float(np.einsum("m,mk,mk->", mu, flat, flat))
     bias_scaled = float(np.linalg.norm(mean_scaled - target))
     norm_scaled = float(np.linalg.norm(target))
     with np.errstate(over="ignore"):  # a huge estimate has an infinite variance: inf, not NaN
@@ -440,3 +455,321 @@ def estimator_moments(toy, per_seq_estimate):
 
     return dict(mean=mean, bias=bias, var=var, rel_bias=relative(bias_scaled),
                 rel_rmse=rel_rmse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The autoregressive toy: the prefix matters, and responses can end early at <eos>
+# ---------------------------------------------------------------------------------------------
+AR_TOY_KEYS = ("Y", "mask", "prev", "logp_train", "logp_sampler", "p_train", "p_sampler", "R",
+               "score", "true_grad", "theta", "b", "mismatch", "T", "V", "eos")
+"""The keys of the dictionary returned by ``make_ar_toy``: those of ``make_toy`` (``TOY_KEYS``)
+and ``mask``, ``prev``, ``eos``."""
+
+START = 0
+"""The row of ``theta[t]`` read at $t = 0$ (the start symbol); row $1 + u$ follows token $u$."""
+
+
+def ar_num_responses(T, V, eos=True):
+    r"""The number $M$ of responses that ``make_ar_toy(T, V, eos=eos)`` enumerates.
+
+    Without ``<eos>`` every sequence of length $T$: $M = V^T$. With it, token $V - 1$ ends the
+    response, so a response is $k$ ordinary tokens followed by ``<eos>`` ($0 \le k < T$) or
+    $T$ tokens of which only the last may be ``<eos>``:
+    $M = \sum_{k=0}^{T-1} (V-1)^k + (V-1)^{T-1} V = \sum_{k=0}^{T} (V - 1)^k$.
+
+    Examples
+    --------
+    >>> ar_num_responses(2, 2), ar_num_responses(5, 3), ar_num_responses(5, 3, eos=False)
+    (3, 63, 243)
+    """
+    T, V = _check_size("T", T), _check_size("V", V)
+    if not eos:
+        return V**T
+    return sum((V - 1) ** k for k in range(T + 1))
+
+
+def ar_toy_nbytes(T, V, eos=True):
+    """Bytes that the arrays of ``make_ar_toy(T, V, eos=eos)`` take, without building them.
+
+    ``Y``, ``prev`` (int64) and ``mask``, ``logp_train``, ``logp_sampler`` (float64) are
+    ``(M, T)``; ``p_train``, ``p_sampler``, ``R`` are ``(M,)``; ``score`` is
+    ``(M, T, V + 1, V)``, with ``M = ar_num_responses(T, V, eos)``.
+
+    Examples
+    --------
+    >>> ar_toy_nbytes(5, 3)  # 63 * (5 * 5 + 3 + 5 * 4 * 3) * 8
+    44352
+    """
+    M = ar_num_responses(T, V, eos)
+    return 8 * M * (5 * T + 3 + T * (V + 1) * V)
+
+
+def make_ar_toy(T=5, V=3, mismatch=0.3, seed=0, eos=True):
+    r"""An enumerable autoregressive toy: each token depends on the one before it.
+
+    The trainer writes token $t$ (counted from 0) with probability
+    $\pi(y_t = v \mid y_{t-1}) = \mathrm{softmax}(\theta_{t, p})_v$, where the row
+    $p = 1 + y_{t-1}$ is the previous token and $p = 0$ the start symbol at $t = 0$: the
+    parameters ``theta`` have shape ``(T, V + 1, V)``. The sampler reads the same rows with a
+    fixed error, $\mu(y_t = v \mid y_{t-1}) = \mathrm{softmax}(\theta_{t,p} + \epsilon\,
+    b_{t,p})_v$, with $b$ from a Student-t with 3 degrees of freedom as in ``make_toy``.
+    Because the row depends on the sampled prefix, $\pi_t$ and $\mu_t$ are conditional
+    distributions: the three results that ``make_toy`` owes to independence (module
+    docstring) fail here.
+
+    **<eos>.** With ``eos=True`` the token $V - 1$ is ``<eos>``: it ends the response, which is
+    then padded to length $T$. A response of $n$ tokens (``<eos>`` included, the last token
+    counts even when it is not ``<eos>``) has ``mask`` 1 on its first $n$ positions and 0
+    after. The padding holds the token ``V - 1`` in ``Y`` (a valid index, never read as a
+    token), log-probability 0 in ``logp_train`` and ``logp_sampler`` (after ``<eos>`` the
+    rest is certain under both models, so every importance ratio there is 1), row
+    ``prev = V`` and a score of 0. So every array built from them ignores the padding: a
+    sequence's log-probability is the sum of its row, and a weight times the score is 0 there.
+
+    **The reward and the objective.** $R(y) = 1$ if at least half of the $n$ tokens of the
+    response are token 0 (``<eos>`` counts as a token that is not 0), else 0; without
+    ``<eos>`` it is ``make_toy``'s reward. $J(\theta) = \mathbb{E}_{y \sim \pi}[R(y)]$. The
+    score of a sequence is the gradient of $\log \pi(y) = \sum_{t < n} \log
+    \pi(y_t \mid y_{t-1})$: token $t$ contributes $e_{y_t} - \pi(\cdot \mid y_{t-1})$ to the
+    row $(t, 1 + y_{t-1})$ of the parameters and nothing elsewhere, so ``score[m, t]`` is a
+    ``(V + 1, V)`` array with one non-zero row, and
+
+    $$
+    \nabla_\theta J = \sum_y \pi(y)\, R(y) \sum_{t < n(y)} s_t(y)
+    $$
+
+    (``true_grad``, shape ``(T, V + 1, V)``; the rows no response visits, such as
+    $\theta_{0, p}$ for $p \ge 1$, get 0). Every estimator of
+    [opd_literate.estimators][] and [opd_literate.toy.estimator_moments][] accept this toy:
+    an estimate is ``(M, T, V + 1, V)``, and the per-token weight of row $t$ multiplies the
+    score of token $t$.
+
+    The random draws are, in this order, from ``numpy.random.default_rng(seed)``:
+    ``theta ~ Normal(0, 0.7)`` then ``b ~ Student-t(3)``, each of shape ``(T, V + 1, V)``. The
+    responses are listed in lexicographic order of ``Y`` (padding included).
+
+    Parameters
+    ----------
+    T : int
+        Largest response length, >= 1.
+    V : int
+        Vocabulary size, >= 1 (>= 2 with ``eos``: ``<eos>`` and at least one other token).
+    mismatch : float
+        $\epsilon$, $|\epsilon| \le$ ``MAX_MISMATCH``.
+    seed : int
+        Seed of the random tables, >= 0.
+    eos : bool
+        Whether token ``V - 1`` is ``<eos>``. ``False``: every response has length $T$.
+
+    Returns
+    -------
+    dict
+        The keys of ``make_toy`` with ``score`` ``(M, T, V + 1, V)`` and ``true_grad``,
+        ``theta``, ``b`` ``(T, V + 1, V)``; ``logp_train``, ``logp_sampler`` are the
+        conditional log-probabilities $\log \pi(y_t \mid y_{t-1})$ (0 on padding); and
+        ``mask`` (M, T) float 1/0, ``prev`` (M, T) the row read at each position, ``eos``
+        (``V - 1`` or ``None``). ``M = ar_num_responses(T, V, eos)``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a ``T``, ``V`` or ``seed`` that is not a positive (non-negative for ``seed``)
+        integer, ``eos`` that is not a bool, ``V < 2`` with ``eos``, a ``mismatch`` that is
+        not finite or above ``MAX_MISMATCH``, or a toy larger than ``MAX_TOY_BYTES``.
+
+    Examples
+    --------
+    $T = 2$, $V = 2$: token 1 is ``<eos>``, so the responses are $(0, 0)$, $(0, \text{eos})$
+    and $(\text{eos})$, padded with token 1:
+
+    >>> toy = make_ar_toy(T=2, V=2)
+    >>> toy["Y"].tolist(), toy["mask"].tolist(), toy["R"].tolist()
+    ([[0, 0], [0, 1], [1, 1]], [[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]], [1.0, 1.0, 0.0])
+    >>> toy["score"].shape, round(float(toy["p_train"].sum()), 12)
+    ((3, 2, 3, 2), 1.0)
+
+    The rows read: the start symbol (row 0) at $t = 0$, then row $1 + y_0$; the padding's row
+    is $V = 2$ with a score of 0:
+
+    >>> toy["prev"].tolist(), float(np.abs(toy["score"][2, 1]).max())
+    ([[0, 1], [0, 1], [0, 2]], 0.0)
+    """
+    T, V = _check_size("T", T), _check_size("V", V)
+    mismatch = _check_mismatch(mismatch)
+    eos = _check_eos(eos, V)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    _check_ar_size(T, V, eos, "make_ar_toy")
+    rng = np.random.default_rng(seed)
+    theta = rng.normal(0.0, 0.7, size=(T, V + 1, V))  # trainer logits, one row per previous token
+    b = rng.standard_t(3, size=(T, V + 1, V))         # the sampler's logit error, same layout
+    toy = _enumerate_ar(log_softmax(theta), log_softmax(theta + mismatch * b), eos)
+    return dict(toy, theta=theta, b=b, mismatch=mismatch)
+
+
+def ar_toy_from_logits(train_logits, sampler_logits, eos=True):
+    r"""The toy of ``make_ar_toy`` with the trainer's and the sampler's logits given by hand.
+
+    Parameters
+    ----------
+    train_logits, sampler_logits : array_like
+        ``(T, V + 1, V)`` finite logits: row ``[t, 0]`` is read at $t = 0$, row
+        ``[t, 1 + u]`` after token $u$ (rows never read may hold anything finite).
+    eos : bool
+        Whether token ``V - 1`` is ``<eos>``.
+
+    Returns
+    -------
+    dict
+        The keys of ``make_ar_toy``, with ``theta = train_logits``, ``b = sampler_logits -
+        train_logits`` and ``mismatch = 1.0``.
+
+    Examples
+    --------
+    $T = 2$, $V = 2$, token 1 is ``<eos>``. The trainer is uniform everywhere; the sampler
+    writes token 0 first with probability 0.8, then uniformly. The responses $(0, 0)$,
+    $(0, \text{eos})$, $(\text{eos})$ have $\pi = (0.25, 0.25, 0.5)$ and
+    $\mu = (0.4, 0.4, 0.2)$; the reward is $(1, 1, 0)$, so $J = 0.5$:
+
+    >>> half, skew = np.log([0.5, 0.5]), np.log([0.8, 0.2])
+    >>> toy = ar_toy_from_logits([[half, half, half], [half, half, half]],
+    ...                          [[skew, half, half], [half, half, half]])
+    >>> toy["p_train"].round(12).tolist(), toy["p_sampler"].round(12).tolist()
+    ([0.25, 0.25, 0.5], [0.4, 0.4, 0.2])
+
+    Only the first token matters for the reward: $\nabla J$ is $0.5 \cdot (0.5, -0.5)$ in
+    the start row of $t = 0$ (both responses with $R = 1$ begin with token 0, and
+    $e_0 - \pi = (0.5, -0.5)$), and 0 in the row after token 0 (both continuations earn 1):
+
+    >>> toy["true_grad"][0, 0].round(12).tolist(), toy["true_grad"][1, 1].round(12).tolist()
+    ([0.25, -0.25], [0.0, 0.0])
+    """
+    train = _check_ar_logits("train_logits", train_logits)
+    sampler = _check_ar_logits("sampler_logits", sampler_logits)
+    if sampler.shape != train.shape:
+        raise ValueError(f"sampler_logits must have the shape of train_logits {train.shape}, "
+                         f"got {sampler.shape}")
+    T, _, V = train.shape
+    eos = _check_eos(eos, V)
+    _check_ar_size(T, V, eos, "ar_toy_from_logits")
+    toy = _enumerate_ar(log_softmax(train), log_softmax(sampler), eos)
+    return dict(toy, theta=train, b=sampler - train, mismatch=1.0)
+
+
+def response_mask(toy):
+    """The ``(M, T)`` float mask of a toy: ``toy["mask"]``, or all ones for ``make_toy``'s.
+
+    Examples
+    --------
+    >>> response_mask(make_toy(T=2, V=2)).tolist()
+    [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    >>> response_mask(make_ar_toy(T=2, V=2)).sum(axis=1).tolist()  # the lengths
+    [2.0, 2.0, 1.0]
+    """
+    check_toy(toy, keys=("logp_train",))
+    if "mask" in toy:
+        return np.asarray(toy["mask"], dtype=float)
+    return np.ones(np.shape(toy["logp_train"]))
+
+
+def _ar_responses(T, V, eos):
+    """(Y, lengths): every response, padded with eos, in lexicographic order."""
+    if eos is None:
+        Y = np.array(list(itertools.product(range(V), repeat=T)), dtype=np.int64)
+        return Y, np.full(len(Y), T, dtype=np.int64)
+    blocks, lengths = [], []
+    for n in range(1, T + 1):
+        # n - 1 ordinary tokens, then <eos> (n < T) or any token (n = T)
+        heads = list(itertools.product(range(V - 1), repeat=n - 1))
+        heads = np.array(heads, dtype=np.int64).reshape(len(heads), n - 1)
+        last = np.array([eos] if n < T else range(V), dtype=np.int64)
+        block = np.full((len(heads) * len(last), T), eos, dtype=np.int64)
+        block[:, : n - 1] = np.repeat(heads, len(last), axis=0)
+        block[:, n - 1] = np.tile(last, len(heads))
+        blocks.append(block)
+        lengths.append(np.full(len(block), n, dtype=np.int64))
+    Y, n = np.concatenate(blocks), np.concatenate(lengths)
+    order = np.lexsort(Y.T[::-1])  # lexicographic: the first position is the primary key
+    return Y[order], n[order]
+
+
+def _enumerate_ar(log_pi, log_mu, eos):
+    """Every array of the autoregressive toy from the (T, V + 1, V) conditional log-probs."""
+    T, _, V = log_pi.shape
+    if not (np.isfinite(log_pi).all() and np.isfinite(log_mu).all()):
+        raise ValueError("a token has probability 0 (log-probability -inf) under the trainer or "
+                         "the sampler: its importance ratio is undefined; use smaller logits")
+    Y, n = _ar_responses(T, V, eos)  # (M, T), (M,)
+    M = len(Y)
+    real = np.arange(T)[None, :] < n[:, None]  # (M, T): the response's own tokens
+    prev = np.empty_like(Y)
+    prev[:, 0] = START
+    prev[:, 1:] = 1 + Y[:, :-1]  # row 1 + u after token u (the padding's row is 1 + eos)
+    positions = np.arange(T)[None, :]
+    # log pi(y_t | y_{t-1}) on the response, 0 = log 1 on the padding
+    logp_train = np.where(real, log_pi[positions, prev, Y], 0.0)
+    logp_sampler = np.where(real, log_mu[positions, prev, Y], 0.0)
+    # chain rule: log pi(y) = sum_t log pi(y_t | y_{t-1})
+    p_train = np.exp(logp_train.sum(axis=1))
+    p_sampler = np.exp(logp_sampler.sum(axis=1))
+    # R = 1 when at least half of the n tokens are token 0 (integers: no rounding)
+    zeros = ((Y == 0) & real).sum(axis=1)
+    R = (2 * zeros >= n).astype(float)
+    # score of token t: e_{y_t} - pi(. | y_{t-1}), placed in the parameter row (t, prev_t)
+    rows = np.eye(V)[Y] - np.exp(log_pi)[positions, prev]  # (M, T, V)
+    rows = np.where(real[:, :, None], rows, 0.0)
+    score = np.zeros((M, T, V + 1, V))
+    score[np.arange(M)[:, None], positions, prev] = rows  # (M, T, V + 1, V)
+    true_grad = np.einsum("m,m,mtpv->tpv", p_train, R, score)
+    return dict(Y=Y, mask=real.astype(float), prev=prev, logp_train=logp_train,
+                logp_sampler=logp_sampler, p_train=p_train, p_sampler=p_sampler, R=R,
+                score=score, true_grad=true_grad, T=T, V=V, eos=eos)
+
+
+def _check_eos(eos, V):
+    """eos=True -> the index V - 1, eos=False -> None."""
+    if not isinstance(eos, (bool, np.bool_)):
+        raise TypeError(f"eos must be True or False, got {eos!r}")
+    if not eos:
+        return None
+    if V < 2:
+        raise ValueError(f"with eos=True, V must be >= 2 (token V - 1 is <eos>, and at least one "
+                         f"other token is needed), got V={V}")
+    return V - 1
+
+
+def _check_ar_logits(name, logits):
+    array = np.asarray(logits)
+    if array.dtype == bool or not (np.issubdtype(array.dtype, np.floating)
+                                   or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
+    if array.ndim != 3 or 0 in array.shape or array.shape[1] != array.shape[2] + 1:
+        raise ValueError(f"{name} must have shape (T, V + 1, V) with T, V >= 1, got "
+                         f"{array.shape}")
+    array = array.astype(float)
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} must be finite, got {float(array[~np.isfinite(array)][0])!r}")
+    return array
+
+
+def _check_ar_size(T, V, eos, caller):
+    """Refuse, before allocating anything, an AR toy whose arrays would exceed MAX_TOY_BYTES."""
+    # An upper bound on log2 M first: M itself is a huge integer for T = 10**6.
+    if eos is None:
+        log2_m = T * math.log2(V)
+    else:
+        log2_m = (T + 1) * math.log2(V - 1) + math.log2(T + 1) if V > 2 else math.log2(T + 1)
+    if log2_m + math.log2(8 * (5 * T + 3 + T * (V + 1) * V)) > 80:
+        raise ValueError(
+            f"{caller}(T={T}, V={V}, eos={eos is not None}) would enumerate about "
+            f"10^{log2_m * math.log10(2):.0f} responses, far above MAX_TOY_BYTES = "
+            f"{MAX_TOY_BYTES / 1024**3:.0f} GiB; choose a smaller T or V"
+        )
+    nbytes = ar_toy_nbytes(T, V, eos is not None)
+    if nbytes > MAX_TOY_BYTES:
+        raise ValueError(
+            f"{caller}(T={T}, V={V}, eos={eos is not None}) would enumerate "
+            f"{ar_num_responses(T, V, eos is not None):,} responses and take "
+            f"{nbytes / 1024**3:.1f} GiB, above MAX_TOY_BYTES = "
+            f"{MAX_TOY_BYTES / 1024**3:.0f} GiB; choose a smaller T or V"
+        )
