@@ -281,3 +281,17 @@ def test_bad_input_raises_a_clear_error(change, message):
     kwargs.update(change)
     with pytest.raises((ValueError, TypeError), match=message):
         chunked_divergence(**kwargs)
+
+
+def test_the_chapter_quotes_the_committed_benchmark_output():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    output = (root / "benchmarks" / "results" / "large_vocab.txt").read_text().strip()
+    page = (root / "docs" / "large_vocab.md").read_text()
+    assert f"```text\n{output}\n```" in page  # verbatim
+    last = output.splitlines()[-1]
+    memory, time = re.fullmatch(r"chunked/dense: memory ([0-9.]+), time ([0-9.]+)", last).groups()
+    # the prose quotes the same ratios
+    assert f"memory ratio {memory}" in page and f"time ratio {time}" in page

@@ -274,3 +274,13 @@ def test_the_chapters_claims_about_the_study():
             # (c) of the reverse KL is negative at k = 1 and 5
             assert cell[1, "reverse", "ignore"]["approx"] < 0
             assert cell[5, "reverse", "ignore"]["approx"] < 0
+        for direction in DIRECTIONS:
+            for k in (5, 20, 100, 500):
+                assert abs(cell[k, direction, "renormalize"]["rel_bias"]) < 0.2
+    # a lower temperature: more teacher mass in the top-k, a smaller tail-bucket bias
+    cold, warm = ({(r["k"], r["direction"], r["approximation"]): r for r in data["rows"][t]}
+                  for t in (0.7, 1.0))
+    for key in cold:
+        assert cold[key]["teacher_mass"] > warm[key]["teacher_mass"]
+        if key[2] == "tail":
+            assert abs(cold[key]["rel_bias"]) < abs(warm[key]["rel_bias"])
