@@ -758,7 +758,8 @@ def _check_ar_size(T, V, eos, caller):
     if eos is None:
         log2_m = T * math.log2(V)
     else:
-        log2_m = (T + 1) * math.log2(V - 1) + math.log2(T + 1) if V > 2 else math.log2(T + 1)
+        # sum_{k <= T} (V - 1)^k < (V - 1)^(T + 1) for V > 2, and = T + 1 for V = 2
+        log2_m = (T + 1) * math.log2(V - 1) if V > 2 else math.log2(T + 1)
     if log2_m + math.log2(8 * (5 * T + 3 + T * (V + 1) * V)) > 80:
         raise ValueError(
             f"{caller}(T={T}, V={V}, eos={eos is not None}) would enumerate about "
