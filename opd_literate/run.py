@@ -4,7 +4,8 @@ r"""The OPD experiment: on-policy distillation against off-policy distillation a
 addition ([opd_literate.tinylm][]), or loads it from a cache keyed by its configuration, makes
 a weak student (narrower, briefly trained), and then trains one copy of the student per
 method and learning rate, with the same optimizer, the same learning-rate grid, the same
-prompts and the same number of samples per step:
+stream of prompts and the same number of samples per step (``batch_size``; RL answers the
+first ``batch_size / group`` prompts of each step, ``group`` times each):
 
 * ``opd_sampled``: sampled-token OPD. The student samples, the teacher scores the sampled
   tokens, and the loss is [opd_literate.opd.opd_pg_loss][] of
@@ -20,8 +21,8 @@ prompts and the same number of samples per step:
 
 Every evaluation point records the student samples used so far, the greedy accuracy on
 held-out prompts, the per-token reverse KL to the teacher on the student's own samples, and
-the wall time. The headline is, per method, the samples and seconds needed to first reach 90%
-of the teacher's accuracy.
+the seconds spent in training steps so far (evaluations excluded). The headline is, per
+method, the samples and seconds needed to first reach 90% of the teacher's accuracy.
 """
 
 from __future__ import annotations
@@ -336,8 +337,10 @@ def gradient_agreement(config, batch_sizes=(16, 64, 256), reference=4096, repeat
 
     For the weak student of ``config`` (before any OPD update), the expected gradient of each
     OPD loss is estimated from ``reference`` fresh rollouts; each batch of ``B`` rollouts then
-    gives a gradient, and its cosine with the reference measures the signal-to-noise ratio of
-    the estimator. Returns ``{method: {B: mean cosine over repeats}}`` for ``opd_sampled`` and
+    gives a gradient, and its cosine with the reference measures how much of it is signal
+    rather than sampling noise (1 would mean none; the reference is itself an estimate from
+    finitely many rollouts).
+    Returns ``{method: {B: mean cosine over repeats}}`` for ``opd_sampled`` and
     ``opd_full_vocab``. Both reference gradients are computed at the same rollouts.
     """
     train_pairs, _, teacher, _, initial_state = prepare(config)
@@ -396,8 +399,9 @@ def _progress(total, enabled):
 def headline(results):
     """Per method: samples and seconds to first reach ``target_fraction`` of the teacher.
 
-    Returns ``{method: {"samples": int or None, "seconds": float or None, "final_accuracy",
-    "final_reverse_kl"}}``; None means never within the budget.
+    Returns ``{method: {"samples": int or None, "seconds": float or None, "lr",
+    "initial_accuracy", "final_accuracy", "initial_reverse_kl", "final_reverse_kl"}}``; None
+    means never within the budget.
     """
     target = results["config"]["target_fraction"] * results["teacher_accuracy"]
     table = {}

@@ -353,3 +353,32 @@ def test_two_concurrent_runs_train_the_teacher_once(cache, data, monkeypatch):
     assert sorted(loaded for _, loaded in outcomes) == [False, True]
     assert _same_weights(outcomes[0][0], outcomes[1][0])
     assert _leftovers(cache) == []
+
+
+def test_every_method_uses_batch_size_samples_and_rl_the_first_prompts_group_times(
+        monkeypatch):
+    """docs/experiment.md: "RL answers the first 16 of them, 4 times each, so that it too uses
+    64 samples a step"; the OPD methods answer every prompt once. Checked at 8 prompts, group
+    4: RL must see prompts 0, 0, 0, 0, 1, 1, 1, 1."""
+    config = dict(TINY, batch_size=8, group=4)
+    pairs = torch.tensor([[10 * i + 1, 2 * i] for i in range(8)])
+    seen = []
+    real_rollout = run.lm.rollout
+
+    def rollout(model, prompts, generator=None, greedy=False):
+        seen.append(prompts.clone())
+        return real_rollout(model, prompts, generator, greedy)
+
+    monkeypatch.setattr(run.lm, "rollout", rollout)
+    torch.manual_seed(0)
+    student, teacher = run.lm.TinyLM(8, 1), run.lm.TinyLM(8, 1)
+    generator = torch.Generator().manual_seed(0)
+    for method in run.METHODS:
+        seen.clear()
+        _, used = run._step_loss(method, student, teacher, pairs, config, generator)
+        assert used == 8, method
+        if method == "rl":
+            expected = [pairs[0]] * 4 + [pairs[1]] * 4
+            assert seen[0].tolist() == run.lm.make_prompts(torch.stack(expected)).tolist()
+        elif method != "sft":
+            assert seen[0].tolist() == run.lm.make_prompts(pairs).tolist()
