@@ -68,10 +68,12 @@ import numpy as np
 
 from ._checks import check_finite_number
 from .toy import (
+    ar_toy_from_logits,
     check_toy,
     estimator_moments,
+    make_ar_toy,
     make_toy,
-    toy_from_logits,  # noqa: F401 (the examples build their toys with it)
+    toy_from_logits,
 )
 
 # The verl source read for every "verl ..." statement of this module (volcengine/verl, main).
@@ -103,6 +105,7 @@ __all__ = [
     "estimator_weights",
     "comparison_table",
     "mismatch_sweep",
+    "length_sweep",
     "format_table",
 ]
 
@@ -1004,6 +1007,49 @@ def mismatch_sweep(mismatches, names=None, N=64, T=6, V=4, seed=0, baseline=0.0)
     return {float(m): comparison_table(make_toy(T=T, V=V, mismatch=m, seed=seed), names=names,
                                        N=N, baseline=baseline)
             for m in mismatches}
+
+
+def length_sweep(lengths, names, mismatch=0.3, V=3, seeds=range(5), autoregressive=True,
+                 eos=True):
+    r"""Median relative bias of each estimator over ``seeds``, at each response length $T$.
+
+    For each seed one table of ``max(lengths)`` positions is drawn (``make_ar_toy`` or
+    ``make_toy`` with that seed), and the toy of length $T$ uses its first $T$ positions
+    (built with [opd_literate.toy.ar_toy_from_logits][] or
+    [opd_literate.toy.toy_from_logits][]), so the toys of one seed are nested. The median
+    over the seeds keeps a seed with a tiny $\lVert \nabla J \rVert$ from dominating.
+
+    Returns
+    -------
+    dict
+        ``{T: {name: median relative bias}}``.
+
+    Examples
+    --------
+    With one position the token ratio is the sequence ratio, so both are exact:
+
+    >>> sweep = length_sweep([1, 2], ["token_is", "seq_is"], seeds=[0])
+    >>> sweep[1]["token_is"] < 1e-12, sweep[2]["token_is"] > 0.01, sweep[2]["seq_is"] < 1e-12
+    (True, True, True)
+    """
+    lengths = [int(T) for T in lengths]
+    T_max = max(lengths)
+    biases = {T: {name: [] for name in names} for T in lengths}
+    for seed in seeds:
+        if autoregressive:
+            table = make_ar_toy(T=T_max, V=V, mismatch=0.0, seed=seed, eos=eos)
+        else:
+            table = make_toy(T=T_max, V=V, mismatch=0.0, seed=seed)
+        sampler_logits = table["theta"] + mismatch * table["b"]
+        for T in lengths:
+            if autoregressive:
+                toy = ar_toy_from_logits(table["theta"][:T], sampler_logits[:T], eos=eos)
+            else:
+                toy = toy_from_logits(table["theta"][:T], sampler_logits[:T])
+            for row in comparison_table(toy, names=names):
+                biases[T][row["name"]].append(row["rel_bias"])
+    return {T: {name: float(np.median(values)) for name, values in by_name.items()}
+            for T, by_name in biases.items()}
 
 
 def format_table(rows, N=64):

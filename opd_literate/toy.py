@@ -52,8 +52,9 @@ $\pi_t$ and $\mu_t$ depend on the sampled prefix:
   \theta_t = e_{y_t} - \pi_t$, on which ``true_grad`` and every estimate here are built.
 
 The numbers (how large each bias is) are those of this toy, not of a language model.
-[opd_literate.toy.make_ar_toy][] builds the autoregressive counterpart, on which all three fail
-and are tested to fail.
+[opd_literate.toy.make_ar_toy][] builds the autoregressive counterpart: there the product
+formula and the exactness of the token ratio fail (``tests/test_ar_toy*.py``), and the score of
+token $t$ is a row of the parameters $\theta_{t, p}$ of the state $p$ it was written in.
 
 The sampler's logits must stay finite with room to spare: ``make_toy`` accepts
 $|\epsilon| \le$ ``MAX_MISMATCH`` $= 10^6$ (at $10^{308}$ the logits $\epsilon b$ overflow to

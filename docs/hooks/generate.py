@@ -115,6 +115,106 @@ def _opd_mismatch():
     _write("opd_mismatch.png", _figure_bytes(fig))
 
 
+AR_SIZE = dict(T=5, V=3)  # the autoregressive section's toys (V = 3, T up to 8)
+
+
+def _ar_estimators():
+    """The estimator table on the AR toy beside the independent one (same T, V, mismatch)."""
+    from opd_literate.estimators import comparison_table
+    from opd_literate.toy import ar_num_responses, make_ar_toy, make_toy
+
+    independent = comparison_table(make_toy(**AR_SIZE, mismatch=0.3), N=64)
+    autoregressive = comparison_table(make_ar_toy(**AR_SIZE, mismatch=0.3), N=64)
+    M_ind, M_ar = AR_SIZE["V"] ** AR_SIZE["T"], ar_num_responses(**AR_SIZE)
+    lines = [f"| estimator | independent ({M_ind} responses): rel. bias | rel. RMSE (N=64) "
+             f"| autoregressive, <eos> ({M_ar} responses): rel. bias | rel. RMSE (N=64) "
+             "| tokens modified |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for ind, ar in zip(independent, autoregressive):
+        lines.append(f"| `{ar['name']}` | {ind['rel_bias']:.4f} | {ind['rel_rmse']:.4f} | "
+                     f"{ar['rel_bias']:.4f} | {ar['rel_rmse']:.4f} | "
+                     f"{100 * ar['token_frac']:.1f}% |")
+    _write("ar_estimators_table.md", "\n".join(lines) + "\n")
+
+
+def _ar_opd():
+    """OPD recipes on both toys at three mismatches: which stay exact with a prefix."""
+    from opd_literate.opd_mismatch import OPD_RECIPES, PREFIX_RECIPES, opd_mismatch_table
+
+    mismatches = [0.1, 0.3, 1.0]
+    recipes = OPD_RECIPES + PREFIX_RECIPES
+    tables = {kind: opd_mismatch_table(mismatches, **AR_SIZE, recipes=recipes,
+                                       autoregressive=kind == "autoregressive")
+              for kind in ("independent", "autoregressive")}
+    header = "| student log-prob | weight | " + " | ".join(
+        f"{kind[:5]}. ε = {m:g}" for kind in tables for m in mismatches) + " |"
+    lines = [header, "| --- | --- | " + " | ".join("---:" for _ in range(6)) + " |"]
+    for logp, weight in recipes:
+        cells = []
+        for rows in tables.values():
+            for r in rows:
+                if (r["logp"], r["weight"]) == (logp, weight):
+                    cells.append("**0**" if r["rel_bias"] < 1e-12 else f"{r['rel_bias']:.4f}")
+        lines.append(f"| {logp} | {weight} | " + " | ".join(cells) + " |")
+    _write("ar_opd_table.md", "\n".join(lines) + "\n")
+
+
+AR_LENGTHS = list(range(1, 9))
+AR_SWEEP_NAMES = ["token_is", "token_tis", "seq_is", "seq_tis"]
+
+
+def _ar_bias_against_length():
+    """Relative bias of token- and sequence-level corrections against T, three toys."""
+    from opd_literate.estimators import length_sweep
+
+    toys = {"autoregressive, <eos>": dict(autoregressive=True, eos=True),
+            "autoregressive, fixed length": dict(autoregressive=True, eos=False),
+            "independent": dict(autoregressive=False)}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    # colour: the toy; solid with circles: the plain ratio; dashed with crosses: truncated at 2
+    for colour, (label, kwargs) in zip(("C0", "C1", "C2"), toys.items()):
+        sweep = length_sweep(AR_LENGTHS, AR_SWEEP_NAMES, mismatch=0.3, V=3, **kwargs)
+        for ax, pair in zip(axes, (AR_SWEEP_NAMES[:2], AR_SWEEP_NAMES[2:])):
+            for name in pair:
+                plain = name in ("token_is", "seq_is")
+                ax.plot(AR_LENGTHS, [sweep[T][name] for T in AR_LENGTHS],
+                        "-o" if plain else "--x", color=colour, label=f"{name}, {label}")
+    axes[0].set(xlabel="response length T", ylabel="relative bias (median of 5 seeds)",
+                title="token-level corrections")
+    axes[1].set(xlabel="response length T", title="sequence-level corrections")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _write("ar_bias_vs_length.png", _figure_bytes(fig))
+
+
+def _ar_reductions():
+    """Each loss reduction, gamma = 0 and 1, against the sequence KL gradient."""
+    from opd_literate.opd_mismatch import REDUCTIONS, add_teacher, reduction_table
+    from opd_literate.toy import make_ar_toy
+
+    with_eos = reduction_table(add_teacher(make_ar_toy(**AR_SIZE)), batch_sizes=(1, 8))
+    fixed = reduction_table(add_teacher(make_ar_toy(**AR_SIZE, eos=False)), gammas=(0.0, 1.0),
+                            batch_sizes=(8,))
+    columns = [("<eos>", 0.0, 1), ("<eos>", 0.0, 8), ("<eos>", 1.0, 1), ("<eos>", 1.0, 8),
+               ("fixed", 0.0, 8), ("fixed", 1.0, 8)]
+    names = {"<eos>": "with <eos>", "fixed": "fixed length"}
+    lines = ["| reduction | " + " | ".join(f"γ = {g:g}, B = {B}, {names[k]}"
+                                          for k, g, B in columns) + " |",
+             "| --- | " + " | ".join("---:" for _ in columns) + " |"]
+    for reduction in REDUCTIONS:
+        cells = []
+        for kind, gamma, B in columns:
+            rows = with_eos if kind == "<eos>" else fixed
+            r = next(r for r in rows if (r["reduction"], r["gamma"], r["batch_size"])
+                     == (reduction, gamma, B))
+            cells.append("**0**" if r["rel_bias"] < 1e-12
+                         else f"{r['rel_bias']:.3f} ({r['angle']:.1f}°)")
+        lines.append(f"| `{reduction}` | " + " | ".join(cells) + " |")
+    _write("ar_reductions_table.md", "\n".join(lines) + "\n")
+
+
 def _k_estimators():
     from opd_literate.opd import (
         expected_kl_estimator_gradient,
@@ -216,6 +316,10 @@ def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
     OUT.mkdir(exist_ok=True)
     _estimators()
     _opd_mismatch()
+    _ar_estimators()
+    _ar_opd()
+    _ar_bias_against_length()
+    _ar_reductions()
     _k_estimators()
     _experiment()
     _gradient_agreement()
