@@ -1,0 +1,938 @@
+r"""Rollout correction on real ``(B, T)`` batches: the weights, rejections and losses of verl.
+
+[opd_literate.estimators][] defines every correction as a numpy function of the enumerable toy,
+where its exact bias and variance can be computed. This module is the same set of corrections in
+the form a trainer needs: torch functions of the ``(B, T)`` tensors that an RL framework holds
+after a rollout.
+
+* ``trainer_logp``: $\log \pi_\theta(y_t \mid s_t)$, the trainer's log-probability of each
+  sampled token (it may carry a gradient);
+* ``sampler_logp``: $\log \mu(y_t \mid s_t)$, the inference engine's log-probability of the same
+  token (a constant);
+* ``mask``: 1 for the response's tokens, 0 for the padding;
+* ``advantages``: $A_{b,t}$, ``(B, T)``, or ``(B,)`` for one advantage per response, expanded
+  over its tokens (the losses only).
+
+With $\log \rho_t = \log \pi_\theta(y_t) - \log \mu(y_t)$ and $n_b$ the tokens of response $b$:
+
+$$
+\rho_t = e^{\log \rho_t}, \qquad
+\rho = \exp \sum_t \log \rho_t, \qquad
+\rho_{\mathrm{geo}} = \exp\Big(\frac{1}{n_b} \sum_t \log \rho_t\Big).
+$$
+
+[opd_literate.correction.rollout_correction][] returns a ``Correction``: detached per-token
+``weights`` (the importance weights, 0 on the padding), a boolean ``keep`` mask (the response
+mask less the rejected tokens) and ``metrics``, named as verl logs them. A trainer multiplies
+its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; on the toy,
+``weights * keep`` is exactly the weight $w_t$ of the matching numpy estimator
+(``tests/test_correction.py`` checks all sixteen). The PPO-style losses of verl's *bypass mode*
+(the sampler's log-probabilities as the PPO anchor) are here as losses whose autograd gradient
+is the estimator: [opd_literate.correction.ppo_clip_loss][] (with verl's dual clip),
+[opd_literate.correction.cispo_loss][], [opd_literate.correction.gspo_loss][] and
+[opd_literate.correction.reinforce_loss][]. [opd_literate.correction.kl_penalty][] adds the
+straight-through ``"k1+"`` / ``"k3+"`` estimators.
+
+**Overflow.** Every ratio is the exponential of a log-ratio clamped to
+$[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
+ratio lies in $[e^{-20}, e^{20}] \approx [2 \cdot 10^{-9}, 4.9 \cdot 10^{8}]$ and never overflows,
+even in float32. The price: a sequence ratio beyond $e^{20}$ is reported as $e^{20}$, and the
+clamp has zero derivative outside its range, so a loss term whose log-ratio is clamped sends no
+gradient (verl behaves the same).
+
+**Conventions** (those of [opd_literate.opd][]). Inputs are validated, with errors that name the
+argument; a half-precision input is computed in float32; positions with ``mask == 0`` may hold
+anything (``-inf``, NaN) and are selected away with ``torch.where`` before any arithmetic, so
+they are exactly 0 in every value and every gradient. A valid position must hold finite
+log-probabilities: a sampled token has probability $> 0$ under the sampler that drew it.
+
+**Source.** Every "verl" below is volcengine/verl at commit
+``b178a3cd56f58b2d502255daba591e92833930a7`` (``VERL_COMMIT``): the rollout-correction helper
+``verl/trainer/ppo/rollout_corr_helper.py``, its config ``RolloutCorrectionConfig`` in
+``verl/trainer/config/algorithm.py`` and ``verl/trainer/config/algorithm/rollout_correction.yaml``,
+and the losses in ``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_vanilla``,
+``compute_policy_loss_cispo``, ``compute_policy_loss_gspo``, ``compute_policy_loss_reinforce``,
+``compute_policy_loss_bypass_mode``, ``kl_penalty``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ._checks import (
+    check_finite_number,
+    check_float_tensor,
+    check_mask,
+    check_same_shape,
+    compute_dtype,
+)
+from .opd import REDUCTIONS, aggregate_loss, kl_estimator
+
+__all__ = [
+    "VERL_COMMIT",
+    "SAFETY_BOUND",
+    "IS_LEVELS",
+    "IS_MODES",
+    "RS_OPTIONS",
+    "KL_PENALTIES",
+    "Correction",
+    "log_ratios",
+    "importance_weights",
+    "rejection_mask",
+    "veto_mask",
+    "offpolicy_metrics",
+    "rollout_correction",
+    "ppo_clip_loss",
+    "cispo_loss",
+    "gspo_loss",
+    "reinforce_loss",
+    "kl_penalty",
+]
+
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+"""The volcengine/verl commit read for every "verl" statement of this module."""
+
+SAFETY_BOUND = 20.0
+r"""Log-ratios are clamped to $[-20, 20]$ before the exponential (verl's ``SAFETY_BOUND``)."""
+
+IS_LEVELS = ("token", "sequence", "geometric")
+"""The ratio of [opd_literate.correction.importance_weights][]: verl's ``rollout_is`` levels
+``"token"`` and ``"sequence"``, and the geometric mean (not a ``rollout_is`` level in verl)."""
+
+IS_MODES = ("truncate", "mask", "clamp")
+"""What happens outside the band: cap the weight (verl's only mode), drop it, or clamp it."""
+
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+"""verl's ``rollout_rs`` criteria (``SUPPORTED_ROLLOUT_RS_OPTIONS`` at ``VERL_COMMIT``)."""
+
+KL_PENALTIES = ("k1", "k2", "k3", "k1+", "k3+")
+"""The estimators of [opd_literate.correction.kl_penalty][] (verl's ``kl_penalty`` names)."""
+
+_METRIC_PREFIX = "rollout_corr/"
+
+
+class Correction(NamedTuple):
+    """What [opd_literate.correction.rollout_correction][] returns."""
+
+    weights: torch.Tensor
+    """``(B, T)`` detached importance weights, 0 on the padding (1 on the tokens without IS)."""
+    keep: torch.Tensor
+    """``(B, T)`` bool: the mask less every rejected token."""
+    metrics: dict
+    """``{"rollout_corr/<verl name>": float}``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and log-ratios
+# ---------------------------------------------------------------------------------------------
+def _check_batch(trainer_logp, sampler_logp, mask):
+    """Validate the (B, T) pair and the mask; return the bool mask and the compute dtype."""
+    check_float_tensor("trainer_logp", trainer_logp, 2)
+    check_float_tensor("sampler_logp", sampler_logp, 2)
+    check_same_shape("trainer_logp", trainer_logp, "sampler_logp", sampler_logp)
+    mask = check_mask(mask, "trainer_logp", tuple(trainer_logp.shape))
+    for name, logp in (("trainer_logp", trainer_logp), ("sampler_logp", sampler_logp)):
+        bad = mask & ~torch.isfinite(logp.detach())
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} must be finite where mask is 1 (a sampled token has a probability > 0), "
+                f"got {logp[b, t].item()!r} at position ({b}, {t})"
+            )
+    return mask, compute_dtype(trainer_logp, sampler_logp)
+
+
+def _token_log_ratio(trainer_logp, sampler_logp, mask, dtype):
+    r"""$\log \rho_t$ where mask is 1, exactly 0 elsewhere (in value and gradient)."""
+    zeros = torch.zeros((), dtype=dtype, device=trainer_logp.device)
+    trainer = torch.where(mask, trainer_logp.to(dtype), zeros)
+    sampler = torch.where(mask, sampler_logp.detach().to(dtype), zeros)
+    # log rho_t = log pi(y_t) - log mu(y_t)
+    return trainer - sampler
+
+
+def _lengths(mask, dtype):
+    """Tokens per response, (B,), at least 1 (an empty response's mean is 0, not 0 / 0)."""
+    return mask.sum(dim=1).clamp_min(1).to(dtype)
+
+
+def _level_log_ratio(log_rho_t, mask, level):
+    """The (B, T) log-ratio of a level: per token, or the response's sum or mean on every token."""
+    if level == "token":
+        return log_rho_t
+    total = log_rho_t.sum(dim=1, keepdim=True)  # (B, 1): the padding holds exactly 0
+    if level == "geometric":
+        total = total / _lengths(mask, log_rho_t.dtype)[:, None]
+    return total.expand_as(log_rho_t)
+
+
+def _exp_safe(log_ratio):
+    r"""$\exp(\mathrm{clamp}(x, -20, 20))$: never overflows (verl's ``SAFETY_BOUND``)."""
+    return torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+
+
+def log_ratios(trainer_logp, sampler_logp, mask, level="token"):
+    r"""The ``(B, T)`` log importance ratio of a level, 0 on the padding, unclamped.
+
+    ``"token"``: $\log \rho_t$; ``"sequence"``: $\sum_t \log \rho_t$ on every token of the
+    response; ``"geometric"``: $\frac{1}{n_b} \sum_t \log \rho_t$ on every token. It keeps the
+    gradient of ``trainer_logp`` (the sampler's is a constant).
+
+    Examples
+    --------
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2]]))   # rho_t = 0.625, 2.5
+    >>> ones = torch.ones(1, 2)
+    >>> [round(v, 6) for v in log_ratios(trainer, sampler, ones, "sequence").exp()[0].tolist()]
+    [1.5625, 1.5625]
+    >>> [round(v, 6) for v in log_ratios(trainer, sampler, ones, "geometric").exp()[0].tolist()]
+    [1.25, 1.25]
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    return _select(mask, _level_log_ratio(log_rho_t, mask, level))
+
+
+def _select(mask, values):
+    return torch.where(mask, values, torch.zeros_like(values))
+
+
+def _masked_mean(values, mask):
+    """Mean over the True entries of mask; 0 for none."""
+    return _select(mask, values).sum() / mask.sum().clamp_min(1).to(values.dtype)
+
+
+def _check_band(low, high, low_name, high_name):
+    high = check_finite_number(high_name, high, positive=True, allow_inf=True)
+    low = check_finite_number(low_name, low, low=0.0)
+    if low > high:
+        raise ValueError(f"{low_name} must be <= {high_name}, got {low_name}={low!r} > "
+                         f"{high_name}={high!r}")
+    return low, high
+
+
+# ---------------------------------------------------------------------------------------------
+# Importance weights
+# ---------------------------------------------------------------------------------------------
+def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
+                       rollout_is_threshold=2.0, mode="truncate", lower=None,
+                       rollout_is_batch_normalize=False):
+    r"""Detached importance weights: a ratio, capped, masked or clamped, optionally normalised.
+
+    With $r$ the ratio of the level ``rollout_is`` ($\rho_t$, $\rho$ or $\rho_{\mathrm{geo}}$,
+    the last two the same on every token of a response), $h$ = ``rollout_is_threshold`` and
+    $l$ = ``lower``:
+
+    $$
+    w^{\mathrm{truncate}} = \min(r, h), \qquad
+    w^{\mathrm{mask}} = r\, \mathbb{1}[l \le r \le h], \qquad
+    w^{\mathrm{clamp}} = \min(\max(r, l), h),
+    $$
+
+    and with ``rollout_is_batch_normalize`` the weights are divided by their mean: over the
+    valid tokens for ``"token"``, over the responses with a token for the sequence levels
+    (verl's two means), unless that mean is below $10^{-8}$ (then unchanged, as in verl).
+
+    | option | verl name (``algorithm.rollout_correction``) | default here | verl default |
+    | --- | --- | --- | --- |
+    | ``rollout_is`` | ``rollout_is`` (``"token"``, ``"sequence"``) | ``"token"`` | ``null`` |
+    | ``rollout_is_threshold`` | ``rollout_is_threshold`` | 2.0 | 2.0 |
+    | ``rollout_is_batch_normalize`` | ``rollout_is_batch_normalize`` | False | false |
+    | ``mode``, ``lower`` | none: verl only truncates | ``"truncate"``, 0 | |
+
+    verl's masked IS is its truncation combined with ``rollout_rs`` (see
+    [opd_literate.correction.rejection_mask][]); ``mode="mask"`` does both in one weight, as
+    [opd_literate.estimators.token_mis][] does. (verl's ``RolloutCorrectionConfig`` dataclass
+    defaults ``rollout_is`` to ``"sequence"``, its YAML to ``null``.)
+
+    Parameters
+    ----------
+    trainer_logp, sampler_logp : torch.Tensor
+        ``(B, T)`` floating; finite where ``mask`` is 1.
+    mask : torch.Tensor
+        ``(B, T)`` in {0, 1}.
+    rollout_is : {"token", "sequence", "geometric"}
+    rollout_is_threshold : float
+        $h > 0$, ``inf`` for none.
+    mode : {"truncate", "mask", "clamp"}
+    lower : float, optional
+        $l \ge 0$ for ``"mask"`` and ``"clamp"`` (default 0); not allowed with ``"truncate"``.
+    rollout_is_batch_normalize : bool
+
+    Returns
+    -------
+    weights : torch.Tensor
+        ``(B, T)``, detached, 0 where ``mask`` is 0 (float32 for half-precision inputs).
+    metrics : dict
+        verl's names without the ``rollout_corr/`` prefix: ``rollout_is_mean``,
+        ``rollout_is_max``, ``rollout_is_min`` (of the ratio before the cap; per response for
+        the sequence levels), ``rollout_is_ratio_fraction_high`` / ``_low`` (the share of tokens,
+        or responses, with $r > h$ and $r < l'$, where $l' = l$ if $l > 0$ else $1/h$ as in
+        verl), ``rollout_is_eff_sample_size`` (verl's $1 / \overline{\tilde w^2}$ with
+        $\tilde w = \mathrm{clamp}(r, l', h) / \overline{\mathrm{clamp}(r, l', h)}$ over the
+        tokens, in $(0, 1]$), and ``rollout_is_batch_norm_factor`` when normalising.
+
+    Examples
+    --------
+    The ratios $0.625$ and $2.5$: the cap 2 truncates the second, the band $[0, 2]$ drops it,
+    the band $[0.7, 2]$ clamps both:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2]]))
+    >>> ones = torch.ones(1, 2)
+    >>> w, _ = importance_weights(trainer, sampler, ones)
+    >>> [round(v, 6) for v in w[0].tolist()]
+    [0.625, 2.0]
+    >>> w, _ = importance_weights(trainer, sampler, ones, mode="mask")
+    >>> [round(v, 6) for v in w[0].tolist()]
+    [0.625, 0.0]
+    >>> w, _ = importance_weights(trainer, sampler, ones, mode="clamp", lower=0.7)
+    >>> [round(v, 6) for v in w[0].tolist()]
+    [0.7, 2.0]
+
+    The sequence ratio $0.625 \cdot 2.5 = 1.5625$ is under the cap:
+
+    >>> w, m = importance_weights(trainer, sampler, ones, "sequence")
+    >>> [round(v, 6) for v in w[0].tolist()], round(m["rollout_is_max"], 6)
+    ([1.5625, 1.5625], 1.5625)
+    """
+    if rollout_is not in IS_LEVELS:
+        raise ValueError(f"rollout_is must be one of {IS_LEVELS}, got {rollout_is!r}")
+    if mode not in IS_MODES:
+        raise ValueError(f"mode must be one of {IS_MODES}, got {mode!r}")
+    if mode == "truncate" and lower is not None:
+        raise ValueError(f"lower applies to mode 'mask' or 'clamp', not 'truncate' (got "
+                         f"lower={lower!r}); truncation caps from above only")
+    low, high = _check_band(0.0 if lower is None else lower, rollout_is_threshold,
+                            "lower", "rollout_is_threshold")
+    if not isinstance(rollout_is_batch_normalize, bool):
+        raise TypeError("rollout_is_batch_normalize must be a bool, got "
+                        f"{type(rollout_is_batch_normalize).__name__}")
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    with torch.no_grad():  # the weights change the measure, not the objective: detached
+        log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+        log_r = _level_log_ratio(log_rho_t, mask, rollout_is)
+        ratio = _exp_safe(log_r)  # (B, T), in [e^-20, e^20]
+        if mode == "truncate":
+            weights = torch.clamp(ratio, max=high)  # min(r, h)
+        elif mode == "mask":
+            weights = torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
+        else:
+            weights = torch.clamp(ratio, min=low, max=high)
+        weights = _select(mask, weights)
+        metrics = _is_metrics(ratio, log_r, mask, rollout_is, low if low > 0 else 1.0 / high,
+                              high)
+        if rollout_is_batch_normalize:
+            if rollout_is == "token":
+                mean = _masked_mean(weights, mask)
+            else:
+                has_token = mask.any(dim=1)
+                mean = weights.max(dim=1).values.sum() / has_token.sum().clamp_min(1)
+                # max over a response = its one weight (all its tokens share it, padding is 0)
+            factor = float(mean) if float(mean) > 1e-8 else 1.0
+            weights = weights / factor
+            metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, metrics
+
+
+def _is_metrics(ratio, log_r, mask, level, low, high):
+    if not bool(mask.any()):
+        return {}
+    metrics = {"rollout_is_mean": float(_masked_mean(ratio, mask))}
+    if level == "token":
+        unit_values, unit_log = ratio[mask], log_r[mask]
+    else:  # one value per response with a token
+        has_token = mask.any(dim=1)
+        unit_values, unit_log = ratio[:, 0][has_token], log_r[:, 0][has_token]
+    metrics["rollout_is_max"] = float(unit_values.max())
+    metrics["rollout_is_min"] = float(unit_values.min())
+    # verl decides these in log space for the sequence levels: exact beyond the clamp too
+    log_high = math.log(high) if math.isfinite(high) else math.inf
+    log_low = math.log(low) if low > 0 else -math.inf
+    metrics["rollout_is_ratio_fraction_high"] = float((unit_log > log_high).double().mean())
+    metrics["rollout_is_ratio_fraction_low"] = float((unit_log < log_low).double().mean())
+    clamped = torch.clamp(ratio, min=low, max=high)
+    normalised = clamped / _masked_mean(clamped, mask)
+    metrics["rollout_is_eff_sample_size"] = float(1.0 / _masked_mean(normalised.square(), mask))
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejection
+# ---------------------------------------------------------------------------------------------
+def _parse_rs(rollout_rs, rollout_rs_threshold):
+    """verl's parsing: comma-separated options and thresholds, one shared or one per option."""
+    if not isinstance(rollout_rs, str):
+        raise TypeError(f"rollout_rs must be a string such as 'token_k1,seq_mean_k3', got "
+                        f"{type(rollout_rs).__name__} {rollout_rs!r}")
+    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+    if not options:
+        raise ValueError(f"rollout_rs must name at least one of {RS_OPTIONS}, got {rollout_rs!r}")
+    unknown = [o for o in options if o not in RS_OPTIONS]
+    if unknown:
+        raise ValueError(f"rollout_rs options {unknown} are not verl's; known: {RS_OPTIONS}")
+    if isinstance(rollout_rs_threshold, bool) or rollout_rs_threshold is None:
+        raise TypeError("rollout_rs_threshold must be a number or a string such as "
+                        f"'0.5_2.0,0.01', got {rollout_rs_threshold!r}")
+    if isinstance(rollout_rs_threshold, (int, float)):
+        specs = [str(rollout_rs_threshold)]
+    elif isinstance(rollout_rs_threshold, str):
+        specs = [s.strip() for s in rollout_rs_threshold.split(",") if s.strip()]
+    else:
+        raise TypeError("rollout_rs_threshold must be a number or a string, got "
+                        f"{type(rollout_rs_threshold).__name__}")
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold must give one threshold or one per option "
+                         f"({len(options)} for {options}), got {len(specs)}: "
+                         f"{rollout_rs_threshold!r}")
+    specs = specs * len(options) if len(specs) == 1 else specs
+    bounds = {}
+    for option, spec in zip(options, specs):
+        try:
+            if option.endswith("k1"):
+                # "a_b" keeps log a <= -log rho <= log b; a single h means "1/h_h"
+                lower, upper = spec.split("_", 1) if "_" in spec else (1.0 / float(spec), spec)
+                lower, upper = float(lower), float(upper)
+            elif "_" in spec:
+                raise ValueError(f"rollout_rs_threshold for {option!r} is one upper bound, got "
+                                 f"{spec!r}")
+            else:
+                lower, upper = None, float(spec)
+        except (TypeError, ValueError) as error:
+            if "one upper bound" in str(error):
+                raise
+            raise ValueError(f"rollout_rs_threshold {spec!r} for {option!r} is not a number "
+                             "(k1 takes 'lower_upper' or one number)") from None
+        for value in (lower, upper):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"rollout_rs_threshold for {option!r} must be positive and "
+                                 f"finite, got {spec!r}")
+        bounds[option] = (lower, upper)
+    return bounds
+
+
+def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_threshold):
+    r"""verl's rejection sampling: which tokens every criterion of ``rollout_rs`` keeps.
+
+    With the clamped log-ratio $x_t = \mathrm{clamp}(\log \rho_t, -20, 20)$, the per-token
+    divergences are verl's
+
+    $$
+    k_1 = -x_t, \qquad k_2 = \tfrac12 x_t^2, \qquad k_3 = e^{x_t} - 1 - x_t,
+    $$
+
+    and a criterion ``level_kN`` reads one of them per token (``token_``) or per response, as
+    the sum, mean or max over its tokens (``seq_sum_``, ``seq_mean_``, ``seq_max_``; a sequence
+    criterion rejects every token of the response). k2 and k3 keep a value $\le u$. k1 keeps
+    the band $\log a \le k_1 \le \log b$ for the threshold ``"a_b"``: on the ratio that is
+    $1/b \le \rho_t \le 1/a$ (``token_k1``), $1/b \le \rho \le 1/a$ (``seq_sum_k1``) and
+    $1/b \le \rho_{\mathrm{geo}} \le 1/a$ (``seq_mean_k1``); a single number $h$ means
+    ``"1/h_h"``, the band $[1/h, h]$. Several criteria separated by commas are chained: a token
+    is kept when every one keeps it. ``rollout_rs_threshold`` gives one threshold for all or
+    one per criterion, separated by commas, and must be positive. This is verl's
+    ``rollout_rs`` / ``rollout_rs_threshold`` (config defaults ``null``: off), option by option.
+
+    Returns
+    -------
+    keep : torch.Tensor
+        ``(B, T)`` bool: ``mask`` and every criterion.
+    metrics : dict
+        verl's names, without the prefix: per criterion ``rollout_rs_<option>_masked_fraction``
+        (the share of valid tokens it rejects) and ``..._seq_masked_fraction`` (of responses
+        with a token, the share in which it rejects one); then ``rollout_rs_masked_fraction``
+        and ``rollout_rs_seq_masked_fraction`` for all criteria together.
+
+    Examples
+    --------
+    Two responses of two tokens; the ratios of the first are $0.625, 2.5$ and of the second
+    $1, 1$. ``token_k1`` at 2 keeps $[0.5, 2]$; ``seq_mean_k3`` at 0.1 rejects a response
+    whose mean $k_3$ is above 0.1 (the first: $(0.0950 + 0.5837) / 2 = 0.339$):
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2], [0.5, 0.5]]))
+    >>> ones = torch.ones(2, 2)
+    >>> keep, m = rejection_mask(trainer, sampler, ones, "token_k1", 2.0)
+    >>> keep.tolist(), m["rollout_rs_seq_masked_fraction"]
+    ([[True, False], [True, True]], 0.5)
+    >>> keep, _ = rejection_mask(trainer, sampler, ones, "token_k1,seq_mean_k3", "0.5_2.0,0.1")
+    >>> keep.tolist()
+    [[False, False], [True, True]]
+    """
+    bounds = _parse_rs(rollout_rs, rollout_rs_threshold)
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    metrics = {}
+    with torch.no_grad():
+        x = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype).clamp(-SAFETY_BOUND,
+                                                                             SAFETY_BOUND)
+        divergences = {"k1": -x, "k2": 0.5 * x.square(), "k3": torch.expm1(x) - x}
+        keep = mask.clone()
+        has_token = mask.any(dim=1)
+        for option, (lower, upper) in bounds.items():
+            level, kind = option.rsplit("_", 1)
+            per_token = _select(mask, divergences[kind])
+            if level == "token":
+                stat = per_token
+            elif level == "seq_sum":
+                stat = per_token.sum(dim=1, keepdim=True)
+            elif level == "seq_mean":
+                stat = per_token.sum(dim=1, keepdim=True) / _lengths(mask, dtype)[:, None]
+            else:  # seq_max: over the response's tokens only (k2, k3 >= 0, so 0 is below all)
+                stat = per_token.max(dim=1, keepdim=True).values
+            if kind == "k1":
+                passes = (stat >= math.log(lower)) & (stat <= math.log(upper))
+            else:
+                passes = stat <= upper
+            passes = passes.expand_as(mask) & mask
+            rejected = mask & ~passes
+            metrics.update(_fractions(f"rollout_rs_{option}_", rejected, mask, has_token))
+            keep &= passes
+        metrics.update(_fractions("rollout_rs_", mask & ~keep, mask, has_token))
+    return keep, metrics
+
+
+def _fractions(prefix, rejected, mask, has_token):
+    if not bool(mask.any()):
+        return {}
+    tokens = float(rejected.sum()) / float(mask.sum())
+    sequences = float(rejected.any(dim=1).sum()) / float(has_token.sum())
+    return {f"{prefix}masked_fraction": tokens, f"{prefix}seq_masked_fraction": sequences}
+
+
+def veto_mask(trainer_logp, sampler_logp, mask, veto_threshold=1e-4):
+    r"""The catastrophic-token veto: reject a whole response if any $\rho_t < \tau$.
+
+    verl's former ``rollout_token_veto_threshold`` (see [opd_literate.estimators.token_veto][]),
+    no longer an option at ``VERL_COMMIT``; its nearest criteria there are ``seq_max_k2`` and
+    ``seq_max_k3``, which are two-sided. The default $\tau = 10^{-4}$ is the value of the former
+    presets. Compared in log space: $\log \rho_t < \log \tau$.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)`` bool: ``mask`` on the responses with no vetoed token, False elsewhere.
+
+    Examples
+    --------
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2], [0.5, 0.5]]))   # rho_t = 0.625, 2.5 | 1, 1
+    >>> veto_mask(trainer, sampler, torch.ones(2, 2), veto_threshold=0.7).tolist()
+    [[False, False], [True, True]]
+    """
+    threshold = check_finite_number("veto_threshold", veto_threshold, positive=True)
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    with torch.no_grad():
+        log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+        vetoed = (mask & (log_rho_t < math.log(threshold))).any(dim=1, keepdim=True)
+        return mask & ~vetoed
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics and the one-call entry point
+# ---------------------------------------------------------------------------------------------
+def offpolicy_metrics(trainer_logp, sampler_logp, mask):
+    r"""verl's off-policy diagnostics (``compute_offpolicy_metrics``), without the prefix.
+
+    Over the valid tokens, with $x_t = \log \rho_t$:
+
+    * ``kl``: $\overline{-x_t}$, the k1 estimate of $\mathrm{KL}(\mu \,\|\, \pi)$;
+    * ``k3_kl``: $\overline{e^{x_t} - 1 - x_t}$, the k3 estimate of the same KL;
+    * ``chi2_token``: $\overline{\rho_t^2} - 1$, an estimate of $\chi^2(\pi_t \,\|\, \mu_t)$
+      ($\mathbb{E}_\mu[\rho_t^2] = 1 + \chi^2$);
+    * ``chi2_seq``: the mean over responses of $\rho^2$, minus 1, an estimate of the sequence
+      $\chi^2$ that drives the variance of sequence IS.
+
+    The ratios are clamped as everywhere here ($|x| \le 20$). verl averages ``chi2_seq`` over
+    all $B$ rows; here over the responses with a token.
+
+    Examples
+    --------
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2]]))   # rho_t = 0.625, 2.5
+    >>> m = offpolicy_metrics(trainer, sampler, torch.ones(1, 2))
+    >>> # (0.625^2 + 2.5^2) / 2 - 1 = 2.3203; 1.5625^2 - 1 = 1.4414
+    >>> round(m["chi2_token"], 4), round(m["chi2_seq"], 4)
+    (2.3203, 1.4414)
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    if not bool(mask.any()):
+        return {}
+    with torch.no_grad():
+        x = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+        x_safe = x.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        has_token = mask.any(dim=1)
+        seq = x.sum(dim=1)[has_token].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        return {
+            "kl": float(_masked_mean(-x, mask)),
+            "k3_kl": float(_masked_mean(torch.expm1(x_safe) - x_safe, mask)),
+            "chi2_token": float(_masked_mean(torch.exp(2.0 * x_safe), mask)) - 1.0,
+            "chi2_seq": float(torch.exp(2.0 * seq).mean()) - 1.0,
+        }
+
+
+def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
+                       rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+                       rollout_rs=None, rollout_rs_threshold=None, mode="truncate", lower=None,
+                       veto_threshold=None):
+    r"""Importance weights, rejection and diagnostics in one call, as verl's helper returns them.
+
+    verl's ``compute_rollout_correction_and_rejection_mask``: the weights of
+    [opd_literate.correction.importance_weights][] (or 1 on every token when ``rollout_is`` is
+    None), the ``keep`` mask of [opd_literate.correction.rejection_mask][] (the mask itself
+    when ``rollout_rs`` is None), further reduced by [opd_literate.correction.veto_mask][] when
+    ``veto_threshold`` is set, and the metrics of all three and of
+    [opd_literate.correction.offpolicy_metrics][], each prefixed ``rollout_corr/`` as verl
+    logs them. The weights are not multiplied by ``keep``: a token's effective weight is
+    ``weights * keep``, and a trainer reduces its loss over ``keep`` (verl replaces its
+    ``response_mask`` by it).
+
+    Presets: verl's ``decoupled_geo_rs_token_tis`` is ``rollout_is="token"`` with
+    ``rollout_rs="seq_mean_k1"`` and ``rollout_rs_threshold="0.999_1.001"``; its
+    ``decoupled_k3_rs`` is ``rollout_rs="seq_mean_k3"`` at 0.01 without IS.
+
+    Examples
+    --------
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2], [0.5, 0.5]]))
+    >>> c = rollout_correction(trainer, sampler, torch.ones(2, 2), rollout_is="token",
+    ...                        rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    >>> (c.weights * c.keep).tolist()
+    [[0.625, 0.0], [1.0, 1.0]]
+    >>> c.metrics["rollout_corr/rollout_rs_masked_fraction"]
+    0.25
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    metrics = {}
+    if rollout_is is None:
+        if mode != "truncate" or lower is not None or rollout_is_batch_normalize:
+            raise ValueError("mode, lower and rollout_is_batch_normalize need rollout_is "
+                             "('token', 'sequence' or 'geometric'); it is None")
+        weights = mask.to(dtype)
+    else:
+        weights, is_metrics = importance_weights(
+            trainer_logp, sampler_logp, mask, rollout_is,
+            rollout_is_threshold=rollout_is_threshold, mode=mode, lower=lower,
+            rollout_is_batch_normalize=rollout_is_batch_normalize)
+        metrics.update(is_metrics)
+    keep = mask
+    if rollout_rs is not None:
+        keep, rs_metrics = rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs,
+                                          rollout_rs_threshold)
+        metrics.update(rs_metrics)
+    elif rollout_rs_threshold is not None:
+        raise ValueError(f"rollout_rs_threshold={rollout_rs_threshold!r} needs rollout_rs")
+    if veto_threshold is not None:
+        keep = keep & veto_mask(trainer_logp, sampler_logp, mask, veto_threshold)
+    metrics.update(offpolicy_metrics(trainer_logp, sampler_logp, mask))
+    metrics = {_METRIC_PREFIX + name: value for name, value in metrics.items()}
+    return Correction(weights.detach(), keep, metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bypass-mode losses
+# ---------------------------------------------------------------------------------------------
+def _check_advantages(advantages, mask, dtype):
+    check_float_tensor("advantages", advantages, None)
+    B, T = mask.shape
+    if tuple(advantages.shape) == (B,):
+        advantages = advantages[:, None].expand(B, T)  # one advantage per response, documented
+    elif tuple(advantages.shape) != (B, T):
+        raise ValueError(f"advantages must have shape (B, T) = {(B, T)} or (B,) = {(B,)}, got "
+                         f"{tuple(advantages.shape)}")
+    bad = mask & ~torch.isfinite(advantages.detach())
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"advantages must be finite where mask is 1, got "
+                         f"{advantages[b, t].item()!r} at position ({b}, {t})")
+    return torch.where(mask, advantages.detach().to(dtype), torch.zeros((), dtype=dtype))
+
+
+def _check_reduction(reduction):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high):
+    clip_ratio = check_finite_number("clip_ratio", clip_ratio, low=0.0)
+    low = clip_ratio if clip_ratio_low is None else check_finite_number(
+        "clip_ratio_low", clip_ratio_low, low=0.0)
+    high = clip_ratio if clip_ratio_high is None else check_finite_number(
+        "clip_ratio_high", clip_ratio_high, low=0.0)
+    return low, high
+
+
+def ppo_clip_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+                  clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                  reduction="token-mean"):
+    r"""PPO's clipped loss with the dual clip, the sampler as the anchor (verl's bypass mode).
+
+    With $r_t = \exp(\mathrm{clamp}(\log \rho_t, -20, 20))$ and the clip range
+    $[1 - \varepsilon_l, 1 + \varepsilon_h]$,
+
+    $$
+    L_t = \max\big(-A r_t,\ -A\, \mathrm{clip}(r_t, 1 - \varepsilon_l, 1 + \varepsilon_h)\big),
+    \qquad
+    L_t \leftarrow \min(L_t, -c A) \ \text{ where } A < 0,
+    $$
+
+    reduced by ``reduction``. Its gradient with respect to $\log \pi_\theta(y_t)$ is
+    $-A r_t$ where the unclipped term is active and 0 where a clipped constant is: the weight
+    $w_t = r_t$ of [opd_literate.estimators.ppo_clip_bypass][], zeroed where $A > 0,\ r_t > 1 +
+    \varepsilon_h$, where $A < 0,\ r_t < 1 - \varepsilon_l$ and where $A < 0,\ r_t > c$.
+
+    verl: ``bypass_mode: true`` with ``loss_type: ppo_clip`` calls
+    ``compute_policy_loss_vanilla`` with ``old_log_prob = rollout_log_prob``. Its options are the
+    actor's ``clip_ratio`` (0.2), ``clip_ratio_low`` / ``clip_ratio_high`` (0.2 each in
+    ``ActorConfig``; None here means ``clip_ratio``) and ``clip_ratio_c`` (3.0, must be
+    $> 1$), and ``loss_agg_mode`` (``reduction``, default ``"token-mean"``).
+
+    Returns
+    -------
+    loss : torch.Tensor
+        A scalar.
+    metrics : dict
+        verl's ``actor/pg_clipfrac`` (share of valid tokens where the clipped term is the
+        larger), ``actor/ppo_kl`` (mean $-\log \rho_t$) and ``actor/pg_clipfrac_lower`` (share
+        where the dual clip is active).
+
+    Examples
+    --------
+    One token, $\rho = 2.5$, $A = -1$: PPO's clip leaves $-A r = 2.5$, the dual clip $c = 2$
+    caps it at $-cA = 2$, a constant (no gradient):
+
+    >>> trainer = torch.log(torch.tensor([[0.5]])).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.2]]))
+    >>> loss, m = ppo_clip_loss(trainer, sampler, torch.tensor([-1.0]), torch.ones(1, 1),
+    ...                         clip_ratio_c=2.0)
+    >>> loss.backward()
+    >>> round(loss.item(), 6), trainer.grad.item(), m["actor/pg_clipfrac_lower"]
+    (2.0, 0.0, 1.0)
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    eps_low, eps_high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    clip_ratio_c = check_finite_number("clip_ratio_c", clip_ratio_c, allow_inf=True)
+    if not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c must be > 1 (verl asserts it), got {clip_ratio_c!r}")
+    _check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    # r_t = pi_theta(y_t) / mu(y_t), from a clamped log-ratio
+    ratio = _exp_safe(log_rho_t)
+    unclipped = -A * ratio
+    clipped = -A * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    # dual clip: for A < 0, min(L, -c A)
+    dual = -A * clip_ratio_c if math.isfinite(clip_ratio_c) else torch.full_like(A, math.inf)
+    dual_active = (A < 0) & (per_token > dual)
+    per_token = torch.where(A < 0, torch.minimum(per_token, dual), per_token)
+    loss = aggregate_loss(_select(mask, per_token), mask, reduction)
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_clipfrac": float(_masked_mean((clipped > unclipped).to(dtype), mask)),
+            "actor/ppo_kl": float(_masked_mean(-log_rho_t, mask)),
+            "actor/pg_clipfrac_lower": float(_masked_mean(dual_active.to(dtype), mask)),
+        }
+    return loss, metrics
+
+
+def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+               clip_ratio_low=None, clip_ratio_high=None, reduction="token-mean"):
+    r"""CISPO: a clipped, stop-gradient ratio times the log-likelihood; no token loses its gradient.
+
+    $$
+    L_t = -\,\mathrm{sg}\big(\mathrm{clip}(r_t, 1 - \varepsilon_l, 1 + \varepsilon_h)\big)\,
+    A\, \log \pi_\theta(y_t), \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -\,\mathrm{clip}(r_t, 1 - \varepsilon_l,
+    1 + \varepsilon_h)\, A .
+    $$
+
+    The weight of [opd_literate.estimators.cispo][] (whose defaults are the paper's
+    $\varepsilon_l = 1$, i.e. no floor, and this project's $\varepsilon_h = 4$). verl's
+    ``loss_mode: cispo`` (``compute_policy_loss_cispo``) reads the actor's ``clip_ratio_low``
+    and ``clip_ratio_high`` (0.2 each in ``ActorConfig``, the defaults here) and the same
+    clamped ratio; in bypass mode the anchor is the sampler, as here.
+
+    Returns
+    -------
+    loss : torch.Tensor
+    metrics : dict
+        ``actor/pg_clipfrac`` (share of valid tokens whose ratio was clipped) and
+        ``actor/ppo_kl``.
+
+    Examples
+    --------
+    $\rho = 9$ is clipped to $1.2$; the gradient is $-1.2 A$:
+
+    >>> trainer = torch.log(torch.tensor([[0.9]])).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.1]]))
+    >>> loss, _ = cispo_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 1))
+    >>> loss.backward()
+    >>> round(trainer.grad.item(), 6)
+    -1.2
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    eps_low, eps_high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    _check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    with torch.no_grad():
+        ratio = _exp_safe(log_rho_t)
+        weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # sg(clip(r_t))
+    trainer = _select(mask, trainer_logp.to(dtype))
+    per_token = -weight * A * trainer
+    loss = aggregate_loss(_select(mask, per_token), mask, reduction)
+    metrics = {
+        "actor/pg_clipfrac": float(_masked_mean((weight != ratio).to(dtype), mask)),
+        "actor/ppo_kl": float(_masked_mean(-log_rho_t.detach(), mask)),
+    }
+    return loss, metrics
+
+
+def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e-4,
+              clip_ratio_high=4e-4, reduction="seq-mean-token-mean"):
+    r"""GSPO: the geometric sequence ratio on every token, PPO-clipped, sampler as the anchor.
+
+    With $s = \rho_{\mathrm{geo}}$ of the response, verl's token-level form
+    $s_t = \mathrm{sg}(s)\, \pi_\theta(y_t) / \mathrm{sg}(\pi_\theta(y_t))$ (the value $s$, the
+    gradient $s \nabla \log \pi_\theta(y_t)$):
+
+    $$
+    L_t = \max\big(-A s_t,\ -A\, \mathrm{clip}(s_t, 1 - \varepsilon_l, 1 + \varepsilon_h)\big),
+    \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -A s \ \text{ unless clipped}.
+    $$
+
+    With ``reduction="sum"`` the gradient of each token is the weight of
+    [opd_literate.estimators.gspo][] times $-A$; verl reduces GSPO by
+    ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (the default here too), which
+    divides each response's gradient by its length, as the GSPO objective does. No dual clip.
+    Defaults: the GSPO paper's $\varepsilon_l = 3 \cdot 10^{-4}$, $\varepsilon_h = 4 \cdot
+    10^{-4}$; verl (``loss_mode: gspo``) reads the actor's ``clip_ratio_low`` /
+    ``clip_ratio_high``, whose defaults (0.2) must be set to these. verl clamps $\log s_t$ at
+    10 from above only; here at $\pm 20$ like every ratio.
+
+    Examples
+    --------
+    One response of two tokens with $\rho_t = 0.625, 2.5$: $s = 1.25$, above $1 + 4 \cdot
+    10^{-4}$, so with $A > 0$ both tokens are clipped; with $A < 0$ both get the gradient
+    $-A s / 2$ (the mean over the two tokens):
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2]]))
+    >>> loss, _ = gspo_loss(trainer, sampler, torch.tensor([-1.0]), torch.ones(1, 2))
+    >>> loss.backward()
+    >>> [round(g, 6) for g in trainer.grad[0].tolist()]
+    [0.625, 0.625]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    eps_low, eps_high = _clip_range(0.0, clip_ratio_low, clip_ratio_high)
+    _check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    log_s = _level_log_ratio(log_rho_t, mask, "geometric").detach()  # sg(log s), (B, T)
+    trainer = _select(mask, trainer_logp.to(dtype))
+    # log s_t = sg(log s) + log pi(y_t) - sg(log pi(y_t)): the value of s, the gradient of pi
+    seq_ratio = _exp_safe(log_s + trainer - trainer.detach())
+    unclipped = -A * seq_ratio
+    clipped = -A * torch.clamp(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate_loss(_select(mask, per_token), mask, reduction)
+    metrics = {
+        "actor/pg_clipfrac": float(_masked_mean((clipped > unclipped).to(dtype), mask)),
+        "actor/ppo_kl": float(_masked_mean(-log_rho_t.detach(), mask)),
+    }
+    return loss, metrics
+
+
+def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="token-mean"):
+    r"""REINFORCE with explicit importance weights: $L_t = -\,\mathrm{sg}(w_t)\, A\, \log
+    \pi_\theta(y_t)$.
+
+    Its gradient with respect to $\log \pi_\theta(y_t)$ is $-w_t A$: with the ``weights`` of
+    [opd_literate.correction.rollout_correction][] and ``mask = keep`` it is the estimate
+    $w_t A s_t$ of [opd_literate.estimators][]. verl's bypass mode with ``loss_type:
+    reinforce`` (``compute_policy_loss_reinforce``; the actor's ``loss_agg_mode``, default
+    ``"token-mean"``). ``weights=None`` is $w_t = 1$.
+
+    Examples
+    --------
+    >>> logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    >>> loss = reinforce_loss(logp, torch.tensor([2.0]), torch.ones(1, 2),
+    ...                       weights=torch.tensor([[1.0, 0.5]]), reduction="sum")
+    >>> loss.backward()
+    >>> logp.grad.tolist()
+    [[-2.0, -1.0]]
+    """
+    check_float_tensor("trainer_logp", trainer_logp, 2)
+    if weights is None:
+        weights = torch.ones_like(trainer_logp.detach())
+    check_float_tensor("weights", weights, 2)
+    mask, dtype = _check_batch(trainer_logp, trainer_logp.detach(), mask)
+    check_same_shape("trainer_logp", trainer_logp, "weights", weights)
+    bad = mask & ~torch.isfinite(weights)
+    if bool(bad.any()):
+        raise ValueError("weights must be finite where mask is 1")
+    _check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    w = _select(mask, weights.detach().to(dtype))
+    per_token = -w * A * _select(mask, trainer_logp.to(dtype))
+    return aggregate_loss(_select(mask, per_token), mask, reduction)
+
+
+def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
+    r"""Per-token KL estimators, with verl's straight-through ``"k1+"`` and ``"k3+"``.
+
+    ``"k1"``, ``"k2"``, ``"k3"`` are the estimates of
+    $\mathrm{KL}(\pi_\theta \,\|\, \pi_{\mathrm{ref}})$ of [opd_literate.opd.kl_estimator][].
+    A ``"+"`` keeps the *value* of k1 or k3 and takes the *gradient* of $k_2 = \frac12 d^2$,
+    with $d = \log \pi_\theta(y) - \log \pi_{\mathrm{ref}}(y)$:
+
+    $$
+    k^{+} = k_2 - \mathrm{sg}(k_2) + \mathrm{sg}(k), \qquad
+    \frac{\partial k^{+}}{\partial \log \pi_\theta(y)} = d,
+    $$
+
+    whose expectation over $y \sim \pi_\theta$ is the gradient of the reverse KL (k1 and k3 as
+    losses have the expected gradients 0 and $\nabla \mathrm{KL}(\pi_{\mathrm{ref}} \,\|\,
+    \pi_\theta)$). verl's ``kl_penalty`` (``actor.kl_loss_type``, e.g. ``"k3+"``; there
+    ``"k2+"`` is ``"k2"``). verl's k3 clamps $-d$ to $\pm 20$ and the value to $\pm 10$; this
+    one is [opd_literate.opd.kl_estimator][]'s, unclamped.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)``, 0 in value and gradient where ``mask`` is 0.
+
+    Examples
+    --------
+    $d = 0.5$: the value of k3 is $e^{-0.5} - 1 + 0.5 = 0.1065$, the gradient that of $k_2$,
+    $d = 0.5$:
+
+    >>> logp = torch.tensor([[0.0]], requires_grad=True)
+    >>> k = kl_penalty(logp, torch.tensor([[-0.5]]), torch.ones(1, 1), "k3+")
+    >>> k.sum().backward()
+    >>> round(k.item(), 4), logp.grad.item()
+    (0.1065, 0.5)
+    """
+    if kind not in KL_PENALTIES:
+        raise ValueError(f"kind must be one of {KL_PENALTIES}, got {kind!r}")
+    check_float_tensor("ref_logp", ref_logp, 2)
+    mask, dtype = _check_batch(trainer_logp, ref_logp, mask)
+    zeros = torch.zeros((), dtype=dtype, device=trainer_logp.device)
+    trainer = torch.where(mask, trainer_logp.to(dtype), zeros)
+    ref = torch.where(mask, ref_logp.detach().to(dtype), zeros)
+    value = kl_estimator(trainer, ref, kind.rstrip("+"))
+    if kind.endswith("+"):
+        k2 = kl_estimator(trainer, ref, "k2")
+        # straight through: the value of k, the gradient of k2
+        value = k2 - k2.detach() + value.detach()
+    return _select(mask, value)
