@@ -568,24 +568,30 @@ def main(argv=None):
         _replace_atomically(partial, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
         finished[:] = list(results["methods"])
 
+    results_path = out_dir / "results.json"
+    written = []
     try:
         results = run_experiment(config, args.methods, progress=not args.no_progress,
                                  cache=cache, on_method=save_partial)
+        _replace_atomically(results_path,
+                            lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
+        written.append(results_path)
+        partial.unlink(missing_ok=True)  # superseded by results.json
+        write_plots(results, out_dir)
     except KeyboardInterrupt:
         teacher = teacher_cache_path(config)
-        kept = [f"teacher cache {teacher}" if teacher.exists() else "no teacher cache",
-                f"finished methods {', '.join(finished)} in {partial}" if finished
-                else "no finished method"]
-        print(f"opd-experiment: interrupted; kept: {'; '.join(kept)}", file=sys.stderr)
+        if written:
+            methods = f"every method in {results_path} (the plots were not written)"
+        elif finished:
+            methods = f"finished methods {', '.join(finished)} in {partial}"
+        else:
+            methods = "no finished method"
+        teacher_text = f"teacher cache {teacher}" if teacher.exists() else "no teacher cache"
+        print(f"opd-experiment: interrupted; kept: {teacher_text}; {methods}", file=sys.stderr)
         return 130
-    _replace_atomically(out_dir / "results.json",
-                        lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
-    partial.unlink(missing_ok=True)  # superseded by results.json
-    write_plots(results, out_dir)
     print(format_headline(results))
-    print(f"\nwrote {out_dir / 'results.json'}, accuracy.png, reverse_kl.png")
+    print(f"\nwrote {results_path}, accuracy.png, reverse_kl.png")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

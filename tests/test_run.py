@@ -382,3 +382,17 @@ def test_every_method_uses_batch_size_samples_and_rl_the_first_prompts_group_tim
             assert seen[0].tolist() == run.lm.make_prompts(torch.stack(expected)).tolist()
         elif method != "sft":
             assert seen[0].tolist() == run.lm.make_prompts(pairs).tolist()
+
+
+def test_ctrl_c_while_plotting_names_the_results_file(tiny_cli, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "write_plots", interrupted)
+    out = tiny_cli / "out"
+    assert run.main(["--quick", "--out", str(out), "--no-progress", "--methods", "rl"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.endswith(f"; every method in {out / 'results.json'} (the plots were not "
+                        "written)\n")
+    assert list(json.loads((out / "results.json").read_text())["methods"]) == ["rl"]
