@@ -1,0 +1,568 @@
+"""opd_literate.correction against the numpy estimators, analytic gradients and verl's names.
+
+Every numpy estimator of ``opd_literate.estimators`` is reproduced on the enumerable toys turned
+into a ``(M, T)`` batch of all M responses: the weights of the torch module (``weights * keep``,
+or the gradient of a bypass loss divided by ``-A``) equal the estimator's weights. Equal means:
+the same tokens at 0, and the other values within 1e-13 relative, because torch's ``exp`` and
+``sum`` round differently from numpy's (on float64 they differ in the last bit for about 5% of
+inputs; the weights here pass through one exp of a sum of at most 6 terms).
+"""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from opd_literate import correction as C
+from opd_literate import estimators as E
+from opd_literate.opd import REDUCTIONS, kl_estimator
+from opd_literate.toy import make_ar_toy, make_toy, response_mask
+
+FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" /
+                      "verl_rollout_correction.json").read_text())
+
+TOYS = {
+    "toy": make_toy(T=3, V=3, mismatch=0.6, seed=1),
+    "ar_toy": make_ar_toy(T=3, V=4, mismatch=0.8, seed=1),  # ragged responses with padding
+}
+BASELINE = 0.5  # R - 0.5 = +-0.5: nonzero, and a power of two (dividing by it is exact)
+
+
+def as_batch(toy):
+    """The toy as a float64 (M, T) batch of all its responses."""
+    return (torch.from_numpy(np.array(toy["logp_train"])),
+            torch.from_numpy(np.array(toy["logp_sampler"])),
+            torch.from_numpy(response_mask(toy)))
+
+
+def advantages(toy):
+    return torch.from_numpy(np.asarray(toy["R"], dtype=float) - BASELINE)
+
+
+def loss_weights(loss_fn, toy, **options):
+    """-grad / A of a bypass loss with reduction 'sum': the per-token weight it applies."""
+    trainer, sampler, mask = as_batch(toy)
+    trainer = trainer.clone().requires_grad_()
+    A = advantages(toy)
+    loss, _ = loss_fn(trainer, sampler, A, mask, reduction="sum", **options)
+    loss.backward()
+    return -trainer.grad / A[:, None]
+
+
+def torch_weights(name, toy, p):
+    """The torch module's weights for a registered estimator with parameters p."""
+    batch = as_batch(toy)
+    inf = math.inf
+
+    def iw(level, **kw):
+        return C.importance_weights(*batch, level, **kw)[0]
+
+    def rc(**kw):
+        c = C.rollout_correction(*batch, **kw)
+        return c.weights * c.keep
+
+    if name == "naive":
+        return rc()
+    if name == "token_is":
+        return iw("token", rollout_is_threshold=inf)
+    if name == "seq_is":
+        return iw("sequence", rollout_is_threshold=inf)
+    if name == "token_tis":
+        return iw("token", rollout_is_threshold=p["cap"])
+    if name == "seq_tis":
+        return iw("sequence", rollout_is_threshold=p["cap"])
+    if name in ("token_mis", "icepop"):
+        return iw("token", mode="mask", lower=p["low"], rollout_is_threshold=p["high"])
+    if name == "seq_mis":
+        return iw("sequence", mode="mask", lower=p["low"], rollout_is_threshold=p["high"])
+    if name == "token_clamp":
+        return iw("token", mode="clamp", lower=p["low"], rollout_is_threshold=p["high"])
+    if name == "geo_rs":  # verl's band on -log rho_geo: "a_b" keeps 1/b <= rho_geo <= 1/a
+        return rc(rollout_rs="seq_mean_k1",
+                  rollout_rs_threshold=f"{1 / p['high']!r}_{1 / p['low']!r}")
+    if name == "k3_seq_rs":
+        return rc(rollout_rs="seq_mean_k3", rollout_rs_threshold=p["threshold"])
+    if name == "token_veto":
+        return rc(veto_threshold=p["threshold"])
+    if name == "geo_rs_token_tis":
+        return rc(rollout_is="token", rollout_is_threshold=p["cap"], rollout_rs="seq_mean_k1",
+                  rollout_rs_threshold=f"{1 / p['high']!r}_{1 / p['low']!r}")
+    if name == "cispo":
+        return loss_weights(C.cispo_loss, toy, clip_ratio_low=p["eps_low"],
+                            clip_ratio_high=p["eps_high"])
+    if name == "ppo_clip_bypass":
+        return loss_weights(C.ppo_clip_loss, toy, clip_ratio=p["eps"],
+                            clip_ratio_c=p["clip_ratio_c"])
+    if name == "gspo":
+        return loss_weights(C.gspo_loss, toy, clip_ratio_low=p["eps_low"],
+                            clip_ratio_high=p["eps_high"])
+    raise KeyError(name)
+
+
+# Parameters at which every threshold changes some weight of both toys (checked below), so that
+# a wrong comparison or band cannot pass unnoticed.
+OVERRIDES = {
+    "token_tis": {"cap": 1.5},
+    "seq_tis": {"cap": 1.5},
+    "token_mis": {"low": 0.5, "high": 1.5},
+    "seq_mis": {"low": 0.5, "high": 1.5},
+    "geo_rs": {"low": 0.8, "high": 1.25},
+    "icepop": {"low": 0.7, "high": 1.5},
+    "token_clamp": {"low": 0.7, "high": 1.5},
+    "cispo": {"eps_low": 0.3, "eps_high": 0.5},
+    "ppo_clip_bypass": {"eps": 0.2, "clip_ratio_c": 1.5},
+    "token_veto": {"threshold": 0.6},
+    "k3_seq_rs": {"threshold": 0.05},
+    "geo_rs_token_tis": {"low": 0.8, "high": 1.25, "cap": 1.5},
+    "gspo": {"eps_low": 0.05, "eps_high": 0.05},
+}
+
+
+def test_every_estimator_is_covered():
+    assert set(OVERRIDES) | {"naive", "token_is", "seq_is"} == set(E.REGISTRY)
+
+
+def _check_estimator(name, toy_name):
+    toy = TOYS[toy_name]
+    p = {**E.REGISTRY[name].defaults, **OVERRIDES.get(name, {})}
+    expected = E.estimator_weights(toy, name, baseline=BASELINE, **OVERRIDES.get(name, {}))
+    expected = expected * response_mask(toy)  # the padding has no weight here
+    got = torch_weights(name, toy, p).detach().numpy()
+    assert got.shape == expected.shape
+    np.testing.assert_array_equal(got == 0, expected == 0)
+    np.testing.assert_allclose(got, expected, rtol=1e-13, atol=0)
+    if name in OVERRIDES:  # the thresholds bite: some weight differs from the plain ratio
+        reference = E._reference_weights(toy, E.REGISTRY[name].reference) * response_mask(toy)
+        assert not np.allclose(expected, reference)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_naive(toy_name):
+    _check_estimator("naive", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_token_is(toy_name):
+    _check_estimator("token_is", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_seq_is(toy_name):
+    _check_estimator("seq_is", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_token_tis(toy_name):
+    _check_estimator("token_tis", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_seq_tis(toy_name):
+    _check_estimator("seq_tis", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_token_mis(toy_name):
+    _check_estimator("token_mis", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_token_mis_is_verl_token_k1_with_token_is(toy_name):
+    # verl's route: rollout_is=token, no cap, rollout_rs=token_k1 at "1/high_1/low"
+    toy = TOYS[toy_name]
+    c = C.rollout_correction(*as_batch(toy), rollout_is="token", rollout_is_threshold=math.inf,
+                             rollout_rs="token_k1", rollout_rs_threshold=f"{1 / 1.5!r}_{1 / 0.5!r}")
+    expected = E.token_mis(toy, low=0.5, high=1.5, return_weights=True) * response_mask(toy)
+    np.testing.assert_allclose((c.weights * c.keep).numpy(), expected, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_seq_mis(toy_name):
+    _check_estimator("seq_mis", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_geo_rs(toy_name):
+    _check_estimator("geo_rs", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_icepop(toy_name):
+    _check_estimator("icepop", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_token_clamp(toy_name):
+    _check_estimator("token_clamp", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_cispo(toy_name):
+    _check_estimator("cispo", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_ppo_clip_bypass(toy_name):
+    _check_estimator("ppo_clip_bypass", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_token_veto(toy_name):
+    _check_estimator("token_veto", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_k3_seq_rs(toy_name):
+    _check_estimator("k3_seq_rs", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_geo_rs_token_tis(toy_name):
+    _check_estimator("geo_rs_token_tis", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_gspo(toy_name):
+    _check_estimator("gspo", toy_name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses: autograd against analytic gradients, for every reduction
+# ---------------------------------------------------------------------------------------------
+def _random_batch(seed=0, B=5, T=7):
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
+    sampler = trainer + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.6
+    lengths = torch.tensor([7, 1, 4, 0, 6])[:B]
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
+    A = torch.randn(B, T, generator=g, dtype=torch.float64)
+    return trainer, sampler, mask, A
+
+
+def _normaliser(mask, reduction):
+    """d loss / d per_token_loss[b, t] for each reduction (independent of aggregate_loss)."""
+    B, T = mask.shape
+    n_b = mask.sum(1, keepdim=True).clamp_min(1)
+    return {
+        "token-mean": torch.full_like(mask, 1.0 / max(float(mask.sum()), 1.0)),
+        "seq-mean-token-sum": torch.full_like(mask, 1.0 / B),
+        "seq-mean-token-mean": (1.0 / (B * n_b)).expand(B, T),
+        "seq-mean-token-sum-norm": torch.full_like(mask, 1.0 / T),
+        "sum": torch.ones_like(mask),
+    }[reduction] * mask
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_ppo_clip_loss_gradient_is_the_analytic_one(reduction):
+    trainer, sampler, mask, A = _random_batch()
+    x = trainer.clone().requires_grad_()
+    eps_low, eps_high, c = 0.15, 0.25, 1.8
+    loss, _ = C.ppo_clip_loss(x, sampler, A, mask, clip_ratio_low=eps_low,
+                              clip_ratio_high=eps_high, clip_ratio_c=c, reduction=reduction)
+    loss.backward()
+    r = torch.exp(trainer - sampler)
+    inactive = (((A > 0) & (r > 1 + eps_high)) | ((A < 0) & (r < 1 - eps_low))
+                | ((A < 0) & (r > c)))
+    expected = torch.where(inactive, 0.0, -A * r) * _normaliser(mask, reduction)
+    assert inactive[mask > 0].any() and (~inactive[mask > 0]).any()
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-15)
+    # and the value: PPO's min with the dual clip, written out per case
+    value = torch.where(A > 0, -A * torch.clamp(r, max=1 + eps_high),
+                        torch.minimum(-A * torch.clamp(r, min=1 - eps_low), -A * c))
+    torch.testing.assert_close(loss, (value * _normaliser(mask, reduction)).sum(), rtol=1e-12,
+                               atol=0)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cispo_loss_gradient_is_the_analytic_one(reduction):
+    trainer, sampler, mask, A = _random_batch(1)
+    x = trainer.clone().requires_grad_()
+    loss, _ = C.cispo_loss(x, sampler, A, mask, clip_ratio_low=0.2, clip_ratio_high=0.3,
+                           reduction=reduction)
+    loss.backward()
+    w = torch.clamp(torch.exp(trainer - sampler), 0.8, 1.3)
+    torch.testing.assert_close(x.grad, -w * A * _normaliser(mask, reduction), rtol=1e-12,
+                               atol=1e-15)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_gspo_loss_gradient_is_the_analytic_one(reduction):
+    trainer, sampler, mask, _ = _random_batch(2)
+    A = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0], dtype=torch.float64)  # one per response
+    x = trainer.clone().requires_grad_()
+    eps = 0.1
+    loss, _ = C.gspo_loss(x, sampler, A, mask, clip_ratio_low=eps, clip_ratio_high=eps,
+                          reduction=reduction)
+    loss.backward()
+    n = mask.sum(1).clamp_min(1)
+    s = torch.exp(((trainer - sampler) * mask).sum(1) / n)[:, None]  # (B, 1)
+    clipped = ((A[:, None] > 0) & (s > 1 + eps)) | ((A[:, None] < 0) & (s < 1 - eps))
+    expected = torch.where(clipped, 0.0, -A[:, None] * s) * _normaliser(mask, reduction)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_reinforce_loss_gradient_is_minus_weight_times_advantage(reduction):
+    trainer, sampler, mask, A = _random_batch(3)
+    weights = torch.exp(trainer - sampler).clamp(max=2.0)
+    x = trainer.clone().requires_grad_()
+    C.reinforce_loss(x, A, mask, weights, reduction=reduction).backward()
+    torch.testing.assert_close(x.grad, -weights * A * _normaliser(mask, reduction), rtol=1e-12,
+                               atol=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["k1+", "k3+"])
+def test_straight_through_kl_has_the_value_of_k_and_the_gradient_of_k2(kind):
+    trainer, ref, mask, _ = _random_batch(4)
+    x = trainer.clone().requires_grad_()
+    k = C.kl_penalty(x, ref, mask, kind)
+    k.sum().backward()
+    value = kl_estimator(trainer, ref, kind[:2]) * mask
+    torch.testing.assert_close(k.detach(), value, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, (trainer - ref) * mask, rtol=1e-14, atol=0)
+    # without the "+", k3's gradient is 1 - exp(-d), not d
+    y = trainer.clone().requires_grad_()
+    C.kl_penalty(y, ref, mask, kind[:2]).sum().backward()
+    assert not torch.allclose(y.grad, x.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejection semantics, against an independent float64 numpy reading of verl's rules
+# ---------------------------------------------------------------------------------------------
+def _numpy_rs(log_rho, mask, option, lower, upper):
+    x = np.clip(log_rho, -20, 20)
+    k = {"k1": -x, "k2": 0.5 * x ** 2, "k3": np.exp(x) - 1 - x}[option[-2:]] * mask
+    level = option[:-3]
+    n = np.maximum(mask.sum(1, keepdims=True), 1)
+    stat = {"token": k, "seq_sum": k.sum(1, keepdims=True), "seq_mean": k.sum(1, keepdims=True) / n,
+            "seq_max": np.where(mask > 0, k, -np.inf).max(1, keepdims=True)}[level]
+    if option.endswith("k1"):
+        passes = (stat >= np.log(lower)) & (stat <= np.log(upper))
+    else:
+        passes = stat <= upper
+    return np.broadcast_to(passes, mask.shape) & (mask > 0)
+
+
+@pytest.mark.parametrize("option", C.RS_OPTIONS)
+def test_each_rejection_criterion_matches_an_independent_reading(option):
+    trainer, sampler, mask, _ = _random_batch(5)
+    log_rho, m = (trainer - sampler).numpy(), mask.numpy()
+    # thresholds at which each criterion keeps some tokens and rejects others on this batch
+    spec, (lower, upper) = {
+        "token_k1": ("0.7_1.3", (0.7, 1.3)), "seq_sum_k1": ("0.5_0.75", (0.5, 0.75)),
+        "seq_mean_k1": ("0.8_0.95", (0.8, 0.95)),
+    }.get(option, ("0.8", (None, 0.8)) if option.startswith("seq_sum") else ("0.15", (None, 0.15)))
+    keep, metrics = C.rejection_mask(trainer, sampler, mask, option, spec)
+    expected = _numpy_rs(log_rho, m, option, lower, upper)
+    np.testing.assert_array_equal(keep.numpy(), expected)
+    assert 0 < expected.sum() < m.sum()  # the criterion bites
+    rejected = (m > 0) & ~expected
+    assert metrics[f"rollout_rs_{option}_masked_fraction"] == pytest.approx(
+        rejected.sum() / m.sum())
+    has_token = m.sum(1) > 0
+    assert metrics[f"rollout_rs_{option}_seq_masked_fraction"] == pytest.approx(
+        rejected.any(1).sum() / has_token.sum())
+
+
+def test_rejection_criteria_chain_as_and_with_one_threshold_each():
+    trainer, sampler, mask, _ = _random_batch(6)
+    both, metrics = C.rejection_mask(trainer, sampler, mask, "token_k1, seq_mean_k3",
+                                     "0.6_1.5,0.05")
+    one, _ = C.rejection_mask(trainer, sampler, mask, "token_k1", "0.6_1.5")
+    two, _ = C.rejection_mask(trainer, sampler, mask, "seq_mean_k3", 0.05)
+    assert torch.equal(both, one & two) and not torch.equal(both, one)
+    assert metrics["rollout_rs_masked_fraction"] == pytest.approx(
+        float((mask.bool() & ~both).sum() / mask.sum()))
+
+
+def test_k1_single_threshold_is_the_symmetric_band():
+    trainer, sampler, mask, _ = _random_batch(7)
+    single, _ = C.rejection_mask(trainer, sampler, mask, "token_k1", 1.4)
+    band, _ = C.rejection_mask(trainer, sampler, mask, "token_k1", f"{1 / 1.4!r}_1.4")
+    assert torch.equal(single, band)
+    r = torch.exp(trainer - sampler)
+    assert torch.equal(single, mask.bool() & (r >= 1 / 1.4) & (r <= 1.4))
+
+
+@pytest.mark.parametrize("rs, threshold, message", [
+    ("token_k4", 1.0, "not verl's"),
+    ("token_k2", "0.1_0.2", "one upper bound"),
+    ("token_k1,token_k2", "1,2,3", "one per option"),
+    ("seq_mean_k3", -0.1, "positive"),
+    ("token_k1", "a_b", "not a number"),
+    ("", 1.0, "at least one"),
+    ("token_k1", None, "rollout_rs_threshold"),
+])
+def test_rejection_errors_name_the_problem(rs, threshold, message):
+    trainer, sampler, mask, _ = _random_batch()
+    with pytest.raises((ValueError, TypeError), match=message):
+        C.rejection_mask(trainer, sampler, mask, rs, threshold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masking, precision, overflow and bad input
+# ---------------------------------------------------------------------------------------------
+def _all_outputs(trainer, sampler, mask, A):
+    """Every value and gradient of the module on one batch."""
+    out = {}
+    for level in C.IS_LEVELS:
+        for mode in C.IS_MODES:
+            lower = None if mode == "truncate" else 0.6
+            out[f"w_{level}_{mode}"] = C.importance_weights(
+                trainer, sampler, mask, level, mode=mode, lower=lower,
+                rollout_is_batch_normalize=True)[0]
+    c = C.rollout_correction(trainer, sampler, mask, rollout_is="sequence",
+                             rollout_rs="seq_max_k2,token_k1", rollout_rs_threshold="0.3,1.5",
+                             veto_threshold=0.1)
+    out["keep"] = c.keep.to(torch.float64)
+    for name, fn in [("ppo", C.ppo_clip_loss), ("cispo", C.cispo_loss), ("gspo", C.gspo_loss)]:
+        x = trainer.detach().clone().requires_grad_()
+        loss, _ = fn(x, sampler, A, mask)
+        loss.backward()
+        out[name], out[f"{name}_grad"] = loss.detach(), x.grad
+    x = trainer.detach().clone().requires_grad_()
+    C.kl_penalty(x, sampler, mask, "k3+").sum().backward()
+    out["k3+_grad"] = x.grad
+    return out
+
+
+def test_masked_positions_reach_neither_value_nor_gradient():
+    trainer, sampler, mask, A = _random_batch(8)
+    clean = _all_outputs(trainer, sampler, mask, A)
+    padding = mask == 0
+    dirty = _all_outputs(trainer.masked_fill(padding, float("nan")),
+                         sampler.masked_fill(padding, -math.inf),
+                         mask, A.masked_fill(padding, float("nan")))
+    for name in clean:
+        assert torch.equal(clean[name], dirty[name]), name
+        if name.endswith("_grad") or name.startswith("w_"):
+            assert torch.all(dirty[name][padding] == 0), name
+
+
+def test_half_precision_is_computed_in_float32():
+    trainer, sampler, mask, A = _random_batch(9)
+    for dtype in (torch.bfloat16, torch.float16):
+        t, s = trainer.to(dtype), sampler.to(dtype)
+        w, _ = C.importance_weights(t, s, mask, "sequence")
+        w32, _ = C.importance_weights(t.float(), s.float(), mask, "sequence")
+        assert w.dtype == torch.float32 and torch.equal(w, w32)
+        x = t.clone().requires_grad_()
+        loss, _ = C.ppo_clip_loss(x, s, A, mask)
+        loss32, _ = C.ppo_clip_loss(t.float(), s.float(), A, mask)
+        loss.backward()
+        assert loss.dtype == torch.float32 and torch.equal(loss, loss32)
+        assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+
+
+def test_huge_log_ratios_are_clamped_not_overflowed():
+    # log rho = +-1000 in float32: exp would be inf or 0; verl's bound gives e^20 and e^-20
+    trainer = torch.tensor([[0.0, -1000.0, 0.0]])
+    sampler = torch.tensor([[-1000.0, 0.0, -1000.0]])
+    mask = torch.ones(1, 3)
+    w, metrics = C.importance_weights(trainer, sampler, mask, "token",
+                                      rollout_is_threshold=math.inf)
+    assert torch.allclose(w, torch.exp(torch.tensor([[20.0, -20.0, 20.0]])))
+    ws, _ = C.importance_weights(trainer, sampler, mask, "sequence", rollout_is_threshold=math.inf)
+    assert torch.allclose(ws, torch.full((1, 3), math.exp(20.0)))
+    assert all(math.isfinite(v) for v in metrics.values())
+    x = trainer.clone().requires_grad_()
+    loss, _ = C.ppo_clip_loss(x, sampler, torch.tensor([-1.0]), mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    assert x.grad[0, 0] == 0  # clamped log-ratio: no gradient (verl's clamp does the same)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda t, s, m, a: C.importance_weights(t, s[:, :3], m), ValueError, "same shape"),
+    (lambda t, s, m, a: C.importance_weights(t, s, m * 2), ValueError, "mask values"),
+    (lambda t, s, m, a: C.importance_weights(t.masked_fill(m > 0, float("nan")), s, m),
+     ValueError, "trainer_logp must be finite where mask is 1"),
+    (lambda t, s, m, a: C.importance_weights(t, s, m, "seq"), ValueError, "rollout_is"),
+    (lambda t, s, m, a: C.importance_weights(t, s, m, mode="cap"), ValueError, "mode"),
+    (lambda t, s, m, a: C.importance_weights(t, s, m, lower=0.5), ValueError, "lower"),
+    (lambda t, s, m, a: C.importance_weights(t, s, m, mode="mask", lower=3.0), ValueError,
+     "lower must be <="),
+    (lambda t, s, m, a: C.importance_weights(t, s, m, rollout_is_threshold=0), ValueError,
+     "rollout_is_threshold"),
+    (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio_c=1.0), ValueError,
+     "clip_ratio_c"),
+    (lambda t, s, m, a: C.ppo_clip_loss(t, s, a[:, :2], m), ValueError, "advantages"),
+    (lambda t, s, m, a: C.cispo_loss(t, s, a, m, reduction="mean"), ValueError, "reduction"),
+    (lambda t, s, m, a: C.rollout_correction(t, s, m, rollout_rs_threshold=0.1), ValueError,
+     "needs rollout_rs"),
+    (lambda t, s, m, a: C.veto_mask(t, s, m, veto_threshold=0), ValueError, "veto_threshold"),
+    (lambda t, s, m, a: C.kl_penalty(t, s, m, "k2+"), ValueError, "kind"),
+    (lambda t, s, m, a: C.importance_weights(t.long(), s, m), TypeError, "floating"),
+])
+def test_bad_input_gets_a_clear_error(call, error, message):
+    trainer, sampler, mask, A = _random_batch()
+    with pytest.raises(error, match=message):
+        call(trainer, sampler, mask, A)
+
+
+def test_batch_normalised_weights_average_one():
+    trainer, sampler, mask, _ = _random_batch(10)
+    w, metrics = C.importance_weights(trainer, sampler, mask, "token",
+                                      rollout_is_batch_normalize=True)
+    assert float(w[mask > 0].mean()) == pytest.approx(1.0, rel=1e-12)
+    raw, _ = C.importance_weights(trainer, sampler, mask, "token")
+    assert torch.allclose(w * metrics["rollout_is_batch_norm_factor"], raw)
+    ws, _ = C.importance_weights(trainer, sampler, mask, "sequence",
+                                 rollout_is_batch_normalize=True)
+    per_response = ws.max(1).values[mask.sum(1) > 0]  # one weight per response with a token
+    assert float(per_response.mean()) == pytest.approx(1.0, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: verl's names, independent values
+# ---------------------------------------------------------------------------------------------
+def _verl_metric_names(options):
+    names = set(FIXTURE["metrics"]) | set(FIXTURE["actor_metrics"])
+    for option in options:
+        names |= {t.format(option=option) for t in FIXTURE["metrics_per_rs_option"]}
+    return names
+
+
+def test_metric_names_are_verls():
+    trainer, sampler, mask, A = _random_batch(11)
+    options = "token_k1,seq_sum_k2,seq_mean_k3,seq_max_k3"
+    c = C.rollout_correction(trainer, sampler, mask, rollout_is="token",
+                             rollout_is_batch_normalize=True, rollout_rs=options,
+                             rollout_rs_threshold=1.5)
+    names = {n.removeprefix(FIXTURE["metric_prefix"]) for n in c.metrics}
+    assert all(n.startswith(FIXTURE["metric_prefix"]) for n in c.metrics)
+    assert names <= _verl_metric_names(options.split(","))
+    for fn in (C.ppo_clip_loss, C.cispo_loss, C.gspo_loss):
+        assert set(fn(trainer, sampler, A, mask)[1]) <= set(FIXTURE["actor_metrics"])
+
+
+def test_metric_values_against_float64_formulas():
+    trainer, sampler, mask, _ = _random_batch(12)
+    m = mask.numpy() > 0
+    x = (trainer - sampler).numpy()
+    r = np.exp(x)
+    c = C.rollout_correction(trainer, sampler, mask, rollout_is="token", rollout_is_threshold=1.5)
+    got = {k.removeprefix("rollout_corr/"): v for k, v in c.metrics.items()}
+    assert got["rollout_is_mean"] == pytest.approx(r[m].mean(), rel=1e-12)
+    assert got["rollout_is_max"] == pytest.approx(r[m].max(), rel=1e-12)
+    assert got["rollout_is_min"] == pytest.approx(r[m].min(), rel=1e-12)
+    assert got["rollout_is_ratio_fraction_high"] == pytest.approx((r[m] > 1.5).mean())
+    assert got["rollout_is_ratio_fraction_low"] == pytest.approx((r[m] < 1 / 1.5).mean())
+    clamped = np.clip(r[m], 1 / 1.5, 1.5)
+    assert got["rollout_is_eff_sample_size"] == pytest.approx(
+        clamped.mean() ** 2 / (clamped ** 2).mean(), rel=1e-12)
+    assert got["kl"] == pytest.approx((-x[m]).mean(), rel=1e-12)
+    assert got["k3_kl"] == pytest.approx((r[m] - 1 - x[m]).mean(), rel=1e-12)
+    assert got["chi2_token"] == pytest.approx((r[m] ** 2).mean() - 1, rel=1e-12)
+    seq = (x * m).sum(1)[m.any(1)]
+    assert got["chi2_seq"] == pytest.approx(np.exp(2 * seq).mean() - 1, rel=1e-12)
+
+
+def test_the_module_cites_the_verl_commit_of_the_fixture():
+    assert C.VERL_COMMIT == FIXTURE["commit"] == E.VERL_COMMIT
+    assert C.SAFETY_BOUND == FIXTURE["safety_bound"]
+    assert C.RS_OPTIONS == tuple(FIXTURE["rollout_rs_options"])
+    assert {k.rstrip("+") for k in C.KL_PENALTIES} <= set(FIXTURE["kl_penalty_names"])
