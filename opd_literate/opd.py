@@ -144,8 +144,16 @@ def _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=False
     return check_mask(mask, "student_logits[..., 0]", tuple(student_logits.shape[:2]))
 
 
-def _log_softmax_pair(student_logits, teacher_logits, mask=None):
+def _check_temperature(temperature):
+    """A softmax temperature: a finite number > 0."""
+    return check_finite_number("temperature", temperature, positive=True)
+
+
+def _log_softmax_pair(student_logits, teacher_logits, mask=None, temperature=1.0):
     """log_softmax of both, in the compute dtype; the teacher is detached (a constant).
+
+    Both logits are divided by ``temperature`` before the softmax, as TRL does (``GKDTrainer``
+    divides the logits, ``DistillationTrainer`` multiplies them by ``1 / temperature``).
 
     Where ``mask`` is 0 both rows are replaced by zeros *before* the softmax, so whatever a
     masked-out position holds (``-inf``, NaN) reaches neither the value nor the gradient: a
@@ -159,6 +167,8 @@ def _log_softmax_pair(student_logits, teacher_logits, mask=None):
         keep = mask[..., None]  # (B, T, 1)
         student = torch.where(keep, student, torch.zeros_like(student))
         teacher = torch.where(keep, teacher, torch.zeros_like(teacher))
+    if temperature != 1.0:  # softmax(z / tau); skipped at 1 so the default is bit for bit unchanged
+        student, teacher = student / temperature, teacher / temperature
     # log_softmax subtracts the max before exponentiating: finite for logits of any magnitude,
     # where log(softmax(z)) underflows to log(0) = -inf for entries far below the max.
     return F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1)
@@ -388,7 +398,7 @@ def opd_pg_loss(student_logp, rewards, mask):
 # ---------------------------------------------------------------------------------------------
 # Task 3
 # ---------------------------------------------------------------------------------------------
-def reverse_kl_per_position(student_logits, teacher_logits, mask=None):
+def reverse_kl_per_position(student_logits, teacher_logits, mask=None, temperature=1.0):
     r"""$\mathrm{KL}(\pi_\theta(\cdot \mid s_t) \,\|\, \pi_T(\cdot \mid s_t))$ at every position.
 
     $$
@@ -410,6 +420,10 @@ def reverse_kl_per_position(student_logits, teacher_logits, mask=None):
         position that is selected away after the computation still sends NaN back through the
         softmax if its row is all ``-inf`` or NaN.
 
+    temperature : float
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
+        (``temperature``, default 1.0, which leaves the logits unchanged).
+
     Returns
     -------
     torch.Tensor
@@ -423,11 +437,12 @@ def reverse_kl_per_position(student_logits, teacher_logits, mask=None):
     0.6931
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
+    temperature = _check_temperature(temperature)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
     return _select(mask, _kl_from_log_probs(log_p, log_q))
 
 
-def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
+def full_vocab_reverse_kl(student_logits, teacher_logits, mask, temperature=1.0):
     r"""Exact reverse KL at every visited position, token-mean over the batch (lab Task 3).
 
     $$
@@ -468,6 +483,10 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     mask : torch.Tensor
         ``(B, T)`` with values in {0, 1}.
 
+    temperature : float
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
+        (``temperature``, default 1.0, which leaves the logits unchanged).
+
     Returns
     -------
     torch.Tensor
@@ -489,10 +508,11 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
     0.0283
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
+    temperature = _check_temperature(temperature)
     ### BEGIN SOLUTION Task 3: log_softmax both (teacher detached), KL per position, masked mean
     # log_softmax (never log(softmax)): stable for logits of any size. Teacher detached;
     # masked-out rows are replaced before the softmax, so their -inf never reach the gradient.
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
     # KL_t = sum_v p_v (log p_v - log q_v), with 0 log 0 = 0.
     kl_per_position = _kl_from_log_probs(log_p, log_q)  # (B, T)
     # loss = sum_{b,t} mask * KL_t / max(sum mask, 1)
@@ -503,7 +523,7 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask):
 # ---------------------------------------------------------------------------------------------
 # Forward KL and the generalized Jensen-Shannon divergence
 # ---------------------------------------------------------------------------------------------
-def forward_kl_per_position(student_logits, teacher_logits, mask=None):
+def forward_kl_per_position(student_logits, teacher_logits, mask=None, temperature=1.0):
     r"""$\mathrm{KL}(\pi_T(\cdot \mid s_t) \,\|\, \pi_\theta(\cdot \mid s_t))$ at every position.
 
     $$
@@ -524,6 +544,10 @@ def forward_kl_per_position(student_logits, teacher_logits, mask=None):
         ``(B, T)`` in {0, 1}: 0 gives exactly 0 in value and gradient (as in
         [opd_literate.opd.reverse_kl_per_position][]).
 
+    temperature : float
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
+        (``temperature``, default 1.0, which leaves the logits unchanged).
+
     Returns
     -------
     torch.Tensor
@@ -537,12 +561,13 @@ def forward_kl_per_position(student_logits, teacher_logits, mask=None):
     inf
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
+    temperature = _check_temperature(temperature)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
     # KL(q || p): the roles swap, the support is now the teacher's.
     return _select(mask, _kl_from_log_probs(log_q, log_p))
 
 
-def forward_kl(student_logits, teacher_logits, mask):
+def forward_kl(student_logits, teacher_logits, mask, temperature=1.0):
     r"""Token-mean forward KL $\mathrm{KL}(\pi_T \,\|\, \pi_\theta)$ over the masked positions.
 
     The mean over positions of [opd_literate.opd.forward_kl_per_position][], with the same
@@ -554,6 +579,10 @@ def forward_kl(student_logits, teacher_logits, mask):
         ``(B, T, V)`` floating; the teacher is detached.
     mask : torch.Tensor
         ``(B, T)`` with values in {0, 1}.
+
+    temperature : float
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
+        (``temperature``, default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -569,11 +598,12 @@ def forward_kl(student_logits, teacher_logits, mask):
     0.0589
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
-    return _masked_token_mean(forward_kl_per_position(student_logits, teacher_logits, mask), mask)
+    per_position = forward_kl_per_position(student_logits, teacher_logits, mask, temperature)
+    return _masked_token_mean(per_position, mask)
 
 
 def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, normalize=False,
-                                 mask=None):
+                                 mask=None, temperature=1.0):
     r"""Generalized Jensen-Shannon divergence at every position (GKD's loss).
 
     With $p = \pi_\theta(\cdot \mid s_t)$, $q = \pi_T(\cdot \mid s_t)$ and weight
@@ -635,6 +665,10 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
         ``(B, T)`` in {0, 1}: 0 gives exactly 0 in value and gradient (as in
         [opd_literate.opd.reverse_kl_per_position][]).
 
+    temperature : float
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
+        (``temperature``, default 1.0, which leaves the logits unchanged).
+
     Returns
     -------
     torch.Tensor
@@ -653,7 +687,8 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     beta = check_finite_number("beta", beta, low=0.0, high=1.0)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__} {normalize!r}")
-    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask)
+    temperature = _check_temperature(temperature)
+    log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
     if beta == 0.0:
         return _select(mask, _kl_from_log_probs(log_q, log_p))  # forward KL(q || p)
     if beta == 1.0:
@@ -678,7 +713,8 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     return _select(mask, jsd)
 
 
-def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=False):
+def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=False,
+                    temperature=1.0):
     r"""Token-mean generalized JSD over the masked positions.
 
     The mean over positions of [opd_literate.opd.generalized_jsd_per_position][] (see there for
@@ -694,6 +730,10 @@ def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=Fa
         The weight in $[0, 1]$: 0 is the forward KL, 1 the reverse KL.
     normalize : bool
         Divide by $\beta(1 - \beta)$ inside $(0, 1)$.
+
+    temperature : float
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
+        (``temperature``, default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -723,7 +763,8 @@ def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=Fa
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
     per_position = generalized_jsd_per_position(
-        student_logits, teacher_logits, beta=beta, normalize=normalize, mask=mask
+        student_logits, teacher_logits, beta=beta, normalize=normalize, mask=mask,
+        temperature=temperature,
     )
     return _masked_token_mean(per_position, mask)
 
