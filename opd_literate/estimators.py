@@ -530,8 +530,11 @@ def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
     \hat g_t = \rho_t\, \mathbb{1}[\alpha \le \rho_t \le \beta]\, A\, s_t .
     $$
 
-    From the Ling team's IcePop (inclusionAI, Ring-1T, 2025), with their band
-    $\alpha = 0.5$, $\beta = 5$: two-sided token masking, i.e. ``token_mis(low=0.5, high=5.0)``.
+    From the Ling team's IcePop (inclusionAI, Ring-1T, 2025): two-sided token masking, i.e.
+    ``token_mis`` with a band of its own. The band is a hyperparameter; $[0.5, 5]$ is this
+    module's default, not a value read from a released config. slime implements IcePop as
+    ``icepop_function`` (``slime/backends/megatron_utils/loss.py`` at commit ``624b824``), which
+    keeps $\rho_t$ where ``tis_clip_low`` $\le \rho_t \le$ ``tis_clip`` and zeroes it elsewhere.
     Tokens whose training and inference probabilities disagree by more than the band
     contribute no gradient at all. Biased in general: the ratio corrects its own token, not the
     others on which the reward also depends, and the mask drops mass.
@@ -556,9 +559,13 @@ def token_clamp(toy, low=0.5, high=2.0, baseline=0.0, *, return_weights=False):
     \hat g_t = \min(\max(\rho_t, l), h)\, A\, s_t .
     $$
 
-    TIS with a floor as well as a cap (slime's ``--tis-clip-low`` / ``--tis-clip``): a token
-    that the sampler over-samples keeps at least weight $l$ instead of a tiny ratio. Never
-    drops a token. Biased.
+    TIS with a floor as well as a cap: a token that the sampler over-samples keeps at least
+    weight $l$ instead of a tiny ratio. Never drops a token. Biased. This is slime's
+    ``vanilla_tis_function`` (``torch.clamp(ratio, min=tis_clip_low, max=tis_clip)`` in
+    ``slime/backends/megatron_utils/loss.py``, commit ``624b824``), whose defaults are
+    ``--tis-clip 2.0`` and ``--tis-clip-low 0`` (``slime/utils/arguments.py``): slime's default is
+    one-sided TIS (``token_tis``); the floor $l = 0.5$ here is a value some of its launch scripts
+    set, not its default.
 
     Examples
     --------
@@ -851,7 +858,7 @@ REGISTRY = {
         EstimatorSpec("icepop", icepop, {"low": 0.5, "high": 5.0}, "IcePop (Ring-1T, 2025)",
                       False, "token"),
         EstimatorSpec("token_clamp", token_clamp, {"low": 0.5, "high": 2.0},
-                      "two-sided TIS (slime tis-clip-low/tis-clip)", False, "token"),
+                      "two-sided TIS (slime --tis-clip-low/--tis-clip; 624b824)", False, "token"),
         EstimatorSpec("cispo", cispo, {"eps_low": 1.0, "eps_high": 4.0},
                       "MiniMax-M1 2025 (CISPO)", False, "token"),
         EstimatorSpec("ppo_clip_bypass", ppo_clip_bypass, {"eps": 0.2, "clip_ratio_c": 3.0},
