@@ -61,8 +61,9 @@ approximations differ from these by the exact amounts that
 $Q\,p - q\,\mathbb{1}_S$, which pushes every tail logit down in proportion to $p_v$ only.
 
 **What the frameworks do** (source read at the commits given; see the chapter for details):
-TRL's ``IWOPDTrainer`` (``trl/experimental/iw_opd/iw_opd_trainer.py``) and the SDFT/SDPO
-trainers (``trl/experimental/sdft/loss_utils.py``) offer (b) (default) or (a); Tinker
+TRL's ``IWOPDTrainer`` (``trl/experimental/iw_opd/iw_opd_trainer.py``) offers (b) (its
+default) or (a), and the SDFT/SDPO trainers (``trl/experimental/sdft/loss_utils.py``) (a) (their
+default) or (b); Tinker
 cookbook's SDFT (``tinker_cookbook/distillation/sdft.py``) uses the cross-entropy of the
 student against the renormalised teacher $\tilde q$, that is $\mathrm{KL}(\tilde q \,\|\, p)
 = (c)/Q - \log Q$ in the forward direction; verl's GKD recipe (``gkd/megatron/
