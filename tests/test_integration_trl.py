@@ -1,0 +1,192 @@
+"""docs/integration.md, run: its code blocks against the installed TRL, its verl table.
+
+The page's ``python`` blocks are read from the page and run in order, so the page shows exactly
+the code tested here. TRL is an optional extra (``pip install -e ".[trl]"``); without it the TRL
+tests skip and say so. Nothing may leave the machine: the Hugging Face offline and telemetry
+switches are set before ``transformers`` is imported, ``report_to="none"``, and every socket
+connection to an address other than the loopback is refused and recorded.
+"""
+
+import ast
+import inspect
+import json
+import os
+import pathlib
+import re
+import socket
+
+import pytest
+
+# Before transformers / huggingface_hub are imported: they read these at import time.
+for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                      "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+                      "WANDB_DISABLED": "true", "WANDB_MODE": "disabled"}.items():
+    os.environ[_name] = _value
+
+ROOT = pathlib.Path(__file__).parent.parent
+PAGE = (ROOT / "docs" / "integration.md").read_text()
+FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "verl_rollout_correction.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The verl table (no TRL needed)
+# ---------------------------------------------------------------------------------------------
+def _verl_table():
+    header = "| opd_literate.correction | verl option | verl default | default here |"
+    lines = PAGE[PAGE.index(header):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().strip("`") for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_verl_table_names_real_options_with_their_defaults():
+    from opd_literate import correction
+
+    verl_defaults = {**FIXTURE["rollout_correction_yaml_defaults"], **FIXTURE["actor_defaults"]}
+    rows = _verl_table()
+    assert len(rows) >= 15
+    for ours, verl_name, verl_default, our_default in rows:
+        function, parameter = ours.split(".")
+        signature = inspect.signature(getattr(correction, function))
+        assert parameter in signature.parameters, ours
+        assert signature.parameters[parameter].default == ast.literal_eval(our_default), ours
+        if verl_name == "none":
+            assert verl_default == "", ours
+            continue
+        assert verl_name in verl_defaults, f"{verl_name} is not a verl option at the commit"
+        assert verl_defaults[verl_name] == ast.literal_eval(verl_default), verl_name
+
+
+def test_the_verl_table_covers_every_rollout_correction_option():
+    listed = {verl for _, verl, _, _ in _verl_table()}
+    yaml_keys = set(FIXTURE["rollout_correction_yaml_defaults"]) - {"bypass_mode", "loss_type"}
+    assert yaml_keys <= listed  # bypass_mode and loss_type choose the loss: see the notes
+    for text in ("bypass_mode", "loss_type: ppo_clip", "loss_type: reinforce"):
+        assert text in PAGE
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL
+# ---------------------------------------------------------------------------------------------
+def _python_blocks():
+    return re.findall(r"^```python\n(.*?)^```", PAGE, flags=re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def no_network():
+    """Refuse and record every connection to an address that is not this machine's loopback."""
+    attempts = []
+    original_connect, original_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def local(address):
+        if not isinstance(address, tuple):  # a Unix socket path
+            return True
+        host = address[0]
+        return host in ("localhost", "::1") or str(host).startswith("127.")
+
+    def guarded(original):
+        def connect(self, address):
+            if not local(address):
+                attempts.append(address)
+                raise OSError(f"test_integration_trl: connection to {address!r} refused")
+            return original(self, address)
+        return connect
+
+    socket.socket.connect = guarded(original_connect)
+    socket.socket.connect_ex = guarded(original_connect_ex)
+    try:
+        yield attempts
+    finally:
+        socket.socket.connect, socket.socket.connect_ex = original_connect, original_connect_ex
+    assert attempts == [], f"connections off the machine were attempted: {attempts}"
+
+
+@pytest.fixture(scope="module")
+def page(no_network):
+    """The page's code, run: its namespace (two trainers trained for two steps each)."""
+    pytest.importorskip("trl", reason="trl is not installed: the TRL integration needs the "
+                        "optional extra, pip install -e '.[trl]'")
+    namespace = {"__name__": "integration_page"}
+    blocks = _python_blocks()
+    assert len(blocks) == 4
+    for block in blocks:
+        exec(compile(block, "docs/integration.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_page_blocks_train_two_steps_each(page, no_network):
+    for name in ("distillation", "gkd"):
+        trainer = page[name]
+        assert trainer.state.global_step == 2, name
+        losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        assert len(losses) == 2 and all(0 < float(v) < 10 for v in losses), (name, losses)
+    assert no_network == []
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_distillation_loss_equals_trls_on_the_same_batch(page, beta):
+    import torch
+    from trl import DistillationTrainer
+
+    from opd_literate.opd import full_vocab_reverse_kl, generalized_jsd
+
+    trainer = page["distillation"]
+    trainer.beta = beta
+    batch = trainer._generate_and_score_completions([{"prompt": p} for p in page["PROMPTS"]])
+    student = trainer.model
+    results = []
+    for compute in (DistillationTrainer._compute_loss, type(trainer)._compute_loss):
+        student.zero_grad()
+        loss, entropy, n_valid = compute(trainer, student, batch, batch["num_items_in_batch"])
+        loss.backward()
+        gradient = torch.cat([p.grad.flatten() for p in student.parameters()])
+        results.append((loss.detach(), entropy, n_valid, gradient))
+    (trl_loss, trl_entropy, trl_n, trl_grad), (loss, entropy, n, grad) = results
+    assert trl_loss > 0 and int(trl_n) == int(n) == int(batch["completion_mask"].sum())
+    # TRL's chunked float32 kernel forms the KL as a difference of log-normalisers (size ~ log V),
+    # which cancel: it is off a float64 reference by ~2e-6 absolute on this batch (0.03%), so
+    # the two agree to 1e-5 absolute; this package's loss is checked against float64 below.
+    torch.testing.assert_close(loss, trl_loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, trl_entropy, rtol=1e-5, atol=0)
+    # the gradients differ by up to 1.5e-3 of the largest entry (measured, the embedding's)
+    torch.testing.assert_close(grad, trl_grad, rtol=0, atol=5e-3 * float(trl_grad.abs().max()))
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    K = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        s = student(input_ids=ids, attention_mask=attention).logits[:, -K - 1:-1]
+        t = trainer.teacher_model(input_ids=ids, attention_mask=attention).logits[:, -K - 1:-1]
+    mask = batch["completion_mask"]
+    exact = generalized_jsd(s.double(), t.double(), mask, beta=beta)
+    scale = mask.sum() / batch["num_items_in_batch"]
+    torch.testing.assert_close(loss.double(), exact * scale, rtol=1e-5, atol=0)
+    if beta == 1.0:  # the reverse KL of lab Task 3 is the same loss
+        torch.testing.assert_close(full_vocab_reverse_kl(s, t, mask) * scale, loss, rtol=1e-6,
+                                   atol=0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gkd_loss_equals_trls_on_the_same_batch(page, beta):
+    import torch
+    from trl.experimental.gkd import GKDTrainer
+
+    trainer = page["gkd"]
+    batch = trainer.data_collator([{"messages": m} for m in page["conversations"]])
+    ids, labels = batch["input_ids"], batch["labels"]
+    with torch.no_grad():
+        teacher = trainer.teacher_model(input_ids=ids, attention_mask=batch["attention_mask"])
+    results = []
+    for loss_fn in (GKDTrainer.generalized_jsd_loss, type(trainer).generalized_jsd_loss):
+        student = trainer.model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+        student = student[:, :-1].detach().requires_grad_()
+        loss = loss_fn(student_logits=student, teacher_logits=teacher.logits[:, :-1],
+                       labels=labels[:, 1:], beta=beta, num_items_in_batch=None)
+        loss.backward()
+        results.append((loss.detach(), student.grad))
+    (trl_loss, trl_grad), (loss, grad) = results
+    assert trl_loss > 0
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad, trl_grad, rtol=1e-4, atol=1e-9)
