@@ -11,6 +11,13 @@ drags along:
   (imports: numpy).
 * ``opd_literate.opd``: the OPD losses (lab Tasks 1-3), the k1/k2/k3 estimators, forward KL,
   generalized JSD, discounted sampled-token OPD and the loss reductions (imports: torch).
+* ``opd_literate.correction``: rollout correction on real ``(B, T)`` batches, the weights,
+  rejection criteria and losses of the mismatch chapter as the frameworks apply them
+  (imports: torch).
+* ``opd_literate.large_vocab``: the full-vocabulary losses computed in chunks of tokens from
+  hidden states and the LM head, never holding all the logits (imports: torch).
+* ``opd_literate.topk``: top-k teachers, three approximations of the KL with their exact bias
+  (imports: torch, matplotlib; matplotlib only to plot).
 * ``opd_literate.tinylm``: a tiny LM for two-digit addition (imports: torch).
 * ``opd_literate.run``: the OPD experiment (imports: torch, filelock, tqdm, matplotlib; the
   last two only when a progress bar or a plot is asked for).

@@ -17,6 +17,9 @@ import socket
 
 import pytest
 
+# Deselected by the default run (pyproject's addopts); .ci/run runs them as their own step.
+pytestmark = pytest.mark.trl
+
 # Before transformers / huggingface_hub are imported: they read these at import time.
 for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                       "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",

@@ -312,6 +312,17 @@ def _handout():
     _write("handout_tree.md", "```text\n" + "\n".join(tree) + "\n```\n")
 
 
+def _topk():
+    """The top-k teacher study of the large-vocabulary chapter: its table and figure."""
+    from opd_literate.topk import format_topk_bias_table, plot_topk_bias, topk_bias_figure_data
+
+    data = topk_bias_figure_data()
+    _write("topk_bias_table.md", format_topk_bias_table(data) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        png = plot_topk_bias(pathlib.Path(tmp) / "topk_bias.png", data)
+        _write("topk_bias.png", png.read_bytes())
+
+
 def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
     OUT.mkdir(exist_ok=True)
     _estimators()
@@ -324,3 +335,4 @@ def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
     _experiment()
     _gradient_agreement()
     _handout()
+    _topk()
