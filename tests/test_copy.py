@@ -1,0 +1,228 @@
+"""The copy-ready snippets of ``opd_literate.copy``: self-contained, ruff-clean, doctests pass.
+
+Every public function of the copy-ready modules is written out as its snippet and run in a
+fresh interpreter that has numpy and torch but not this package (the editable install's finder
+is removed and ``import opd_literate`` is checked to fail there); the function's own doctests
+run on the snippet's namespace with the project's doctest flags and print options. One
+subprocess per module, not one per function, keeps this to a few seconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from opd_literate import copy
+from opd_literate.copy import COPY_READY_MODULES, CopyError, public_functions, snippet
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NUMPY_ONLY = {"toy", "estimators", "opd_mismatch"}
+
+# Run inside the fresh interpreter before anything is collected: no opd_literate anywhere.
+ISOLATING_CONFTEST = '''
+import importlib
+import sys
+
+def _editable(hook):
+    return "__editable__" in getattr(hook, "__module__", "")
+
+
+sys.meta_path[:] = [f for f in sys.meta_path if not _editable(f)]
+sys.path_hooks[:] = [h for h in sys.path_hooks if not _editable(h)]
+sys.path[:] = [p for p in sys.path if not p.startswith({repo!r}) and "__editable__" not in p]
+sys.path_importer_cache.clear()
+try:
+    importlib.import_module("opd_literate")
+except ModuleNotFoundError:
+    pass
+else:
+    raise AssertionError("opd_literate is importable in the isolated interpreter")
+
+import numpy as np
+import pytest
+
+TORCH = {torch!r}
+if TORCH:
+    import torch
+
+
+@pytest.fixture(autouse=True)
+def _stable_numerics(doctest_namespace):
+    # the print options and seed of the project's conftest.py
+    np.set_printoptions(precision=4, suppress=True, legacy=False)
+    doctest_namespace["np"] = np
+    if TORCH:
+        torch.set_printoptions(precision=4, sci_mode=False)
+        torch.manual_seed(0)
+        doctest_namespace["torch"] = torch
+    yield
+'''
+
+ISOLATION_TEST = '''
+import importlib
+import sys
+
+
+def test_isolated():
+    assert "opd_literate" not in sys.modules
+    try:
+        importlib.import_module("opd_literate")
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("opd_literate is importable")
+    names = {names!r}
+    for name in names:
+        importlib.import_module(name)  # already imported by the doctest collection
+    if not {torch!r}:
+        assert "torch" not in sys.modules, "a numpy-only snippet imported torch"
+'''
+
+
+def _function_node(module: str, function: str) -> ast.FunctionDef:
+    tree = ast.parse((REPO / "opd_literate" / f"{module}.py").read_text())
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+
+
+def _write_module_snippets(module: str, folder: pathlib.Path) -> list[str]:
+    folder.mkdir()
+    uses_torch = module not in NUMPY_ONLY
+    (folder / "conftest.py").write_text(ISOLATING_CONFTEST.format(repo=str(REPO),
+                                                                  torch=uses_torch))
+    (folder / "pytest.ini").write_text(textwrap.dedent("""\
+        [pytest]
+        doctest_optionflags = NUMBER ELLIPSIS NORMALIZE_WHITESPACE
+        filterwarnings = error::RuntimeWarning
+        """))
+    node_ids, names = [], []
+    for function in public_functions(module):
+        name = f"snippet_{module}_{function}"
+        (folder / f"{name}.py").write_text(snippet(f"{module}.{function}"))
+        names.append(name)
+        if ">>>" in (ast.get_docstring(_function_node(module, function)) or ""):
+            node_ids.append(f"{name}.py::{name}.{function}")
+    (folder / "test_isolated.py").write_text(ISOLATION_TEST.format(names=names, torch=uses_torch))
+    return node_ids
+
+
+@pytest.mark.parametrize("module", COPY_READY_MODULES)
+def test_snippets_run_alone_with_their_doctests(module, tmp_path):
+    folder = tmp_path / module
+    node_ids = _write_module_snippets(module, folder)
+    environment = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    environment.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-I", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+         str(folder), "--doctest-modules", *node_ids, "test_isolated.py"],
+        cwd=folder, env=environment, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # every function has its doctest item, and every item ran (none silently uncollected)
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed and int(passed.group(1)) == len(node_ids) + 1, result.stdout[-2000:]
+
+
+def test_snippets_are_ruff_clean(tmp_path):
+    for module in COPY_READY_MODULES:
+        for function in public_functions(module):
+            (tmp_path / f"{module}__{function}.py").write_text(snippet(f"{module}.{function}"))
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
+         str(REPO / "pyproject.toml"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+def _top_level(code: str) -> dict[str, ast.AST]:
+    found = {}
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                found[target.id] = node
+    return found
+
+
+@pytest.mark.parametrize("module", COPY_READY_MODULES)
+def test_every_definition_is_used_and_the_function_is_last(module):
+    """No dead weight: each helper is named by another definition of the snippet (or by the
+    examples), and the function itself closes the part a reader needs."""
+    for function in public_functions(module):
+        code = snippet(f"{module}.{function}")
+        needed = code.split(copy._EXAMPLES_BANNER)[0]
+        definitions = _top_level(needed)
+        assert list(definitions)[-1] == function
+        for name, node in definitions.items():
+            if name == function:
+                continue
+            rest = code.replace(ast.get_source_segment(needed, node), "")
+            assert re.search(rf"\b{name}\b", rest), f"{module}.{function}: {name} is unused"
+
+
+def test_known_helpers_are_found():
+    """Against a hand reading of the source: full_vocab_reverse_kl's helpers in opd and
+    _checks, and token_tis's helpers in estimators, toy and _checks."""
+    kl = _top_level(snippet("opd.full_vocab_reverse_kl"))
+    for helper in ["_check_logits_pair", "_log_softmax_pair", "_kl_from_log_probs",
+                   "_masked_token_mean", "check_float_tensor", "check_same_shape", "check_mask",
+                   "compute_dtype", "check_finite_number"]:
+        assert helper in kl, helper
+    assert "aggregate_loss" not in kl and "REDUCTIONS" not in kl
+    tis = snippet("estimators.token_tis").split(copy._EXAMPLES_BANNER)
+    needed = _top_level(tis[0])
+    for helper in ["token_ratios", "_exp_ratio", "_MAX_LOG_RATIO", "_finish", "weighted_score",
+                   "check_toy", "check_finite_number"]:
+        assert helper in needed, helper
+    # toy_from_logits is used by the example only
+    assert "toy_from_logits" not in needed and "toy_from_logits" in _top_level(tis[0] + tis[1])
+
+
+def test_numpy_snippets_do_not_import_torch():
+    for module in NUMPY_ONLY:
+        for function in public_functions(module):
+            tree = ast.parse(snippet(f"{module}.{function}"))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    assert all(a.name.split(".")[0] != "torch" for a in node.names), function
+                if isinstance(node, ast.ImportFrom):
+                    assert (node.module or "").split(".")[0] != "torch", function
+
+
+def test_cli_prints_the_snippet(capsys):
+    assert copy.main(["opd_literate.opd.full_vocab_reverse_kl"]) == 0
+    assert capsys.readouterr().out == snippet("opd.full_vocab_reverse_kl")
+
+
+@pytest.mark.parametrize("qualname, message", [
+    ("opd._select", "is private"),
+    ("opd.no_such_function", "defines no 'no_such_function'"),
+    ("_checks.check_mask", "not a module with copy-ready functions"),
+    ("nomodule.f", "no module opd_literate.nomodule"),
+    ("full_vocab_reverse_kl", "expected MODULE.NAME"),
+])
+def test_cli_errors_are_one_line_rc_2(qualname, message, capsys):
+    assert copy.main([qualname]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("opd-copy: error: ") and message in lines[0]
+    with pytest.raises(CopyError):
+        snippet(qualname)
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "opd_literate.copy", "toy.log_softmax"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0 and result.stdout == snippet("toy.log_softmax")
+    bad = subprocess.run([sys.executable, "-m", "opd_literate.copy", "toy._enumerate"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
