@@ -837,43 +837,88 @@ class EstimatorSpec:
 REGISTRY = {
     spec.name: spec
     for spec in [
-        EstimatorSpec("naive", naive, {}, "no correction", False, "one"),
-        EstimatorSpec("token_is", token_is, {}, "per-token ratio (PPO ratio, bypass)", False,
-                      "token"),
-        EstimatorSpec("seq_is", seq_is, {}, "sequence importance sampling", True, "sequence"),
-        EstimatorSpec("token_tis", token_tis, {"cap": 2.0},
-                      "Yao et al. 2025 (TIS); verl rollout_is=token, threshold 2.0", False,
-                      "token"),
-        EstimatorSpec("seq_tis", seq_tis, {"cap": 2.0},
-                      "verl rollout_is=sequence, threshold 2.0", False, "sequence"),
-        EstimatorSpec("token_mis", token_mis, {"low": 0.0, "high": 2.0},
-                      "Liu, Li et al. 2025 (MIS); verl rollout_rs=token_k1 (needs low > 0)",
-                      False, "token"),
-        EstimatorSpec("seq_mis", seq_mis, {"low": 0.0, "high": 2.0},
-                      "Liu, Li et al. 2025 (MIS); verl rollout_rs=seq_sum_k1 (needs low > 0)",
-                      False, "sequence"),
-        EstimatorSpec("geo_rs", geo_rs, {"low": 1 / 1.001, "high": 1 / 0.999},
-                      "verl rollout_rs=seq_mean_k1 0.999_1.001 (decoupled_geo_rs); was "
-                      "rollout_rs=geometric", False, "one"),
-        EstimatorSpec("icepop", icepop, {"low": 0.5, "high": 5.0}, "IcePop (Ring-1T, 2025)",
-                      False, "token"),
-        EstimatorSpec("token_clamp", token_clamp, {"low": 0.5, "high": 2.0},
-                      "two-sided TIS (slime --tis-clip-low/--tis-clip; 624b824)", False, "token"),
-        EstimatorSpec("cispo", cispo, {"eps_low": 1.0, "eps_high": 4.0},
-                      "MiniMax-M1 2025 (CISPO)", False, "token"),
-        EstimatorSpec("ppo_clip_bypass", ppo_clip_bypass, {"eps": 0.2, "clip_ratio_c": 3.0},
-                      "verl bypass_mode, loss_type=ppo_clip: PPO clip 0.2, dual clip 3.0",
-                      False, "token"),
-        EstimatorSpec("token_veto", token_veto, {"threshold": 1e-4},
-                      "verl rollout_token_veto_threshold (removed Jan 2026)", False, "one"),
-        EstimatorSpec("k3_seq_rs", k3_seq_rs, {"threshold": 0.01},
-                      "verl rollout_rs=seq_mean_k3 0.01 (decoupled_k3_rs)", False, "one"),
-        EstimatorSpec("geo_rs_token_tis", geo_rs_token_tis,
-                      {"low": 1 / 1.001, "high": 1 / 0.999, "cap": 2.0},
-                      "verl preset decoupled_geo_rs_token_tis", False, "token"),
-        EstimatorSpec("gspo", gspo, {"eps_low": 3e-4, "eps_high": 4e-4},
-                      "Zheng et al. 2025 (GSPO), bypass; TRL importance_sampling_level=sequence",
-                      False, "geometric"),
+        EstimatorSpec(
+            name="naive", fn=naive, defaults={},
+            source="no correction",
+            unbiased=False, reference="one",
+        ),
+        EstimatorSpec(
+            name="token_is", fn=token_is, defaults={},
+            source="per-token ratio (PPO ratio, bypass)",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="seq_is", fn=seq_is, defaults={},
+            source="sequence importance sampling",
+            unbiased=True, reference="sequence",
+        ),
+        EstimatorSpec(
+            name="token_tis", fn=token_tis, defaults={"cap": 2.0},
+            source="Yao et al. 2025 (TIS); verl rollout_is=token, threshold 2.0",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="seq_tis", fn=seq_tis, defaults={"cap": 2.0},
+            source="verl rollout_is=sequence, threshold 2.0",
+            unbiased=False, reference="sequence",
+        ),
+        EstimatorSpec(
+            name="token_mis", fn=token_mis, defaults={"low": 0.0, "high": 2.0},
+            source="Liu, Li et al. 2025 (MIS); verl rollout_rs=token_k1 (needs low > 0)",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="seq_mis", fn=seq_mis, defaults={"low": 0.0, "high": 2.0},
+            source="Liu, Li et al. 2025 (MIS); verl rollout_rs=seq_sum_k1 (needs low > 0)",
+            unbiased=False, reference="sequence",
+        ),
+        EstimatorSpec(
+            name="geo_rs", fn=geo_rs, defaults={"low": 1 / 1.001, "high": 1 / 0.999},
+            source=("verl rollout_rs=seq_mean_k1 0.999_1.001 (decoupled_geo_rs); was "
+                "rollout_rs=geometric"),
+            unbiased=False, reference="one",
+        ),
+        EstimatorSpec(
+            name="icepop", fn=icepop, defaults={"low": 0.5, "high": 5.0},
+            source="IcePop (Ring-1T, 2025)",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="token_clamp", fn=token_clamp, defaults={"low": 0.5, "high": 2.0},
+            source="two-sided TIS (slime --tis-clip-low/--tis-clip; 624b824)",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="cispo", fn=cispo, defaults={"eps_low": 1.0, "eps_high": 4.0},
+            source="MiniMax-M1 2025 (CISPO)",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="ppo_clip_bypass", fn=ppo_clip_bypass, defaults={"eps": 0.2, "clip_ratio_c": 3.0},
+            source="verl bypass_mode, loss_type=ppo_clip: PPO clip 0.2, dual clip 3.0",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="token_veto", fn=token_veto, defaults={"threshold": 1e-4},
+            source="verl rollout_token_veto_threshold (removed Jan 2026)",
+            unbiased=False, reference="one",
+        ),
+        EstimatorSpec(
+            name="k3_seq_rs", fn=k3_seq_rs, defaults={"threshold": 0.01},
+            source="verl rollout_rs=seq_mean_k3 0.01 (decoupled_k3_rs)",
+            unbiased=False, reference="one",
+        ),
+        EstimatorSpec(
+            name="geo_rs_token_tis", fn=geo_rs_token_tis,
+            defaults={"low": 1 / 1.001, "high": 1 / 0.999, "cap": 2.0},
+            source="verl preset decoupled_geo_rs_token_tis",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="gspo", fn=gspo, defaults={"eps_low": 3e-4, "eps_high": 4e-4},
+            source="Zheng et al. 2025 (GSPO), bypass; TRL importance_sampling_level=sequence",
+            unbiased=False, reference="geometric",
+        ),
     ]
 }
 """Every estimator of this module by name, with its default thresholds and source.
