@@ -212,7 +212,8 @@ python -m pytest --task 1   # only the tests of Task 1
 ```
 
 Your instructor grades the folder with `python -m opd_literate.handout grade <this folder>`,
-which reports each task as passed, failed or not implemented.
+which reports each task as passed, not implemented, blocked (its tests fail only on another
+task's stub) or failed.
 """
 
 

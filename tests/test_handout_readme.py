@@ -2,11 +2,13 @@
 
 import ast
 import importlib.util
+import re
 import sys
 from types import SimpleNamespace
 
 import pytest
 
+from opd_literate import handout
 from opd_literate.handout import LABS, write_lab
 
 
@@ -63,3 +65,14 @@ def test_the_task_option_selects_the_tests_of_that_task(labs):
     conftest.pytest_collection_modifyitems(
         SimpleNamespace(getoption=lambda option: [], hook=None), every)
     assert len(every) == 2  # without --task, nothing is deselected
+
+
+def test_the_readme_names_every_grade_a_task_of_these_labs_can_get(labs):
+    """``grade`` gives passed, not implemented, blocked or failed (and "no tests", which no
+    task of these labs can get: each has tests). The README names all four."""
+    source = (handout.PACKAGE / "handout.py").read_text()
+    statuses = set(re.findall(r'status = "([a-z ]+)"', source))
+    assert statuses == {"no tests", "passed", "not implemented", "blocked", "failed"}
+    text = " ".join((labs / "opd" / "README.md").read_text().split())
+    for status in statuses - {"no tests"}:
+        assert status in text.split("reports each task as")[1], status
