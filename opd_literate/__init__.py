@@ -23,6 +23,8 @@ drags along:
   last two only when a progress bar or a plot is asked for).
 * ``opd_literate.handout``: lab handouts and a grader, generated from this source
   (imports: nothing).
+* ``opd_literate.copy``: ``opd-copy NAME`` prints a public function with every helper, constant
+  and import it needs, to lift into course material (imports: nothing).
 
 All of them share the argument checks of ``opd_literate._checks``, which loads torch only when
 a torch tensor is checked: the numpy modules never load torch.

@@ -32,6 +32,7 @@ THIRD_PARTY = {
     "tinylm": {"torch"},
     "run": {"torch", "filelock", "tqdm", "matplotlib"},
     "handout": set(),
+    "copy": set(),
 }
 NUMPY_ONLY = ("toy", "estimators", "opd_mismatch")
 
