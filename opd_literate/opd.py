@@ -296,8 +296,8 @@ def reverse_kl_rewards(student_logp, teacher_logp, mask):
     False
     """
     mask = _check_token_pair(student_logp, teacher_logp, mask)
+    ### BEGIN SOLUTION Task 1: teacher_logp - student_logp, detached, float32 for half; 0 off mask
     dtype = compute_dtype(student_logp, teacher_logp)  # float32 for half precision
-    ### BEGIN SOLUTION Task 1: teacher_logp - student_logp, detached; exactly 0 where mask is 0
     # r_t = log pi_T(y_t|s_t) - log pi_theta(y_t|s_t); detached: a reward is a constant.
     log_ratio = teacher_logp.detach().to(dtype) - student_logp.detach().to(dtype)
     # where, not "* mask": padding may hold -inf log-probs and 0 * inf is NaN.
@@ -379,8 +379,8 @@ def opd_pg_loss(student_logp, rewards, mask):
     check_float_tensor("rewards", rewards, 2)
     check_same_shape("student_logp", student_logp, "rewards", rewards)
     mask = check_mask(mask, "student_logp", tuple(student_logp.shape))
+    ### BEGIN SOLUTION Task 2: -sum(mask * sg(r) * logp) / max(sum(mask), 1), where; fp32 for half
     dtype = compute_dtype(student_logp, rewards)  # float32 for half precision
-    ### BEGIN SOLUTION Task 2: -sum(mask * sg(r) * logp) / max(sum(mask), 1), selecting with where
     zeros = torch.zeros(student_logp.shape, dtype=dtype, device=student_logp.device)
     # sg(r): the reward is a constant; only log pi_theta(y_t|s_t) is differentiated.
     advantage = torch.where(mask, rewards.detach().to(dtype), zeros)
