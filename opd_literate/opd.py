@@ -50,8 +50,9 @@ Conventions shared by every function here:
   probability 0 it contributes $0 \log 0 = 0$, in the forward and the backward pass; an entry
   impossible in both models (a padded vocabulary) contributes nothing anywhere. Where the
   teacher gives probability 0 to an entry that the student can emit, the reverse KL is $+\infty$:
-  that is the true value, and it is returned as such (with a finite gradient, that of the
-  finite part).
+  that is the true value, and it is returned as such. Its gradient at that position is 0 (no
+  finite step makes an infinite KL finite, so the position gives no direction), and the other
+  positions keep their own gradients.
 * ``B = 0`` or ``T = 0`` is allowed: a loss is 0 (an empty mean), a per-token result is empty.
   ``V = 0`` is a ``ValueError``.
 
@@ -181,8 +182,8 @@ def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor
 
     Entries with $p_v = 0$ are selected away *before* the subtraction, so that neither the value
     nor the gradient sees $-\infty - (-\infty)$. Entries with $p_v > 0 = q_v$ make the value
-    $+\infty$; that infinity is added as a constant, so the gradient stays finite (it is the
-    gradient of the finite part, the entries where both are positive).
+    $+\infty$; that infinity is selected in as a constant, so the position's gradient is 0 (not
+    NaN, and not the gradient of its finite part).
     """
     ### BEGIN SOLUTION Task 3: sum_v p_v (log p_v - log q_v); 0 where p_v = 0, in value and gradient
     support = log_p > -math.inf  # the entries p can emit (p_v > 0, even if exp underflows)

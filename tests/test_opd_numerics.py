@@ -271,3 +271,22 @@ def test_checks_module_does_not_load_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_infinite_reverse_kl_position_has_zero_gradient_and_leaves_the_others_alone():
+    # Position 0: the teacher rules out entry 2, which the student can emit: KL = +inf there.
+    # Position 1: an ordinary position. The module docstring says position 0's gradient is 0
+    # and position 1 keeps the gradient it has alone.
+    student = torch.tensor([[[0.1, 0.2, 0.3], [0.5, -0.5, 0.0]]], dtype=torch.float64,
+                           requires_grad=True)
+    teacher = torch.tensor([[[0.0, 0.0, -math.inf], [0.0, 1.0, -1.0]]], dtype=torch.float64)
+    loss = full_vocab_reverse_kl(student, teacher, torch.ones(1, 2))
+    loss.backward()
+    assert loss.item() == math.inf
+    assert student.grad[0, 0].tolist() == [0.0, 0.0, 0.0]
+    # Position 1 alone, with the same token-mean normaliser (2 positions): p (log p - log q - KL)
+    p = torch.softmax(student.detach()[0, 1], -1)
+    log_q = torch.log_softmax(teacher[0, 1], -1)
+    d = p.log() - log_q
+    expected = p * (d - (p * d).sum()) / 2
+    assert torch.allclose(student.grad[0, 1], expected, atol=1e-14)
