@@ -1,0 +1,340 @@
+"""opd_mismatch: the lines that mutation testing found unchecked (docs/mutation.md).
+
+Every expected value is rebuilt here from the docstrings: the teacher's documented draw, the
+recipe formulas $w_t G_t s_t$ written out with numpy, the documented defaults, and the exact
+error messages that name each argument.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from opd_literate.opd_mismatch import (
+    OPD_RECIPES,
+    PREFIX_RECIPES,
+    add_teacher,
+    angle_degrees,
+    expected_reduced_gradient,
+    opd_estimate,
+    opd_mismatch_table,
+    reduction_table,
+)
+from opd_literate.toy import estimator_moments, make_ar_toy, make_toy
+
+
+def _log_softmax(z):
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """Mismatch 1.0: some token ratios exceed 2 and some the cap 1.5, so the caps bite."""
+    return add_teacher(make_toy(T=3, V=3, mismatch=1.0, seed=0))
+
+
+@pytest.fixture(scope="module")
+def ar():
+    return add_teacher(make_ar_toy(T=3, V=3, mismatch=0.7, seed=1))
+
+
+# -------------------------------------------------------------------------------------------
+# add_teacher
+# -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, seed, scale", [
+    ({}, 1, 1.0),  # the documented defaults: teacher_seed=1, scale=1.0
+    ({"teacher_seed": 5}, 5, 1.0),
+    ({"scale": 2.5}, 1, 2.5),
+])
+def test_teacher_is_the_documented_draw(kwargs, seed, scale):
+    base = make_toy(T=2, V=3)
+    out = add_teacher(base, **kwargs)
+    phi = np.random.default_rng(seed).normal(0.0, 1.0, size=(2, 3)) * scale
+    np.testing.assert_array_equal(out["phi"], phi)
+    log_q = _log_softmax(phi)
+    np.testing.assert_allclose(out["logp_teacher"], log_q[np.arange(2), base["Y"]], rtol=1e-13)
+    # the sequence reverse KL, summed over all sequences
+    kl = float(base["p_train"] @ (base["logp_train"] - out["logp_teacher"]).sum(axis=1))
+    assert math.isclose(out["kl"], kl, rel_tol=1e-12)
+
+
+def test_teacher_needs_only_the_documented_keys():
+    base = make_toy(T=2, V=2)
+    minimal = {k: base[k] for k in ("Y", "theta", "T", "V", "logp_train", "p_train")}
+    out = add_teacher(minimal)
+    assert set(out) >= {"phi", "logp_teacher", "kl", "kl_grad", "kl_grad_per_state"}
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"scale": float("nan")}, ValueError, "scale must be a finite number, got nan"),
+    ({"scale": float("inf")}, ValueError, "scale must be a finite number, got inf"),
+    ({"scale": "1"}, TypeError, "scale must be a real number"),
+    ({"phi": np.zeros((3, 2))}, ValueError,
+     r"phi must be finite with the shape of toy\['theta'\] \(2, 3\), got shape \(3, 2\)"),
+    ({"phi": np.full((2, 3), np.nan)}, ValueError,
+     r"phi must be finite with the shape of toy\['theta'\] \(2, 3\), got shape \(2, 3\)"),
+    ({"scale": 1e308}, ValueError,
+     r"scale=1e\+308 gives the teacher a token of probability 0 .* use a smaller scale"),
+])
+def test_teacher_errors_name_the_argument(kwargs, error, message):
+    with pytest.raises(error, match="^" + message):
+        add_teacher(make_toy(T=2, V=3), **kwargs)
+
+
+# -------------------------------------------------------------------------------------------
+# opd_estimate: each recipe written out
+# -------------------------------------------------------------------------------------------
+def _recipe(toy, logp, weight, cap=2.0, gamma=0.0):
+    """w_t G_t s_t from the docstring's formulas, with G by an upper-triangular matrix."""
+    student = toy["logp_train"] if logp == "trainer" else toy["logp_sampler"]
+    mask = toy.get("mask", np.ones(toy["logp_train"].shape))
+    d = (student - toy["logp_teacher"]) * mask
+    T = d.shape[1]
+    k, t = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    discount = np.where(k >= t, float(gamma) ** np.maximum(k - t, 0), 0.0)  # (k, t)
+    G = (d @ discount) * mask
+    log_rho = toy["logp_train"] - toy["logp_sampler"]
+    w = {
+        "none": np.ones_like(G),
+        "token_tis": np.minimum(np.exp(log_rho), cap),
+        "token_is": np.exp(log_rho),
+        "prefix_is": np.exp(np.cumsum(log_rho, axis=1)),
+        "seq_is": np.exp(log_rho.sum(axis=1, keepdims=True)) * np.ones_like(G),
+    }[weight]
+    extra = (1,) * (toy["score"].ndim - 2)
+    return (w * G).reshape(G.shape + extra) * toy["score"]
+
+
+@pytest.mark.parametrize("logp", ["trainer", "sampler"])
+@pytest.mark.parametrize("weight", ["none", "token_tis", "token_is", "prefix_is", "seq_is"])
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+def test_every_recipe_is_its_formula(toy, ar, logp, weight, gamma):
+    for t in (toy, ar):
+        np.testing.assert_allclose(opd_estimate(t, logp, weight, gamma=gamma),
+                                   _recipe(t, logp, weight, gamma=gamma), rtol=1e-12, atol=1e-14)
+
+
+def test_the_documented_defaults(toy):
+    assert (np.exp(toy["logp_train"] - toy["logp_sampler"]) > 2.0).any()  # the cap bites
+    np.testing.assert_allclose(opd_estimate(toy), _recipe(toy, "trainer", "none"),
+                               rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(opd_estimate(toy, weight="token_tis"),
+                               _recipe(toy, "trainer", "token_tis", cap=2.0),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_cap_is_passed_on_and_inf_is_the_plain_ratio(toy):
+    np.testing.assert_allclose(opd_estimate(toy, "sampler", "token_tis", cap=1.5),
+                               _recipe(toy, "sampler", "token_tis", cap=1.5),
+                               rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(opd_estimate(toy, "trainer", "token_tis", cap=np.inf),
+                                  opd_estimate(toy, "trainer", "token_is"))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"logp": "teacher"}, ValueError, "logp must be 'trainer' or 'sampler', got 'teacher'"),
+    ({"weight": "tis"}, ValueError,
+     r"weight must be one of \('none', 'token_tis', 'token_is', 'prefix_is', 'seq_is'\), "
+     "got 'tis'"),
+    ({"cap": 0.0}, ValueError, "cap must be > 0, got 0.0"),
+    ({"cap": -1.0}, ValueError, "cap must be > 0, got -1.0"),
+    ({"cap": float("nan")}, ValueError, "cap must be a finite number, got nan"),
+    ({"gamma": -0.1}, ValueError, "gamma must be >= 0.0, got -0.1"),
+    ({"gamma": 1.5}, ValueError, "gamma must be <= 1.0, got 1.5"),
+    ({"gamma": float("inf")}, ValueError, "gamma must be a finite number, got inf"),
+])
+def test_estimate_errors_name_the_argument(toy, kwargs, error, message):
+    with pytest.raises(error, match="^" + message):
+        opd_estimate(toy, **kwargs)
+
+
+def test_gamma_one_is_accepted(toy):
+    # G_1 = d_1 + d_2 + d_3 for the first token
+    np.testing.assert_allclose(opd_estimate(toy, gamma=1.0),
+                               _recipe(toy, "trainer", "none", gamma=1.0), rtol=1e-12, atol=1e-14)
+
+
+def test_overflowing_weighted_gap_is_an_error():
+    # rho = e^700 (finite) times a gap of 1e10 overflows float64
+    hand = {"logp_train": np.array([[0.0]]), "logp_sampler": np.array([[-700.0]]),
+            "logp_teacher": np.array([[-1e10]]), "score": np.zeros((1, 1, 2))}
+    with pytest.raises(ValueError, match=r"^the weights times the log-probability gaps overflow "
+                       r"float64 \(weight='token_is', largest gap 1e\+10\)"):
+        opd_estimate(hand, weight="token_is")
+
+
+# -------------------------------------------------------------------------------------------
+# opd_mismatch_table: a hand-built loop
+# -------------------------------------------------------------------------------------------
+def _table(mismatches, T, V, seed, teacher_seed, cap, N, ar=False, target="per_state",
+           recipes=OPD_RECIPES):
+    rows = []
+    for mismatch in mismatches:
+        base = (make_ar_toy(T=T, V=V, mismatch=mismatch, seed=seed) if ar
+                else make_toy(T=T, V=V, mismatch=mismatch, seed=seed))
+        t = add_teacher(base, teacher_seed)
+        goal = t["kl_grad_per_state"] if target == "per_state" else t["kl_grad"]
+        for logp, weight in recipes:
+            est = _recipe(t, logp, weight, cap=cap)
+            moments = estimator_moments(dict(t, true_grad=goal), est)
+            rows.append({"mismatch": float(mismatch), "logp": logp, "weight": weight,
+                         "rel_bias": moments["rel_bias"], "rel_rmse": moments["rel_rmse"](N)})
+    return rows
+
+
+def _assert_rows_equal(rows, expected):
+    assert len(rows) == len(expected)
+    for row, want in zip(rows, expected):
+        assert set(row) == set(want)
+        for key in ("mismatch", "logp", "weight"):
+            assert row[key] == want[key]
+        for key in ("rel_bias", "rel_rmse"):
+            assert math.isclose(row[key], want[key], rel_tol=1e-9, abs_tol=1e-13)
+
+
+def test_table_defaults_are_the_documented_ones():
+    # T=6, V=4, seed=0, teacher_seed=1, cap=2.0, N=64, make_toy, per-state target
+    _assert_rows_equal(opd_mismatch_table([0.3]), _table([0.3], 6, 4, 0, 1, 2.0, 64))
+
+
+def test_table_passes_every_argument_on():
+    rows = opd_mismatch_table([0.0, 0.8], T=3, V=3, seed=2, teacher_seed=5, cap=1.5, N=8)
+    _assert_rows_equal(rows, _table([0.0, 0.8], 3, 3, 2, 5, 1.5, 8))
+
+
+@pytest.mark.parametrize("target", ["per_state", "sequence"])
+def test_table_on_the_autoregressive_toy(target):
+    rows = opd_mismatch_table([0.5], T=3, V=3, autoregressive=True, recipes=PREFIX_RECIPES,
+                              target=target)
+    _assert_rows_equal(rows, _table([0.5], 3, 3, 0, 1, 2.0, 64, ar=True, target=target,
+                                    recipes=PREFIX_RECIPES))
+
+
+def test_table_without_eos_has_fixed_lengths():
+    rows = opd_mismatch_table([0.5], T=2, V=2, autoregressive=True, eos=False,
+                              recipes=[("trainer", "none")])
+    t = add_teacher(make_ar_toy(T=2, V=2, mismatch=0.5, eos=False), 1)
+    moments = estimator_moments(dict(t, true_grad=t["kl_grad_per_state"]),
+                                _recipe(t, "trainer", "none"))
+    assert math.isclose(rows[0]["rel_bias"], moments["rel_bias"], rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"target": "kl"}, ValueError, "target must be 'per_state' or 'sequence', got 'kl'"),
+    ({"autoregressive": 1}, TypeError, "autoregressive must be True or False, got 1"),
+    ({"recipes": [("trainer", "none", 1)]}, ValueError,
+     r"each recipe must be a \(logp, weight\) pair, got \('trainer', 'none', 1\)"),
+    ({"recipes": ["trainer"]}, ValueError,
+     r"each recipe must be a \(logp, weight\) pair, got 'trainer'"),
+])
+def test_table_errors(kwargs, error, message):
+    with pytest.raises(error, match="^" + message):
+        opd_mismatch_table([0.1], T=2, V=2, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------
+# expected_reduced_gradient: enumerated over every batch of two
+# -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_ar():
+    return add_teacher(make_ar_toy(T=2, V=3, mismatch=0.0, seed=3))
+
+
+def _enumerated(toy, gamma, reduction, B=2):
+    g = _recipe(toy, "trainer", "none", gamma=gamma)  # (M, ...)
+    n = toy["mask"].sum(axis=1)
+    T = toy["mask"].shape[1]
+    pi = toy["p_train"]
+    total = np.zeros(g.shape[1:])
+    for i in range(len(pi)):
+        for j in range(len(pi)):
+            gs, ns = g[i] + g[j], n[i] + n[j]
+            reduced = {"sum": gs, "seq-mean-token-sum": gs / B,
+                       "seq-mean-token-mean": (g[i] / n[i] + g[j] / n[j]) / B,
+                       "seq-mean-token-sum-norm": gs / T, "token-mean": gs / ns}[reduction]
+            total += pi[i] * pi[j] * reduced
+    return total
+
+
+@pytest.mark.parametrize("reduction", ["sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                       "seq-mean-token-sum-norm", "token-mean"])
+@pytest.mark.parametrize("gamma", [0.0, 1.0])
+def test_reduced_gradient_equals_the_sum_over_batches(small_ar, reduction, gamma):
+    np.testing.assert_allclose(expected_reduced_gradient(small_ar, gamma, reduction, 2),
+                               _enumerated(small_ar, gamma, reduction), rtol=1e-11, atol=1e-15)
+
+
+def test_reduced_gradient_defaults(small_ar):
+    # gamma=0, token-mean, batch_size=1: E[g / n]
+    g = _recipe(small_ar, "trainer", "none")
+    n = small_ar["mask"].sum(axis=1)
+    want = np.einsum("m,m...->...", small_ar["p_train"] / n, g)
+    np.testing.assert_allclose(expected_reduced_gradient(small_ar), want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"reduction": "mean"}, r"reduction must be one of \('token-mean', "),
+    ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+    ({"batch_size": 2.0}, "batch_size must be an integer >= 1, got 2.0"),
+    ({"batch_size": True}, "batch_size must be an integer >= 1, got True"),
+])
+def test_reduced_gradient_errors(small_ar, kwargs, message):
+    with pytest.raises(ValueError, match="^" + message):
+        expected_reduced_gradient(small_ar, **kwargs)
+
+
+def test_numpy_integer_batch_size_is_accepted(small_ar):
+    np.testing.assert_array_equal(
+        expected_reduced_gradient(small_ar, reduction="sum", batch_size=np.int64(2)),
+        expected_reduced_gradient(small_ar, reduction="sum", batch_size=2))
+
+
+# -------------------------------------------------------------------------------------------
+# angle_degrees and reduction_table
+# -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("a, b, degrees", [
+    ([1.0, 0.0], [0.0, 2.0], 90.0),
+    ([1.0, 0.0], [-1.0, 0.0], 180.0),
+    ([[1.0, 1.0]], [1.0, 0.0], 45.0),  # flattened
+    ([1.0, 0.0], [1.0, 3 ** 0.5], 60.0),
+])
+def test_angles_by_hand(a, b, degrees):
+    assert math.isclose(angle_degrees(a, b), degrees, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("a, b", [([0.0, 0.0], [1.0, 0.0]), ([1.0, 0.0], [0.0, 0.0])])
+def test_angle_of_a_zero_gradient_is_an_error(a, b):
+    with pytest.raises(ValueError, match="^angle_degrees needs two non-zero gradients$"):
+        angle_degrees(a, b)
+
+
+def test_reduction_table_rows(small_ar):
+    rows = reduction_table(small_ar, gammas=[0.0, 1.0], reductions=["sum", "token-mean"],
+                           batch_sizes=[1, 2])
+    target = small_ar["kl_grad"]
+    assert [(r["gamma"], r["reduction"], r["batch_size"]) for r in rows] == [
+        (g, red, B) for g in (0.0, 1.0) for red in ("sum", "token-mean") for B in (1, 2)]
+    for r in rows:
+        g = expected_reduced_gradient(small_ar, r["gamma"], r["reduction"], r["batch_size"])
+        cos = float(np.sum(g * target) / np.linalg.norm(g) / np.linalg.norm(target))
+        assert math.isclose(r["angle"], math.degrees(math.acos(min(cos, 1.0))), abs_tol=1e-6)
+        assert math.isclose(r["scale"], float(np.sum(g * target) / np.sum(target**2)),
+                            rel_tol=1e-12)
+        # the distance from target to the line through g, relative to |target|
+        nearest = float(np.sum(g * target) / np.sum(g * g)) * g
+        residual = np.linalg.norm(nearest - target) / np.linalg.norm(target)
+        assert math.isclose(r["rel_bias"], residual, rel_tol=1e-6, abs_tol=1e-9)
+    # gamma = 1 with "sum" over B = 2 is exactly 2 grad K: angle 0, scale 2
+    exact = [r for r in rows if r["gamma"] == 1.0 and r["reduction"] == "sum" and
+             r["batch_size"] == 2][0]
+    assert exact["angle"] < 1e-6 and math.isclose(exact["scale"], 2.0, rel_tol=1e-12)
+
+
+def test_reduction_table_defaults(small_ar):
+    rows = reduction_table(small_ar)
+    assert [(r["gamma"], r["batch_size"]) for r in rows][:2] == [(0.0, 1), (0.0, 8)]
+    assert len(rows) == 2 * 5 * 2
+    assert {r["reduction"] for r in rows} == {"token-mean", "seq-mean-token-sum",
+                                              "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                              "sum"}
