@@ -1,0 +1,462 @@
+r"""estimators: the lines that mutation testing found unchecked (docs/mutation.md).
+
+Each estimator's weights are rebuilt here from the formula of its docstring (numpy, on the
+ratios $\rho_t = \exp(\log\pi - \log\mu)$), with the defaults the registry and the signatures
+document, on toys where every bound bites; band edges are hit exactly at mismatch 0, where
+every ratio is exactly 1. Error messages are matched in full, so each names its argument.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from opd_literate import estimators as E
+from opd_literate.estimators import (
+    REGISTRY,
+    comparison_table,
+    estimator_weights,
+    format_table,
+    mismatch_sweep,
+    weighted_score,
+)
+from opd_literate.toy import estimator_moments, make_ar_toy, make_toy, toy_from_logits
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _toys():
+    return {
+        "m0": make_toy(T=3, V=3, mismatch=0.0, seed=0),      # every ratio is exactly 1
+        "m0.002": make_toy(T=3, V=3, mismatch=0.002, seed=0),  # ratios near 1: tight bands
+        "m1": make_toy(T=3, V=3, mismatch=1.0, seed=0),      # ratios 0.26 .. 3.8
+        "m2": make_toy(T=3, V=3, mismatch=2.0, seed=0),      # ratios 0.14 .. 19.5
+        "ar": make_ar_toy(T=3, V=3, mismatch=1.0, seed=2),   # padding after <eos>
+    }
+
+
+TOYS = _toys()
+
+
+def _parts(toy):
+    log_rho_t = toy["logp_train"] - toy["logp_sampler"]
+    mask = toy.get("mask", np.ones(log_rho_t.shape))
+    log_rho_t = log_rho_t * mask
+    n = mask.sum(axis=1)
+    rho_t = np.exp(log_rho_t)
+    rho = np.exp(log_rho_t.sum(axis=1))
+    geo = np.exp(log_rho_t.sum(axis=1) / n)
+    return rho_t, rho, geo, mask
+
+
+def reference(name, toy, baseline=0.0, **p):
+    """The (M, T) or (M,) weights of the docstrings' formulas."""
+    rho_t, rho, geo, mask = _parts(toy)
+    A = toy["R"] - baseline
+    At = A[:, None]
+    if name == "naive":
+        return np.ones_like(rho_t)
+    if name == "token_is":
+        return rho_t
+    if name == "seq_is":
+        return rho
+    if name == "token_tis":
+        return np.minimum(rho_t, p["cap"])
+    if name == "seq_tis":
+        return np.minimum(rho, p["cap"])
+    if name in ("token_mis", "icepop"):
+        return np.where((p["low"] <= rho_t) & (rho_t <= p["high"]), rho_t, 0.0)
+    if name == "seq_mis":
+        return np.where((p["low"] <= rho) & (rho <= p["high"]), rho, 0.0)
+    if name == "geo_rs":
+        return ((p["low"] <= geo) & (geo <= p["high"])) * 1.0
+    if name == "token_clamp":
+        return np.minimum(np.maximum(rho_t, p["low"]), p["high"])
+    if name == "cispo":
+        return np.minimum(np.maximum(rho_t, max(1 - p["eps_low"], 0.0)), 1 + p["eps_high"])
+    if name == "ppo_clip_bypass":
+        cut = (((At > 0) & (rho_t > 1 + p["eps"])) | ((At < 0) & (rho_t < 1 - p["eps"]))
+               | ((At < 0) & (rho_t > p["clip_ratio_c"])))
+        return rho_t * (1 - cut)
+    if name == "token_veto":
+        return (np.where(mask > 0, rho_t, INF).min(axis=1) >= p["threshold"]) * 1.0
+    if name == "k3_seq_rs":
+        k3 = (rho_t - 1 - np.log(rho_t)) * mask
+        return (k3.sum(axis=1) / mask.sum(axis=1) <= p["threshold"]) * 1.0
+    if name == "geo_rs_token_tis":
+        keep = (p["low"] <= geo) & (geo <= p["high"])
+        return keep[:, None] * np.minimum(rho_t, p["cap"])
+    if name == "gspo":
+        cut = ((A > 0) & (geo > 1 + p["eps_high"])) | ((A < 0) & (geo < 1 - p["eps_low"]))
+        return geo * (1 - cut)
+    raise KeyError(name)
+
+
+# The defaults as the signatures and the registry document them.
+DEFAULTS = {
+    "naive": {}, "token_is": {}, "seq_is": {},
+    "token_tis": {"cap": 2.0}, "seq_tis": {"cap": 2.0},
+    "token_mis": {"low": 0.0, "high": 2.0}, "seq_mis": {"low": 0.0, "high": 2.0},
+    "geo_rs": {"low": 1 / 1.001, "high": 1 / 0.999},
+    "icepop": {"low": 0.5, "high": 5.0}, "token_clamp": {"low": 0.5, "high": 2.0},
+    "cispo": {"eps_low": 1.0, "eps_high": 4.0},
+    "ppo_clip_bypass": {"eps": 0.2, "clip_ratio_c": 3.0},
+    "token_veto": {"threshold": 1e-4}, "k3_seq_rs": {"threshold": 0.01},
+    "geo_rs_token_tis": {"low": 1 / 1.001, "high": 1 / 0.999, "cap": 2.0},
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
+}
+
+# Non-default parameters that move every bound.
+OTHER = {
+    "token_tis": {"cap": 1.5}, "seq_tis": {"cap": 1.5},
+    "token_mis": {"low": 0.5, "high": 1.5}, "seq_mis": {"low": 0.5, "high": 1.5},
+    "geo_rs": {"low": 0.8, "high": 1.3}, "icepop": {"low": 0.3, "high": 3.0},
+    "token_clamp": {"low": 0.8, "high": 1.4}, "cispo": {"eps_low": 0.3, "eps_high": 0.5},
+    "ppo_clip_bypass": {"eps": 0.5, "clip_ratio_c": 1.5},
+    "token_veto": {"threshold": 0.5}, "k3_seq_rs": {"threshold": 0.3},
+    "geo_rs_token_tis": {"low": 0.8, "high": 1.3, "cap": 1.5},
+    "gspo": {"eps_low": 0.2, "eps_high": 0.3},
+}
+
+
+def test_the_defaults_are_the_registrys():
+    assert set(DEFAULTS) == set(REGISTRY)
+    for name, spec in REGISTRY.items():
+        assert spec.defaults == DEFAULTS[name]
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+@pytest.mark.parametrize("baseline", [0.0, 0.5, 1.0])  # A = 0 for R = baseline
+@pytest.mark.parametrize("name", sorted(DEFAULTS))
+def test_weights_with_the_defaults_are_the_formula(name, toy_name, baseline):
+    toy = TOYS[toy_name]
+    fn = getattr(E, name)
+    want = reference(name, toy, baseline, **DEFAULTS[name])
+    got = fn(toy, baseline=baseline, return_weights=True)  # the signature's defaults
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    # the estimate is w_t (R - b) s_t, checked on the weights above
+    w = want if want.ndim == 2 else want[:, None]
+    extra = (1,) * (toy["score"].ndim - 2)
+    est = (w * (toy["R"] - baseline)[:, None]).reshape(w.shape + extra) * toy["score"]
+    np.testing.assert_allclose(fn(toy, baseline=baseline), est, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("toy_name", ["m1", "m2", "ar", "m0.002"])
+@pytest.mark.parametrize("baseline", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("name", sorted(OTHER))
+def test_weights_with_other_parameters_are_the_formula(name, toy_name, baseline):
+    toy = TOYS[toy_name]
+    want = reference(name, toy, baseline, **OTHER[name])
+    got = getattr(E, name)(toy, **OTHER[name], baseline=baseline, return_weights=True)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    # estimator_weights passes the parameters and the baseline on, (M, T) always
+    ew = estimator_weights(toy, name, baseline=baseline, **OTHER[name])
+    assert ew.shape == toy["logp_train"].shape and ew.dtype == np.float64
+    np.testing.assert_allclose(ew, want if want.ndim == 2 else np.repeat(want[:, None], 3, 1),
+                               rtol=1e-12, atol=0)
+
+
+def test_the_bounds_bite_on_these_toys():
+    rho_t = _parts(TOYS["m2"])[0]
+    # icepop's and cispo's defaults bite, and the band [5, 6] is not empty
+    assert ((5 < rho_t) & (rho_t < 6)).any() and rho_t.max() > 6 and rho_t.min() < 0.2
+    rho_t, _, geo, _ = _parts(TOYS["m1"])
+    assert ((3 < rho_t) & (rho_t < 4)).any()  # ppo's dual clip c = 3
+    near = _parts(TOYS["m0.002"])[2]
+    assert ((near > 1 / 1.001) & (near < 1 / 0.999)).any() and (near > 1 / 0.999).any()
+
+
+@pytest.mark.parametrize("name, params", [
+    ("token_mis", {"low": 1.0, "high": 1.0}), ("seq_mis", {"low": 1.0, "high": 1.0}),
+    ("icepop", {"low": 1.0, "high": 1.0}), ("geo_rs", {"low": 1.0, "high": 1.0}),
+    ("geo_rs_token_tis", {"low": 1.0, "high": 1.0, "cap": 1.0}),
+    ("token_clamp", {"low": 1.0, "high": 1.0}), ("cispo", {"eps_low": 0.0, "eps_high": 0.0}),
+    ("token_veto", {"threshold": 1.0}), ("k3_seq_rs", {"threshold": 0.0}),
+    ("token_mis", {"low": INF, "high": INF}),
+])
+def test_bounds_are_inclusive_at_a_ratio_of_exactly_one(name, params):
+    toy = TOYS["m0"]
+    want = reference(name, toy, **params)
+    got = getattr(E, name)(toy, **params, return_weights=True)
+    np.testing.assert_array_equal(got, want)
+    if params.get("low") != INF:
+        assert (got == 1.0).all()  # rho = 1 sits on both bounds and is kept
+
+
+@pytest.mark.parametrize("baseline", [0.0, 1.0])
+def test_ppo_and_gspo_bounds_on_a_ratio(baseline):
+    # eps chosen so that 1 + eps (or 1 - eps) is exactly a ratio of the toy: strict bounds keep it
+    toy = TOYS["m1"]
+    rho_t, _, geo, _ = _parts(toy)
+    ratio = np.exp(toy["logp_train"] - toy["logp_sampler"])
+    above = float(ratio[(ratio > 1) & (ratio < 2)][0])
+    below = float(ratio[(ratio < 1) & (ratio > 0.5)][0])
+    for eps in (above - 1.0, 1.0 - below):
+        want = reference("ppo_clip_bypass", toy, baseline, eps=eps, clip_ratio_c=3.0)
+        got = E.ppo_clip_bypass(toy, eps=eps, baseline=baseline, return_weights=True)
+        np.testing.assert_array_equal(got, want)
+    c = float(ratio[ratio > 1.5][0])
+    got = E.ppo_clip_bypass(toy, clip_ratio_c=c, baseline=baseline, return_weights=True)
+    np.testing.assert_array_equal(got, reference("ppo_clip_bypass", toy, baseline, eps=0.2,
+                                                 clip_ratio_c=c))
+    g = E.geometric_ratio(toy)
+    for eps_high, eps_low in ((float(g[(g > 1) & (g < 2)][0]) - 1, 0.5),
+                              (0.5, 1 - float(g[(g < 1) & (g > 0.5)][0]))):
+        got = E.gspo(toy, eps_low=eps_low, eps_high=eps_high, baseline=baseline,
+                     return_weights=True)
+        np.testing.assert_array_equal(got, reference("gspo", toy, baseline, eps_low=eps_low,
+                                                     eps_high=eps_high))
+
+
+def test_caps_of_infinity_remove_the_truncation():
+    toy = TOYS["m1"]
+    rho_t, rho, geo, _ = _parts(toy)
+    np.testing.assert_allclose(E.token_tis(toy, cap=INF, return_weights=True), rho_t, rtol=1e-12)
+    np.testing.assert_allclose(E.seq_tis(toy, cap=INF, return_weights=True), rho, rtol=1e-12)
+    np.testing.assert_allclose(E.cispo(toy, eps_low=1.0, eps_high=INF, return_weights=True),
+                               rho_t, rtol=1e-12)
+    np.testing.assert_allclose(
+        E.geo_rs_token_tis(toy, low=0.0, high=INF, cap=INF, return_weights=True), rho_t,
+        rtol=1e-12)
+    np.testing.assert_array_equal(E.k3_seq_rs(toy, threshold=INF, return_weights=True), 1.0)
+    np.testing.assert_allclose(E.ppo_clip_bypass(toy, clip_ratio_c=INF, baseline=1.0,
+                                                 return_weights=True),
+                               reference("ppo_clip_bypass", toy, 1.0, eps=0.2,
+                                         clip_ratio_c=INF), rtol=1e-12)
+
+
+# -------------------------------------------------------------------------------------------
+# Errors that name the argument
+# -------------------------------------------------------------------------------------------
+ERRORS = [
+    ("token_tis", {"cap": 0.0}, "cap must be > 0, got 0.0"),
+    ("token_tis", {"cap": NAN}, "cap must be a finite number, got nan"),
+    ("seq_tis", {"cap": -1.0}, "cap must be > 0, got -1.0"),
+    ("geo_rs_token_tis", {"cap": 0.0}, "cap must be > 0, got 0.0"),
+    ("geo_rs_token_tis", {"cap": NAN}, "cap must be a finite number, got nan"),
+    ("geo_rs_token_tis", {"low": -0.1}, "low must be >= 0.0, got -0.1"),
+    ("token_mis", {"low": -0.1}, "low must be >= 0.0, got -0.1"),
+    ("token_mis", {"low": NAN}, "low must be a finite number, got nan"),
+    ("token_mis", {"high": NAN}, "high must be a finite number, got nan"),
+    ("seq_mis", {"low": 2.0, "high": 1.0}, "low must be <= high, got low=2.0 > high=1.0"),
+    ("geo_rs", {"low": 1.5, "high": 1.0}, "low must be <= high, got low=1.5 > high=1.0"),
+    ("token_clamp", {"low": -1.0}, "low must be >= 0.0, got -1.0"),
+    ("icepop", {"high": NAN}, "high must be a finite number, got nan"),
+    ("cispo", {"eps_low": NAN}, "eps_low must be a finite number, got nan"),
+    ("cispo", {"eps_low": INF}, "eps_low must be a finite number, got inf"),
+    ("cispo", {"eps_high": NAN}, "eps_high must be a finite number, got nan"),
+    ("cispo", {"eps_low": -0.1}, r"eps_low and eps_high must be >= 0, got -0.1, 4.0"),
+    ("cispo", {"eps_high": -0.1}, r"eps_low and eps_high must be >= 0, got 1.0, -0.1"),
+    ("ppo_clip_bypass", {"eps": 0.0}, "eps must be > 0, got 0.0"),
+    ("ppo_clip_bypass", {"eps": NAN}, "eps must be a finite number, got nan"),
+    ("ppo_clip_bypass", {"clip_ratio_c": NAN}, "clip_ratio_c must be a finite number, got nan"),
+    ("ppo_clip_bypass", {"clip_ratio_c": 1.0},
+     r"clip_ratio_c must be > 1 \(the dual clip bounds ratios above 1\), got 1.0"),
+    ("ppo_clip_bypass", {"baseline": NAN}, "baseline must be a finite number, got nan"),
+    ("token_veto", {"threshold": -1.0}, "threshold must be >= 0, got -1.0"),
+    ("token_veto", {"threshold": INF}, "threshold must be a finite number, got inf"),
+    ("k3_seq_rs", {"threshold": -1.0}, "threshold must be >= 0, got -1.0"),
+    ("k3_seq_rs", {"threshold": NAN}, "threshold must be a finite number, got nan"),
+    ("gspo", {"eps_low": 0.0}, "eps_low must be > 0, got 0.0"),
+    ("gspo", {"eps_high": 0.0}, "eps_high must be > 0, got 0.0"),
+    ("gspo", {"eps_low": NAN}, "eps_low must be a finite number, got nan"),
+    ("gspo", {"eps_high": INF}, "eps_high must be a finite number, got inf"),
+    ("gspo", {"baseline": NAN}, "baseline must be a finite number, got nan"),
+    ("naive", {"baseline": NAN}, "baseline must be a finite number, got nan"),
+    ("token_is", {"baseline": INF}, "baseline must be a finite number, got inf"),
+]
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("name, kwargs, message", ERRORS)
+def test_errors_name_the_argument(name, kwargs, message, return_weights):
+    with pytest.raises(ValueError, match="^" + message):
+        getattr(E, name)(TOYS["m1"], **kwargs, return_weights=return_weights)
+
+
+@pytest.mark.parametrize("name, params", [
+    ("cispo", {"eps_low": 0.0, "eps_high": 0.0}),
+    ("k3_seq_rs", {"threshold": 0.0}), ("token_veto", {"threshold": 0.0}),
+    ("token_mis", {"low": 0.0, "high": INF}), ("seq_mis", {"low": INF, "high": INF}),
+])
+def test_zero_and_infinite_bounds_are_accepted(name, params):
+    toy = TOYS["m1"]
+    np.testing.assert_allclose(getattr(E, name)(toy, **params, return_weights=True),
+                               reference(name, toy, **params), rtol=1e-12)
+
+
+def test_weighted_score_errors_and_dtypes():
+    toy = TOYS["m1"]
+    M, T = toy["logp_train"].shape
+    with pytest.raises(ValueError, match=r"^weights must have shape \(M,\) or \(M, T\) = "
+                       rf"\({M}, {T}\), got \({M}, {T + 1}\)$"):
+        weighted_score(toy, np.ones((M, T + 1)))
+    with pytest.raises(ValueError, match="^baseline must be a finite number, got nan"):
+        weighted_score(toy, np.ones(M), baseline=NAN)
+    bad = np.ones(M)
+    bad[3] = np.inf
+    with pytest.raises(ValueError, match=r"^weights hold 1 non-finite values \(an importance "
+                       r"ratio overflowed at mismatch=1.0\?\); an estimate from them would be "
+                       "NaN$"):
+        weighted_score(toy, bad)
+    with pytest.raises(ValueError, match=r"^the weights times the advantage R - baseline "
+                       r"overflow float64 \(baseline=-10.0, largest weight 1e\+308\); use a "
+                       "smaller baseline or mismatch$"):
+        weighted_score(toy, np.full(M, 1e308), baseline=-10.0)
+    # float32 and integer weights give the float64 estimate of the same values
+    w = np.arange(M) % 3
+    want = weighted_score(toy, w.astype(np.float64))
+    assert weighted_score(toy, w).dtype == np.float64
+    np.testing.assert_array_equal(weighted_score(toy, w), want)
+    np.testing.assert_array_equal(weighted_score(toy, w.astype(np.float32)), want)
+    # only R and score are needed
+    np.testing.assert_array_equal(weighted_score({"R": toy["R"], "score": toy["score"]}, w),
+                                  want)
+
+
+def test_ratio_helpers_need_only_the_log_probabilities():
+    toy = TOYS["m1"]
+    logs = {"logp_train": toy["logp_train"], "logp_sampler": toy["logp_sampler"]}
+    rho_t, _, geo, _ = _parts(toy)
+    np.testing.assert_allclose(E.token_ratios(logs), rho_t, rtol=1e-12)
+    np.testing.assert_allclose(E.geometric_ratio(logs), geo, rtol=1e-12)
+    empty = {"logp_train": np.zeros((0, 2)), "logp_sampler": np.zeros((0, 2))}
+    assert E.token_ratios(empty).shape == (0, 2)
+
+
+@pytest.mark.parametrize("log_ratio, raises", [(800.0, True), (709.0, False)])
+def test_overflowing_ratios_are_an_error_naming_the_mismatch(log_ratio, raises):
+    hand = {"logp_train": np.array([[0.0]]), "logp_sampler": np.array([[-log_ratio]]),
+            "mismatch": 50.0}
+    if not raises:  # e^709 is below the largest float64, e^709.79 above it
+        assert E.token_ratios(hand)[0, 0] == np.exp(709.0)
+        return
+    with pytest.raises(ValueError, match=r"^the per-token importance ratios overflow float64 "
+                       r"\(log ratio up to 800 > 709.8\) at mismatch=50.0: the sampler gives "
+                       "some sequences a probability that underflows; use a smaller mismatch$"):
+        E.token_ratios(hand)
+
+
+# -------------------------------------------------------------------------------------------
+# The registry helpers, the comparison table and its renderings
+# -------------------------------------------------------------------------------------------
+def test_estimator_weights_errors():
+    toy = TOYS["m1"]
+    with pytest.raises(ValueError, match=r"^unknown parameters \['foo'\] for estimator "
+                       r"'token_tis'; it takes \['cap'\]$"):
+        estimator_weights(toy, "token_tis", foo=1.0)
+    with pytest.raises(ValueError, match=r"^unknown estimator 'tis'; known: \['cispo', "):
+        estimator_weights(toy, "tis")
+    with pytest.raises(ValueError, match=r"^params names estimators that are not compared: "
+                       r"\['seq_is'\]; compared: \['naive'\]$"):
+        comparison_table(toy, names=["naive"], params={"seq_is": {}})
+
+
+def _row(toy, name, weights, N, baseline):
+    """One comparison row from hand-built weights; 'modified' against the uncorrected weight."""
+    rho_t, rho, geo, mask = _parts(toy)
+    uncorrected = {"one": np.ones_like(rho_t), "token": rho_t, "sequence": rho[:, None],
+                   "geometric": geo[:, None]}[REGISTRY[name].reference]
+    w = weights if weights.ndim == 2 else weights[:, None]
+    w = np.broadcast_to(w, rho_t.shape)
+    modified = (np.abs(w - uncorrected) > 1e-12 * np.abs(uncorrected)) & (mask > 0)
+    moments = estimator_moments(toy, weighted_score(toy, weights, baseline))
+    mu = toy["p_sampler"]
+    return {"name": name, "bias": moments["bias"], "var": moments["var"],
+            "rel_bias": moments["rel_bias"], "rel_rmse": moments["rel_rmse"](N),
+            "token_frac": float(mu @ (modified.sum(axis=1) / mask.sum(axis=1))),
+            "seq_frac": float(mu @ modified.any(axis=1)),
+            "unbiased": REGISTRY[name].unbiased, "source": REGISTRY[name].source}
+
+
+def _assert_rows(rows, expected):
+    assert [r["name"] for r in rows] == [e["name"] for e in expected]
+    for r, e in zip(rows, expected):
+        assert set(r) == set(e)
+        for key in ("name", "unbiased", "source"):
+            assert r[key] == e[key]
+        for key in ("rel_bias", "rel_rmse", "token_frac", "seq_frac"):
+            assert math.isclose(r[key], e[key], rel_tol=1e-9, abs_tol=1e-14), (r["name"], key)
+        for key in ("bias", "var"):
+            np.testing.assert_allclose(r[key], e[key], rtol=1e-9, atol=1e-14)
+
+
+@pytest.mark.parametrize("toy_name", ["m1", "ar"])
+def test_comparison_table_is_a_hand_built_loop(toy_name):
+    toy = TOYS[toy_name]
+    names = sorted(DEFAULTS)
+    params = {"token_tis": {"cap": 1.5}, "gspo": {"eps_low": 0.2, "eps_high": 0.3},
+              "geo_rs_token_tis": {"low": 0.8, "high": 1.3, "cap": 1.5}}
+    rows = comparison_table(toy, names=names, N=8, baseline=0.5, params=params)
+    expected = [_row(toy, n, reference(n, toy, 0.5, **{**DEFAULTS[n], **params.get(n, {})}),
+                     8, 0.5) for n in names]
+    _assert_rows(rows, expected)
+
+
+def test_comparison_table_defaults():
+    toy = TOYS["m1"]
+    rows = comparison_table(toy)
+    expected = [_row(toy, n, reference(n, toy, 0.0, **DEFAULTS[n]), 64, 0.0) for n in REGISTRY]
+    _assert_rows(rows, expected)
+
+
+def test_token_fraction_counts_tiny_changes():
+    # a clamp just below the largest ratio changes it by 1e-7 relative; a band that drops a
+    # ratio below 1e-8 zeroes it: both tokens count as modified
+    toy = toy_from_logits(np.log([[0.5, 0.5], [1 - 1e-9, 1e-9]]),
+                          np.log([[0.8, 0.2], [0.5, 0.5]]))
+    rho_t = _parts(toy)[0]
+    high = float(rho_t.max()) * (1 - 1e-7)
+    tiny = float(rho_t.min())
+    assert tiny < 1e-8
+    rows = comparison_table(toy, names=["token_clamp", "token_mis"],
+                            params={"token_clamp": {"low": 0.0, "high": high},
+                                    "token_mis": {"low": 1e-3, "high": INF}})
+    clamp, mis = rows
+    mu = toy["p_sampler"]
+    Y = toy["Y"]
+    top = rho_t == rho_t.max()
+    assert math.isclose(clamp["token_frac"], float(mu @ top.mean(axis=1)), rel_tol=1e-12)
+    assert clamp["token_frac"] > 0
+    low = rho_t < 1e-3
+    assert math.isclose(mis["token_frac"], float(mu @ low.mean(axis=1)), rel_tol=1e-12)
+    assert mis["token_frac"] > 0 and Y.shape[1] == 2
+
+
+def test_geometric_reference_is_rho_geo():
+    # gspo with bounds that never bite leaves rho_geo unchanged: nothing counts as modified
+    toy = TOYS["ar"]
+    row, = comparison_table(toy, names=["gspo"], params={"gspo": {"eps_low": 0.999,
+                                                                    "eps_high": 1e6}})
+    assert row["token_frac"] == 0.0 and row["seq_frac"] == 0.0
+    row, = comparison_table(toy, names=["seq_tis"], params={"seq_tis": {"cap": 1e6}})
+    assert row["token_frac"] == 0.0
+
+
+def test_mismatch_sweep_is_comparison_table_per_mismatch():
+    sweep = mismatch_sweep([0.5, 1.0], names=["naive", "token_tis"], N=8, T=3, V=3, seed=2,
+                           baseline=0.5)
+    assert list(sweep) == [0.5, 1.0]
+    for m, rows in sweep.items():
+        toy = make_toy(T=3, V=3, mismatch=m, seed=2)
+        _assert_rows(rows, [_row(toy, n, reference(n, toy, 0.5, **DEFAULTS[n]), 8, 0.5)
+                            for n in ("naive", "token_tis")])
+    # the defaults: N=64, T=6, V=4, seed=0, baseline 0, every registered estimator
+    rows = mismatch_sweep([0.3])[0.3]
+    toy = make_toy(T=6, V=4, mismatch=0.3, seed=0)
+    assert [r["name"] for r in rows] == list(REGISTRY)
+    _assert_rows(rows[:2], [_row(toy, n, reference(n, toy, 0.0, **DEFAULTS[n]), 64, 0.0)
+                            for n in list(REGISTRY)[:2]])
+
+
+def test_format_table_by_hand():
+    row = {"name": "x", "rel_bias": 0.12345, "var": 1234.5, "rel_rmse": 0.5, "token_frac": 0.25,
+           "seq_frac": 1.0, "unbiased": True}
+    text = format_table([row, dict(row, name="y", unbiased=False)], N=8)
+    assert text == (
+        "| estimator | rel. bias | variance | rel. RMSE (N=8) | tokens modified "
+        "| sequences modified | unbiased |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | :---: |\n"
+        "| `x` | 0.1235 | 1234 | 0.5000 | 25.0% | 100.0% | yes |\n"
+        "| `y` | 0.1235 | 1234 | 0.5000 | 25.0% | 100.0% | no |")
+    assert "(N=64)" in format_table([])
