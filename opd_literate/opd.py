@@ -146,10 +146,14 @@ def _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=False
 
 
 def _log_softmax_pair(student_logits, teacher_logits, mask=None, temperature=1.0):
-    """log_softmax of both, in the compute dtype; the teacher is detached (a constant).
+    r"""log_softmax of both, in the compute dtype; the teacher is detached (a constant).
 
-    Both logits are divided by ``temperature`` before the softmax, as TRL does (``GKDTrainer``
-    divides the logits, ``DistillationTrainer`` multiplies them by ``1 / temperature``).
+    Both logits are divided by ``temperature`` before the softmax, as TRL's
+    ``generalized_jsd_loss`` and ``DistillationTrainer`` do (TRL 1.16.0; note that
+    ``GKDTrainer.compute_loss`` does not pass its temperature on). Each row's largest finite
+    logit is subtracted first (a constant shift, which the softmax ignores), so that a small
+    temperature cannot overflow $z / \tau$ to $+\infty$; a temperature whose inverse is not
+    finite in the compute dtype is refused.
 
     Where ``mask`` is 0 both rows are replaced by zeros *before* the softmax, so whatever a
     masked-out position holds (``-inf``, NaN) reaches neither the value nor the gradient: a
@@ -164,10 +168,24 @@ def _log_softmax_pair(student_logits, teacher_logits, mask=None, temperature=1.0
         student = torch.where(keep, student, torch.zeros_like(student))
         teacher = torch.where(keep, teacher, torch.zeros_like(teacher))
     if temperature != 1.0:  # softmax(z / tau); skipped at 1 so the default is bit for bit unchanged
-        student, teacher = student / temperature, teacher / temperature
+        if 1.0 / temperature > torch.finfo(dtype).max:  # z / tau would overflow for |z| >= 1
+            raise ValueError(
+                f"temperature must be at least 1 / (the largest {dtype} number), "
+                f"got {temperature!r}"
+            )
+        student = _shift_to_max(student) / temperature
+        teacher = _shift_to_max(teacher) / temperature
     # log_softmax subtracts the max before exponentiating: finite for logits of any magnitude,
     # where log(softmax(z)) underflows to log(0) = -inf for entries far below the max.
     return F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1)
+
+
+def _shift_to_max(logits):
+    """``logits`` minus each row's largest finite entry (a detached constant); -inf rows kept."""
+    finite = torch.isfinite(logits)
+    row_max = torch.where(finite, logits, torch.full_like(logits, -math.inf)).amax(-1, True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    return logits - row_max.detach()
 
 
 def _select(mask, values):

@@ -102,3 +102,20 @@ def test_a_bad_temperature_is_refused_by_name(kind, bad, error):
         LOSSES[kind](s, t, mask, temperature=bad)
     with pytest.raises(error, match="temperature"):
         PER_POSITION[kind](s, t, mask, temperature=bad)
+
+
+def test_a_tiny_temperature_is_exact_or_refused_never_nan():
+    # softmax([1, 0] / tau) -> (1, e^{-1/tau}); against the teacher (e^{-1/tau}, 1) the reverse
+    # KL is (1 - 2 e^{-1/tau}) / tau ~ 1 / tau: 1e30 at tau = 1e-30 (float32), 1e300 at 1e-300.
+    for dtype, tau in ((torch.float32, 1e-30), (torch.float64, 1e-300)):
+        student = torch.tensor([[[1.0, 0.0]]], dtype=dtype, requires_grad=True)
+        teacher = torch.tensor([[[0.0, 1.0]]], dtype=dtype)
+        loss = opd.full_vocab_reverse_kl(student, teacher, torch.ones(1, 1), temperature=tau)
+        loss.backward()
+        assert loss.item() == pytest.approx(1 / tau, rel=1e-6)
+        assert torch.isfinite(student.grad).all()
+    # 1 / tau beyond the dtype's range: refused, naming the argument.
+    for dtype, tau in ((torch.float32, 1e-39), (torch.float64, 1e-310)):
+        with pytest.raises(ValueError, match="temperature must be at least"):
+            zeros = torch.zeros(1, 1, 2, dtype=dtype)
+            opd.full_vocab_reverse_kl(zeros, zeros, torch.ones(1, 1), temperature=tau)
