@@ -405,7 +405,10 @@ def angle_degrees(a, b):
     >>> angle_degrees([1.0, 0.0], [3.0, 0.0]), round(angle_degrees([1.0, 0.0], [1.0, 1.0]), 6)
     (0.0, 45.0)
     """
-    a, b = np.ravel(np.asarray(a, dtype=float)), np.ravel(np.asarray(b, dtype=float))
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:  # no broadcasting: two gradients of one parameter
+        raise ValueError(f"b must have the shape of a {a.shape}, got {b.shape}")
+    a, b = np.ravel(a), np.ravel(b)
     norm_a, norm_b = float(np.linalg.norm(a)), float(np.linalg.norm(b))
     if norm_a == 0 or norm_b == 0:
         raise ValueError("angle_degrees needs two non-zero gradients")

@@ -60,8 +60,8 @@ The sampler's logits must stay finite with room to spare: ``make_toy`` accepts
 $|\epsilon| \le$ ``MAX_MISMATCH`` $= 10^6$ (at $10^{308}$ the logits $\epsilon b$ overflow to
 infinity and the probabilities become NaN). Long before that bound the importance ratios of
 [opd_literate.estimators][] overflow float64, which they report as a clear error: on the
-default table the sequence ratios do at $\epsilon = 50$, the per-token ratios at
-$\epsilon = 1000$.
+default toy (``T = 6, V = 4, seed = 0``) the sequence ratios do from $\epsilon \approx 38.2$ on,
+the per-token ratios from $\epsilon \approx 164.3$ on.
 """
 
 from __future__ import annotations
@@ -474,9 +474,9 @@ def ar_num_responses(T, V, eos=True):
     r"""The number $M$ of responses that ``make_ar_toy(T, V, eos=eos)`` enumerates.
 
     Without ``<eos>`` every sequence of length $T$: $M = V^T$. With it, token $V - 1$ ends the
-    response, so a response is $k$ ordinary tokens followed by ``<eos>`` ($0 \le k < T$) or
-    $T$ tokens of which only the last may be ``<eos>``:
-    $M = \sum_{k=0}^{T-1} (V-1)^k + (V-1)^{T-1} V = \sum_{k=0}^{T} (V - 1)^k$.
+    response, so a response is $k$ ordinary tokens followed by ``<eos>`` ($0 \le k \le T - 2$),
+    or $T - 1$ ordinary tokens followed by any token (``<eos>`` or not):
+    $M = \sum_{k=0}^{T-2} (V-1)^k + (V-1)^{T-1} V = \sum_{k=0}^{T} (V - 1)^k$.
 
     Examples
     --------

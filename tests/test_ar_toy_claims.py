@@ -88,3 +88,21 @@ def test_the_reduction_table_statements():
     for r in fixed:
         assert (r["rel_bias"] < 1e-12) == (r["gamma"] == 1.0), r
     assert np.isfinite([r["angle"] for r in rows + fixed]).all()
+
+
+def test_angle_degrees_refuses_two_shapes():
+    import pytest
+
+    from opd_literate.opd_mismatch import angle_degrees
+
+    with pytest.raises(ValueError, match=r"b must have the shape of a \(1,\), got \(3,\)"):
+        angle_degrees([1.0], [1.0, 1.0, 1.0])
+
+
+def test_ar_num_responses_counts_by_hand():
+    from opd_literate.toy import ar_num_responses
+
+    # T = 2, V = 2 (token 1 is <eos>): "1", "00", "01" -> 3; T = 3, V = 3: the formula's
+    # middle form, sum_{k <= T-2} (V-1)^k + (V-1)^(T-1) V = 1 + 2 + 4 * 3 = 15.
+    assert ar_num_responses(2, 2) == 3
+    assert ar_num_responses(3, 3) == 1 + 2 + 4 * 3 == sum(2**k for k in range(4))

@@ -103,7 +103,14 @@ def test_mismatch_sweep_structure():
 
 
 def test_overflowing_ratios_give_a_clear_error_not_nan():
-    # At mismatch 50 some sequence log-ratios exceed log(float max) = 709.8; at 1000, tokens'.
+    # The thresholds the toy docstring states: sequence ratios overflow from mismatch ~38.2 on,
+    # per-token ratios from ~164.3 on (log(float max) = 709.8).
+    assert np.isfinite(E.seq_is(make_toy(mismatch=38.1))).all()
+    with pytest.raises(ValueError, match="sequence importance ratios overflow float64"):
+        E.seq_is(make_toy(mismatch=38.3))
+    assert np.isfinite(E.token_is(make_toy(mismatch=164.2))).all()
+    with pytest.raises(ValueError, match="per-token importance ratios overflow float64"):
+        E.token_is(make_toy(mismatch=164.4))
     with pytest.raises(ValueError, match="per-token importance ratios overflow float64"):
         E.token_is(make_toy(mismatch=1000.0))
     toy = make_toy(mismatch=50.0)

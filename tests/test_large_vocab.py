@@ -295,3 +295,20 @@ def test_the_chapter_quotes_the_committed_benchmark_output():
     memory, time = re.fullmatch(r"chunked/dense: memory ([0-9.]+), time ([0-9.]+)", last).groups()
     # the prose quotes the same ratios
     assert f"memory ratio {memory}" in page and f"time ratio {time}" in page
+
+
+def test_the_module_docstring_quotes_the_benchmark_figure():
+    import pathlib
+    import re
+
+    from opd_literate import large_vocab
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    output = (root / "benchmarks" / "results" / "large_vocab.txt").read_text()
+    dense_mib = float(re.search(r"^dense\s+\S+\s+([0-9.]+)", output, re.M).group(1))
+    doc = " ".join(large_vocab.__doc__.split())
+    assert f"adds {dense_mib:,.0f} MiB" in doc
+    per_token = dense_mib / 2048
+    assert f"{per_token:.1f} MiB" in doc
+    vectors = per_token * 2**20 / (151_936 * 4)  # float32 vocabulary vectors a token
+    assert f"about {vectors:.1f} float32 vocabulary vectors" in doc
