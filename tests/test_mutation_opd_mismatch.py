@@ -59,6 +59,19 @@ def test_teacher_is_the_documented_draw(kwargs, seed, scale):
     assert math.isclose(out["kl"], kl, rel_tol=1e-12)
 
 
+def test_teacher_by_hand_is_stored_as_float():
+    base = make_toy(T=2, V=3)
+    out = add_teacher(base, phi=[[0, 1, 2], [2, 1, 0]])  # integers, as a list
+    assert out["phi"].dtype == np.float64 and out["phi"].tolist() == [[0, 1, 2], [2, 1, 0]]
+
+
+def test_autoregressive_teacher_needs_only_the_documented_keys():
+    base = make_ar_toy(T=2, V=3)
+    keys = ("Y", "theta", "T", "V", "logp_train", "p_train", "mask", "prev", "score")
+    out = add_teacher({k: base[k] for k in keys})
+    np.testing.assert_array_equal(out["kl_grad"], add_teacher(base)["kl_grad"])
+
+
 def test_teacher_needs_only_the_documented_keys():
     base = make_toy(T=2, V=2)
     minimal = {k: base[k] for k in ("Y", "theta", "T", "V", "logp_train", "p_train")}
@@ -75,7 +88,11 @@ def test_teacher_needs_only_the_documented_keys():
     ({"phi": np.full((2, 3), np.nan)}, ValueError,
      r"phi must be finite with the shape of toy\['theta'\] \(2, 3\), got shape \(2, 3\)"),
     ({"scale": 1e308}, ValueError,
-     r"scale=1e\+308 gives the teacher a token of probability 0 .* use a smaller scale"),
+     r"scale=1e\+308 gives the teacher a token of probability 0 \(its logits overflow float64 "
+     r"or differ by more than it can represent\); use a smaller scale$"),
+    # seed 6 draws |z| > 1.8, so z * 1e308 overflows to inf (the same error, no warning)
+    ({"scale": 1e308, "teacher_seed": 6}, ValueError,
+     r"scale=1e\+308 gives the teacher a token of probability 0 "),
 ])
 def test_teacher_errors_name_the_argument(kwargs, error, message):
     with pytest.raises(error, match="^" + message):
@@ -160,8 +177,35 @@ def test_overflowing_weighted_gap_is_an_error():
     hand = {"logp_train": np.array([[0.0]]), "logp_sampler": np.array([[-700.0]]),
             "logp_teacher": np.array([[-1e10]]), "score": np.zeros((1, 1, 2))}
     with pytest.raises(ValueError, match=r"^the weights times the log-probability gaps overflow "
-                       r"float64 \(weight='token_is', largest gap 1e\+10\)"):
+                       r"float64 \(weight='token_is', largest gap 1e\+10\); use a smaller "
+                       "teacher scale or mismatch$"):
         opd_estimate(hand, weight="token_is")
+    # an infinite gap is reported as such at gamma = 0 (no discounted sum forms inf * 0)
+    hand = dict(hand, logp_sampler=np.zeros((1, 2)), logp_train=np.zeros((1, 2)),
+                logp_teacher=np.array([[-1.0, -np.inf]]), score=np.zeros((1, 2, 2)))
+    with pytest.raises(ValueError, match=r"\(weight='none', largest gap inf\)"):
+        opd_estimate(hand)
+
+
+def test_overflowing_prefix_ratio_is_an_error_naming_the_level():
+    hand = {"logp_train": np.zeros((1, 2)), "logp_sampler": np.array([[-400.0, -400.0]]),
+            "logp_teacher": np.zeros((1, 2)), "score": np.zeros((1, 2, 2)), "mismatch": 7.0}
+    with pytest.raises(ValueError, match=r"^the prefix importance ratios overflow float64 \(log "
+                       r"ratio up to 800 > 709.8\) at mismatch=7.0: "):
+        opd_estimate(hand, weight="prefix_is")
+
+
+def test_discount_stays_inside_the_mask():
+    # a hand-made mask with a hole in front and padding behind, a score that is not 0 there:
+    # G_t sums the response's own gaps only, and is 0 off the mask
+    hand = {"logp_train": np.array([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]]),
+            "logp_teacher": np.array([[-0.2, -0.4, -0.8], [-1.5, -0.1, -0.6]]),
+            "mask": np.array([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+            "score": np.arange(1.0, 13.0).reshape(2, 3, 2)}
+    hand["logp_sampler"] = hand["logp_train"]
+    for gamma in (0.5, 1.0):
+        np.testing.assert_allclose(opd_estimate(hand, gamma=gamma),
+                                   _recipe(hand, "trainer", "none", gamma=gamma), rtol=1e-14)
 
 
 # -------------------------------------------------------------------------------------------
@@ -205,9 +249,9 @@ def test_table_passes_every_argument_on():
 
 @pytest.mark.parametrize("target", ["per_state", "sequence"])
 def test_table_on_the_autoregressive_toy(target):
-    rows = opd_mismatch_table([0.5], T=3, V=3, autoregressive=True, recipes=PREFIX_RECIPES,
-                              target=target)
-    _assert_rows_equal(rows, _table([0.5], 3, 3, 0, 1, 2.0, 64, ar=True, target=target,
+    rows = opd_mismatch_table([0.5], T=3, V=3, seed=2, autoregressive=True,
+                              recipes=PREFIX_RECIPES, target=target)
+    _assert_rows_equal(rows, _table([0.5], 3, 3, 2, 1, 2.0, 64, ar=True, target=target,
                                     recipes=PREFIX_RECIPES))
 
 
@@ -284,6 +328,13 @@ def test_reduced_gradient_errors(small_ar, kwargs, message):
         expected_reduced_gradient(small_ar, **kwargs)
 
 
+def test_reduced_gradient_needs_only_the_documented_keys(small_ar):
+    keys = ("logp_train", "logp_sampler", "logp_teacher", "score", "p_train", "kl_grad", "mask")
+    minimal = {k: small_ar[k] for k in keys}
+    np.testing.assert_array_equal(expected_reduced_gradient(minimal, 1.0, "token-mean", 2),
+                                  expected_reduced_gradient(small_ar, 1.0, "token-mean", 2))
+
+
 def test_numpy_integer_batch_size_is_accepted(small_ar):
     np.testing.assert_array_equal(
         expected_reduced_gradient(small_ar, reduction="sum", batch_size=np.int64(2)),
@@ -296,15 +347,28 @@ def test_numpy_integer_batch_size_is_accepted(small_ar):
 @pytest.mark.parametrize("a, b, degrees", [
     ([1.0, 0.0], [0.0, 2.0], 90.0),
     ([1.0, 0.0], [-1.0, 0.0], 180.0),
-    ([[1.0, 1.0]], [1.0, 0.0], 45.0),  # flattened
+    ([[1.0, 1.0]], [[1.0, 0.0]], 45.0),  # any shape, read flat
     ([1.0, 0.0], [1.0, 3 ** 0.5], 60.0),
 ])
 def test_angles_by_hand(a, b, degrees):
     assert math.isclose(angle_degrees(a, b), degrees, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_angle_is_computed_in_float64(which):
+    # float32 inputs are read as float64: the angle is that of the float64 values, to the bit
+    vectors = [np.array([1.0, 1e-4, 3e-3], dtype=np.float32), np.array([1.0, 0.0, 1e-3])]
+    vectors[1 - which] = vectors[1 - which].astype(np.float64)
+    as64 = [v.astype(np.float64) for v in vectors]
+    assert angle_degrees(*vectors) == angle_degrees(*as64)
+    flipped = [np.float32(np.array([0.3, 1.0, 0.7])), np.float32(np.array([0.31, 1.0, 0.69]))]
+    assert angle_degrees(*flipped) == angle_degrees(*[v.astype(np.float64) for v in flipped])
+
+
 @pytest.mark.parametrize("a, b", [([0.0, 0.0], [1.0, 0.0]), ([1.0, 0.0], [0.0, 0.0])])
 def test_angle_of_a_zero_gradient_is_an_error(a, b):
+    with pytest.raises(ValueError, match=r"^b must have the shape of a \(2,\), got \(1, 2\)$"):
+        angle_degrees(a, [b])
     with pytest.raises(ValueError, match="^angle_degrees needs two non-zero gradients$"):
         angle_degrees(a, b)
 
