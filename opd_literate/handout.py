@@ -208,12 +208,17 @@ Check your work (from this folder; needs numpy, torch and pytest):
 
 ```bash
 python -m pytest            # every test; a task's tests fail until it is implemented
-python -m pytest --task 1   # only the tests of Task 1
+python -m pytest --task 1   # only the tests of Task 1 (a test that also checks another
+                            # task is skipped, and says which --task options run it)
 ```
 
 Your instructor grades the folder with `python -m opd_literate.handout grade <this folder>`,
-which reports each task as passed, not implemented, blocked (its tests fail only on another
-task's stub) or failed.
+with the instructor's own copy of the tests (changes to the tests, a `conftest.py` or a
+`pytest.ini` here do not count), one task at a time: where a test of your task also calls
+another task's function, the grader uses the reference version of that one, so each task is
+graded on its own. It reports each task as passed, not implemented, blocked (its tests fail
+only on another task's stub), failed, timed out (its tests ran past the time limit) or error
+(your module cannot be imported: the message names the file and line).
 """
 
 
@@ -235,6 +240,19 @@ def pytest_collection_modifyitems(config, items):
         (selected if tasks & wanted else deselected).append(item)
     config.hook.pytest_deselected(items=deselected)
     items[:] = selected
+
+
+def pytest_runtest_setup(item):
+    """A test that checks several tasks together runs when all of them are selected."""
+    wanted = set(item.config.getoption("--task"))
+    tasks = {n for marker in item.iter_markers("task") for n in marker.args}
+    missing = sorted(tasks - wanted) if wanted else []
+    if missing:
+        import pytest
+
+        options = " ".join(f"--task {n}" for n in sorted(tasks))
+        pytest.skip(f"it also checks Task {', '.join(map(str, missing))}: "
+                    f"python -m pytest {options}")
 '''
 
 _PYTEST_INI = """[pytest]
@@ -357,6 +375,15 @@ def write_lab(lab_name: str, out_dir, force: bool = False) -> list[pathlib.Path]
     return [out_dir / name for name in names] if lab_name == "all" else [out_dir]
 
 
+def _tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
+    """The tasks of a lab, ``[(number, function, module)]``, sorted, from the library source."""
+    found = []
+    for module in lab.student_modules:
+        source = PACKAGE / f"{module}.py"
+        found += [(n, name, module) for n, name in strip_solutions(_read(source), str(source))[1]]
+    return sorted(found)
+
+
 def _render(lab: Lab) -> dict[str, str]:
     """The files of one lab folder, ``{relative path: text}``, in the order they are written."""
     files, all_tasks = {}, []
@@ -391,97 +418,618 @@ def _render(lab: Lab) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Grading
 # ---------------------------------------------------------------------------------------------
-class _Collector:
-    """A pytest plugin recording each test's outcome, task markers and failure."""
+GRADE_TIMEOUT = 60.0
+"""Seconds each task's tests may run (``--timeout``); past it the task is *timed out*."""
 
-    def __init__(self):
-        self.results = []
-        self.tasks = {}  # nodeid -> task numbers, filled at collection
+STATUSES = ("passed", "not implemented", "blocked", "failed", "timed out", "error", "no tests")
+"""Every status ``grade`` gives a task (see [opd_literate.handout.grade][])."""
+
+# The harness runs in the sandbox as its own program (it never imports this package): the
+# grader writes it there, starts it, and reads its records from a pipe. Kept here, in one
+# string, so that the grader and its harness are one file; tests lint it as a file.
+HARNESS = r'''"""The grading harness of ``opd_literate.handout``, written into each grading sandbox.
+
+The grader starts it in a fresh interpreter with a scrubbed environment, in its own process
+group, and writes the configuration to its standard input. It imports pytest and the lab's
+libraries once, then grades each task in a forked child: the child installs an audit hook,
+imports the student's modules, replaces the other tasks' functions by the reference versions,
+runs the instructor's tests of that task, and sends one record through a pipe. This process never
+imports the student's code; it kills a child that runs past the time limit and forwards each
+record, tagged with the run's nonce, through the pipe the grader opened.
+"""
+
+import gc
+import importlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import sys
+import time
+import traceback
+import types
+
+# Events a student's code may not raise: new processes, signals, foreign code, memory walks.
+FORBIDDEN = {
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+    "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen",
+    "ctypes.dlsym", "ctypes.call_function", "ctypes.cdata", "socket.connect", "socket.bind",
+    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+}
+# Events that change the file system at the paths in their arguments.
+PATH_EVENTS = {
+    "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+    "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile",
+    "shutil.copymode", "shutil.copystat", "shutil.copytree", "shutil.move", "shutil.chown",
+}
+# No cache, no conftest.py, no plugins but these; no collection of every object after the run
+# (slow in a forked child, and the grade does not need it).
+PYTEST_OPTIONS = ["--no-header", "-p", "no:cacheprovider", "--noconftest", "-p",
+                  "no:unraisableexception", "-p", "no:threadexception"]
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+def _inside(path, roots):
+    return any(path == root or path.startswith(root + os.sep) for root in roots)
+
+
+def make_audit_hook(write_roots, secret_roots, blocked_modules):
+    """An audit hook (it cannot be removed) that refuses writes outside ``write_roots``, any
+    access under ``secret_roots``, the events of FORBIDDEN and imports of ``blocked_modules``."""
+
+    def resolve(path, dir_fd=None):
+        path = os.fsdecode(path)
+        if dir_fd is not None and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        return os.path.realpath(path)
+
+    def refuse(what, path=""):
+        raise PermissionError(f"grading sandbox: {what} is not allowed"
+                              + (f": {path}" if path else ""))
+
+    def hook(event, args):
+        if event in FORBIDDEN:
+            refuse(event)
+        if event == "import" and args[0].split(".")[0] in blocked_modules:
+            raise ImportError(f"grading sandbox: module {args[0]!r} is not available")
+        if event == "open":
+            path, _, flags = args
+            if isinstance(path, int):
+                return
+            path = resolve(path)
+            if path == os.devnull:
+                return
+            if _inside(path, secret_roots):
+                refuse("reading", path)
+            if flags is not None and flags & WRITE_FLAGS and not _inside(path, write_roots):
+                refuse("writing outside the lab copy", path)
+            if not _inside(path, write_roots) and os.path.isdir(path):
+                refuse("opening a folder outside the lab copy", path)
+        elif event in PATH_EVENTS:
+            dir_fd = args[-1] if event in ("os.remove", "os.rmdir", "os.mkdir") else None
+            for arg in args:
+                if isinstance(arg, (str, bytes, os.PathLike)):
+                    path = resolve(arg, dir_fd if isinstance(dir_fd, int) else None)
+                    if not _inside(path, write_roots):
+                        refuse(f"{event} outside the lab copy", path)
+                    break  # the first path argument is checked, then the second below
+            for arg in args[1:2] if event in ("os.rename", "os.link", "os.symlink",
+                                               "shutil.move", "shutil.copyfile") else ():
+                if isinstance(arg, (str, bytes, os.PathLike)):
+                    path = resolve(arg)
+                    if not _inside(path, write_roots):
+                        refuse(f"{event} outside the lab copy", path)
+
+    return hook
+
+
+def _tripwire(modules):
+    """The callables of the modules and classes a student could patch to fake a pass."""
+    snapshot = {}
+    for name in modules:
+        owner = sys.modules.get(name.split(":")[0])
+        for part in name.split(":")[1:]:
+            owner = getattr(owner, part, None)
+        if owner is None:
+            continue
+        for key, value in list(vars(owner).items()):
+            if callable(value) or isinstance(value, (staticmethod, classmethod)):
+                snapshot[f"{name.replace(':', '.')}.{key}"] = value
+    return snapshot
+
+
+TRIPWIRE = [
+    "builtins", "pytest", "_pytest.runner", "_pytest.reports", "_pytest.python", "_pytest.main",
+    "_pytest.outcomes", "_pytest.python_api", "pluggy", "numpy.testing",
+    "numpy.testing._private.utils", "torch.testing", "torch.testing._comparison", "numpy",
+    "torch", "_pytest.reports:TestReport", "_pytest.python:Function",
+    "_pytest.runner:CallInfo", "torch:Tensor",
+]
+
+
+def describe_error(error, work):
+    """One line naming the cause of an exception raised while importing the student's code:
+    the file and line inside the lab copy where it happened."""
+    if isinstance(error, SyntaxError):
+        where = os.path.relpath(error.filename, work) if error.filename else "?"
+        return f"syntax error in {where}, line {error.lineno}: {error.msg}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if f.filename and _inside(os.path.realpath(f.filename), [work])]
+    where = (f" ({os.path.relpath(frames[-1].filename, work)}, line {frames[-1].lineno})"
+             if frames else "")
+    return f"{type(error).__name__}: {error}{where}"
+
+
+class Collector:
+    """A pytest plugin: keeps the tests of one task, records each outcome and first line."""
+
+    def __init__(self, task):
+        self.task, self.results, self.errors = task, [], []
+
+    def pytest_collection_modifyitems(self, config, items):
+        keep, drop = [], []
+        for item in items:
+            tasks = {int(n) for marker in item.iter_markers("task") for n in marker.args}
+            (keep if self.task in tasks else drop).append(item)
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.errors.append(f"{report.nodeid}: {_first_line(report)}")
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            message = ""
-            if report.outcome == "failed" and report.longrepr is not None:
-                crash = getattr(report.longrepr, "reprcrash", None)
-                message = crash.message if crash else str(report.longrepr)
-            self.results.append(dict(nodeid=report.nodeid, outcome=report.outcome,
-                                     tasks=self.tasks.get(report.nodeid, []),
+            message = _first_line(report) if report.outcome == "failed" else ""
+            self.results.append(dict(test=report.nodeid, outcome=report.outcome,
                                      message=message))
 
-    def pytest_collection_modifyitems(self, items):
-        for item in items:
-            numbers = []
-            for marker in item.iter_markers("task"):
-                numbers += [int(n) for n in marker.args]
-            self.tasks[item.nodeid] = numbers
+
+def _first_line(report):
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr or "")
+    lines = [line.strip() for line in text.split("\n") if line.strip()] or [""]
+    if lines[0].endswith(":") and len(lines) > 1:  # numpy: "AssertionError:" then the cause
+        lines[0] += " " + lines[1]
+    return lines[0][:500]
 
 
-def _run_tests(folder: pathlib.Path) -> list[dict]:
-    """Run the lab's tests in a fresh interpreter (the lab's modules must not meet the
-    library's in one process) and return the collector's records."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "results.json"
-        code = (
-            "import json, pytest\n"
-            "from opd_literate.handout import _Collector\n"
-            "c = _Collector()\n"
-            "pytest.main(['-q', '-p', 'no:cacheprovider', '--no-header', '-o', "
-            "'addopts=', 'tests'], plugins=[c])\n"
-            f"json.dump(c.results, open({str(out)!r}, 'w'))\n"
-        )
-        env = dict(os.environ, PYTHONPATH=str(folder), PYTHONDONTWRITEBYTECODE="1")
-        subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, check=False,
-                       capture_output=True, text=True, timeout=1800)
-        if not out.exists():
-            raise RuntimeError(f"the tests of {folder} could not be run")
-        return json.loads(out.read_text())
+def run_task(config, task, pytest):
+    """In the forked child: grade one task and return its record."""
+    work = config["work"]
+    os.chdir(work)
+    sys.path.append(work)  # last: the student's files never shadow an installed package
+    references = {}
+    for module, source in config["references"].items():  # before any student code runs
+        reference = types.ModuleType(f"_reference_{module}")
+        sys.modules[reference.__name__] = reference  # while it runs (dataclasses look it up)
+        exec(compile(source, f"<reference {module}>", "exec"), reference.__dict__)
+        references[module] = sys.modules.pop(reference.__name__)
+    config["references"] = None
+    hook = make_audit_hook(config["write_roots"], config["secret_roots"],
+                           set(config["blocked_modules"]))
+    sys.addaudithook(hook)
+    before = _tripwire(TRIPWIRE)
+    students = {}
+    for module in config["student_modules"]:
+        if not os.path.exists(os.path.join(work, f"{module}.py")):
+            return dict(task=task, error=f"the lab folder has no {module}.py")
+        try:
+            students[module] = importlib.import_module(module)
+        except BaseException as error:  # anything the student's module raises at import
+            return dict(task=task, error=describe_error(error, work))
+    for other, functions in config["functions"].items():  # other tasks: the reference
+        if int(other) == task:
+            continue
+        for module, name in functions:
+            setattr(students[module], name, getattr(references[module], name))
+    collector = Collector(task)
+    code = pytest.main(["-q", *PYTEST_OPTIONS, "-c", config["ini"], "--rootdir", work,
+                        *config["tests"]], plugins=[collector])
+    after = _tripwire(TRIPWIRE)
+    tampered = sorted(k for k, v in before.items() if after.get(k) is not v)
+    return dict(task=task, tests=collector.results, errors=collector.errors, exit=int(code),
+                tampered=tampered)
 
 
-def grade(lab_dir) -> dict:
-    """Run a lab folder's tests and grade each task.
+def _child(config, task, write_end, pytest, token):
+    os.close(config["result_fd"])  # the child never writes to the grader's pipe
+    started = time.monotonic()
+    log = os.open(os.path.join(config["log_dir"], f"task{task}.log"),
+                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        record = run_task(config, task, pytest)
+    except BaseException as error:  # the harness itself failed in this child
+        record = dict(task=task, error=f"grading harness: {type(error).__name__}: {error}",
+                      traceback=traceback.format_exc())
+    record["seconds"] = round(time.monotonic() - started, 3)
+    record["token"] = token
+    os.write(write_end, json.dumps(record).encode())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
-    A task is *passed* when all its tests pass, *not implemented* when one of its tests stops on
-    its own ``NotImplementedError("Task N: ...")``, *blocked* when its only failures come from
-    another task's stub, *no tests* when no test is marked with it, and *failed* otherwise.
-    Returns ``{"lab", "tasks": {n: {...}}, "score", "total"}``.
-    """
-    folder = pathlib.Path(lab_dir)
+
+def main():
+    config = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    nonce = config.pop("nonce")
+    results = os.fdopen(config["result_fd"], "w", buffering=1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if p not in ("", here, os.getcwd())]
+    sys.dont_write_bytecode = True
+    for name in config["preload"]:  # once here, not once per task
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # reported with its real cause when the student's module imports it
+    import pytest
+
+    # A first pytest run imports its plugins; on an empty folder, so no student code is run.
+    # Then the given modules (the instructor's copies). Each child starts from this state.
+    empty = os.path.join(config["log_dir"], "empty")
+    os.mkdir(empty)
+    pytest.main(["-q", "--co", *PYTEST_OPTIONS, "-c", config["ini"], "--rootdir", empty, empty])
+    sys.path.append(config["work"])
+    for name in config["given_modules"]:
+        importlib.import_module(name)
+    sys.path.remove(config["work"])
+    gc.freeze()  # a child's collections then skip (and do not copy) the parent's objects
+
+    pending = list(config["tasks"])
+    running = {}  # read end -> (pid, task, chunks, deadline)
+    selector = selectors.DefaultSelector()
+    while pending or running:
+        while pending and len(running) < config["jobs"]:
+            task = pending.pop(0)
+            read_end, write_end = os.pipe()
+            token = secrets.token_hex(16)  # a record without it was not written by run_task
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read_end)
+                for fd in running:
+                    os.close(fd)
+                _child(config, task, write_end, pytest, token)
+            os.close(write_end)
+            running[read_end] = (pid, task, [], time.monotonic() + config["timeout"], token)
+            selector.register(read_end, selectors.EVENT_READ)
+        now = time.monotonic()
+        wait = max(0.0, min(entry[3] for entry in running.values()) - now)
+        for key, _ in selector.select(timeout=wait):
+            pid, task, chunks, _, token = running[key.fd]
+            data = os.read(key.fd, 1 << 16)
+            if data:
+                chunks.append(data)
+                continue
+            selector.unregister(key.fd)
+            os.close(key.fd)
+            del running[key.fd]
+            _, status = os.waitpid(pid, 0)
+            try:
+                record = json.loads(b"".join(chunks))
+                assert isinstance(record, dict) and record.pop("token") == token
+            except (ValueError, AssertionError, KeyError):
+                record = dict(task=task, error="the test process ended without a valid result "
+                                               f"(wait status {status})")
+            record["task"] = task
+            results.write(json.dumps(dict(record, nonce=nonce)) + "\n")
+        now = time.monotonic()
+        for fd, (pid, task, _, deadline, _) in list(running.items()):
+            if now >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                selector.unregister(fd)
+                os.close(fd)
+                del running[fd]
+                results.write(json.dumps(dict(task=task, timed_out=config["timeout"],
+                                              nonce=nonce)) + "\n")
+    results.close()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+# What a grading sandbox never receives from the student's folder.
+_SKIPPED_NAMES = {"__pycache__", ".pytest_cache", "conftest.py", "pytest.ini", "tox.ini",
+                  "setup.cfg", "pyproject.toml", "sitecustomize.py", "usercustomize.py", MARKER}
+_SKIPPED_SUFFIXES = {".so", ".pyd", ".pyc", ".pyo", ".pth", ".dylib", ".dll"}
+_COPY_LIMIT = 50 * 2**20  # bytes: a lab is a few hundred kilobytes
+
+
+def _lab_of(folder: pathlib.Path) -> Lab:
     manifest_path = folder / "lab.json"
-    if not manifest_path.exists():
+    if not manifest_path.is_file():
         raise ValueError(f"{str(folder)!r} is not a lab folder (no lab.json)")
-    manifest = json.loads(manifest_path.read_text())
-    records = _run_tests(folder)
+    try:
+        name = json.loads(manifest_path.read_text())["lab"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{str(folder / 'lab.json')!r} is not a lab manifest") from None
+    if name not in LABS:
+        raise ValueError(f"{str(folder / 'lab.json')!r} names an unknown lab {name!r}")
+    return LABS[name]
+
+
+def _copy_student_files(folder: pathlib.Path, work: pathlib.Path, lab: Lab) -> list[str]:
+    """Copy the student's own files into ``work``: regular files only, without tests, pytest
+    configuration, compiled code or caches. Returns the names left out that could change how
+    tests run (a ``conftest.py``, a ``pytest.ini``, compiled code, a link)."""
+    ignored, size = [], 0
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        parts = relative.parts
+        if parts[0] in ("tests", MARKER) or any(p in ("__pycache__", ".pytest_cache", ".git")
+                                                for p in parts):
+            continue
+        if path.is_symlink():
+            ignored.append(f"{relative} (a symbolic link)")
+            continue
+        if not path.is_file():
+            continue
+        if path.name in _SKIPPED_NAMES or path.suffix in _SKIPPED_SUFFIXES:
+            if path.name not in ("pytest.ini", "conftest.py") or len(parts) > 1:
+                ignored.append(str(relative))
+            continue
+        size += path.stat().st_size
+        if size > _COPY_LIMIT:
+            raise ValueError(f"{str(folder)!r} holds more than {_COPY_LIMIT >> 20} MiB; "
+                             "a lab folder is a few hundred kilobytes")
+        target = work / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    return ignored
+
+
+def _notebook_modules(folder: pathlib.Path, lab: Lab) -> dict[str, str]:
+    """The student modules assembled from the code cells of ``<lab>.ipynb`` that carry the
+    ``module:<name>`` tag, in order; {} when the folder holds no notebook."""
+    path = folder / f"{lab.name}.ipynb"
+    if not path.is_file():
+        return {}
+    try:
+        cells = json.loads(path.read_text())["cells"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{str(path)!r} is not a Jupyter notebook") from None
+    modules = {}
+    for cell in cells:
+        tags = cell.get("metadata", {}).get("tags", [])
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else source
+        for tag in tags:
+            if cell.get("cell_type") == "code" and tag.startswith("module:"):
+                modules.setdefault(tag.split(":", 1)[1], []).append(source.rstrip("\n"))
+    return {name: "\n\n\n".join(parts) + "\n" for name, parts in modules.items()
+            if name in lab.student_modules}
+
+
+def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
+    """Each handout file other than the student modules that the folder changed or lacks:
+    ``{name: "modified" | "missing"}``. The grade uses the instructor's copy either way."""
+    found = {}
+    for name, text in instructor.items():
+        path = folder / name
+        if not path.is_file():
+            found[name] = "missing"
+        elif _sha256(path) != hashlib.sha256(text.encode()).hexdigest():
+            found[name] = "modified"
+    return found
+
+
+def _scrubbed_environment(sandbox: pathlib.Path) -> dict:
+    """The whole environment of the student's process: nothing from the grader's but PATH."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(sandbox / "home"),
+            "TMPDIR": str(sandbox / "tmp"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _third_party(files: dict) -> list[str]:
+    """The installed packages the lab's code imports (preloaded once by the harness)."""
+    import ast
+
+    own = {pathlib.PurePosixPath(name).stem for name in files}
+    names = set()
+    for name, text in files.items():
+        if name.endswith(".py"):
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Import):
+                    names |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    return sorted(names - own - set(sys.stdlib_module_names))
+
+
+def _run_harness(config: dict, sandbox: pathlib.Path, deadline: float) -> list[dict]:
+    """Start the harness in its own process group and read its records; the group is killed
+    however this ends (records read, time out, Ctrl-C, SIGTERM turned into SystemExit)."""
+    import secrets
+    import signal
+    import time
+
+    nonce = secrets.token_hex(16)
+    read_end, write_end = os.pipe()
+    stderr_path = sandbox / "harness.stderr"
+    with open(stderr_path, "wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-s", str(sandbox / "harness.py")], cwd=sandbox,
+            env=_scrubbed_environment(sandbox), stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=stderr, pass_fds=(write_end,),
+            start_new_session=True)
+    os.close(write_end)
+    records, buffer = [], b""
+    try:
+        process.stdin.write(json.dumps(dict(config, nonce=nonce, result_fd=write_end)).encode())
+        process.stdin.close()
+        import selectors
+
+        with selectors.DefaultSelector() as selector:
+            selector.register(read_end, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                if not selector.select(timeout=left):
+                    continue
+                data = os.read(read_end, 1 << 16)
+                if not data:
+                    break
+                buffer += data
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except (TimeoutError, subprocess.TimeoutExpired):
+        pass  # the tasks without a record are reported as timed out
+    finally:
+        os.close(read_end)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the harness and every child it forked
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+    for line in buffer.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.pop("nonce", None) == nonce:
+            records.append(record)
+    if not records and process.returncode not in (0, None):
+        lines = stderr_path.read_text(errors="replace").strip().split("\n")
+        raise RuntimeError(f"the grading harness could not start: {lines[-1]}")
+    return records
+
+
+def _task_status(task: int, record) -> dict:
+    """The status, counts and failure messages of one task from its harness record."""
+    if record is None or "timed_out" in record:
+        return dict(status="timed out", tests=0, passed=0,
+                    messages=["timed out" if record is None
+                              else f"timed out after {record['timed_out']:g} s"])
+    if "error" in record:
+        return dict(status="error", tests=0, passed=0, messages=[record["error"]])
+    results = record["tests"]
+    failed = [r for r in results if r["outcome"] == "failed"]
+    messages = [f"{r['test']}: {r['message']}" for r in failed] + record["errors"]
+    if record["tampered"]:
+        messages.append("the student's code replaced " + ", ".join(record["tampered"][:5]))
+    own_stub = [r for r in failed if f"NotImplementedError: Task {task}:" in r["message"]]
+    other_stub = [r for r in failed if re.search(r"NotImplementedError: Task \d+:",
+                                                 r["message"]) and r not in own_stub]
+    if record["tampered"] or record["errors"]:
+        status = "error"
+    elif not results:
+        status = "no tests"
+    elif not failed:
+        status = "passed"
+    elif own_stub:
+        status = "not implemented"
+    elif len(other_stub) == len(failed):
+        status = "blocked"
+    else:
+        status = "failed"
+    return dict(status=status, tests=len(results),
+                passed=sum(r["outcome"] == "passed" for r in results), messages=messages)
+
+
+def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -> dict:
+    """Grade a lab folder (or a notebook lab) with the instructor's tests, task by task.
+
+    The student's folder is copied into a temporary sandbox without its tests, ``conftest.py``,
+    ``pytest.ini``, compiled files or links; the instructor's tests and given modules (rendered
+    from the library) replace the student's copies, which are compared by SHA-256 and reported
+    as ``modified`` or ``missing``. Each task's tests run in a forked child of a harness process
+    started with a scrubbed environment in its own process group; the other tasks' functions
+    are replaced by the reference versions in that child only (nothing is written to the
+    student's folder). See ``docs/instructors.md`` for what this does and does not protect.
+
+    A task is *passed* when all its tests pass, *not implemented* when one stops on its own
+    ``NotImplementedError("Task N: ...")``, *blocked* when its only failures come from another
+    task's stub, *timed out* when its tests run past ``timeout`` seconds, *error* when the
+    student's code cannot be imported (a syntax error, a missing module: the message names
+    file and line) or replaced a testing function, *no tests* when no test is marked with it,
+    and *failed* otherwise. Returns ``{"lab", "tasks": {n: {"function", "status", "tests",
+    "passed", "messages"}}, "score", "total", "files"}``.
+    """
+    import shutil
+    import time
+
+    folder = pathlib.Path(lab_dir)
+    lab = _lab_of(folder)
+    instructor = _render(lab)
+    all_tasks = _tasks_of(lab)
+    functions = {}
+    for number, name, module in all_tasks:
+        functions.setdefault(str(number), []).append((module, name))
+    notebook = _notebook_modules(folder, lab)
+    checked = {name: text for name, text in instructor.items()
+               if name.endswith(".py") and pathlib.PurePosixPath(name).stem
+               not in lab.student_modules}
+    checked.update({name: instructor[name] for name in ("pytest.ini", "conftest.py")})
+    start = time.monotonic()
+    sandbox = pathlib.Path(tempfile.mkdtemp(prefix="opd-grade-"))
+    try:
+        work = sandbox / "lab"
+        for sub in (work, sandbox / "home", sandbox / "tmp"):
+            sub.mkdir()
+        ignored = _copy_student_files(folder, work, lab)
+        for name, text in notebook.items():
+            (work / f"{name}.py").write_text(text)
+        for name, text in instructor.items():  # the instructor's tests and given code
+            if name.startswith("tests/") or (name.endswith(".py") and name in checked):
+                (work / name).parent.mkdir(parents=True, exist_ok=True)
+                (work / name).write_text(text)
+        for name in ("conftest.py", "pytest.ini"):
+            (work / name).unlink(missing_ok=True)
+        (sandbox / "pytest.ini").write_text(_PYTEST_INI)
+        (sandbox / "harness.py").write_text(HARNESS)
+        references = {m: _flatten_imports(_read(PACKAGE / f"{m}.py"))
+                      for m in lab.student_modules}
+        real = [str(p.resolve()) for p in (work, sandbox / "tmp", sandbox / "home")]
+        config = dict(
+            work=real[0], write_roots=real, log_dir=str(sandbox),
+            secret_roots=[str(PACKAGE.resolve())],
+            blocked_modules=["opd_literate"], ini=str(sandbox / "pytest.ini"),
+            tests=[f"tests/{pathlib.PurePosixPath(t).name}" for t in lab.tests],
+            student_modules=list(lab.student_modules), functions=functions,
+            given_modules=list(lab.given_modules),
+            tasks=sorted({n for n, _, _ in all_tasks}), references=references,
+            preload=_third_party(instructor), timeout=float(timeout),
+            jobs=int(jobs or min(2, os.cpu_count() or 1)))
+        deadline = start + 30 + len(config["tasks"]) * (timeout + 5)
+        records = {r["task"]: r for r in _run_harness(config, sandbox, deadline)}
+    finally:
+        shutil.rmtree(sandbox, ignore_errors=True)
     tasks = {}
-    for number, functions in sorted(manifest["tasks"].items(), key=lambda kv: int(kv[0])):
-        n = int(number)
-        mine = [r for r in records if n in r["tasks"]]
-        failed = [r for r in mine if r["outcome"] == "failed"]
-        own_stub = [r for r in failed if f"NotImplementedError: Task {n}:" in r["message"]]
-        other_stub = [r for r in failed if re.search(r"NotImplementedError: Task \d+:",
-                                                     r["message"]) and r not in own_stub]
-        if not mine:
-            status = "no tests"
-        elif not failed:
-            status = "passed"
-        elif own_stub:
-            status = "not implemented"
-        elif len(other_stub) == len(failed):
-            status = "blocked"
-        else:
-            status = "failed"
-        tasks[n] = dict(function=", ".join(functions), status=status, tests=len(mine),
-                        passed=sum(r["outcome"] == "passed" for r in mine))
+    for number in config["tasks"]:
+        names = ", ".join(name for _, name in functions[str(number)])
+        tasks[number] = dict(function=names, **_task_status(number, records.get(number)))
     score = sum(t["status"] == "passed" for t in tasks.values())
-    return dict(lab=manifest["lab"], tasks=tasks, score=score, total=len(tasks))
+    files = _check_files(folder, checked)
+    if notebook:
+        files = {k: v for k, v in files.items() if k != "conftest.py"}
+    files.update({name: "ignored" for name in ignored})
+    return dict(lab=lab.name, tasks=tasks, score=score, total=len(tasks), files=files,
+                format="notebook" if notebook else "files",
+                seconds=round(time.monotonic() - start, 2))
 
 
 def format_grade(result: dict) -> str:
-    """The result of [opd_literate.handout.grade][] as a Markdown table and a score line."""
+    """The result of [opd_literate.handout.grade][] as a Markdown table, the first line of
+    each failure, the files that differ from the handout, and a score line."""
     lines = [f"lab {result['lab']}", "", "| task | function | status | tests passed |",
              "| --- | --- | --- | ---: |"]
     for n, task in result["tasks"].items():
         lines.append(f"| {n} | {task['function']} | {task['status']} | "
                      f"{task['passed']}/{task['tests']} |")
+    failures = [(n, m) for n, task in result["tasks"].items()
+                if task["status"] not in ("passed", "not implemented") for m in task["messages"]]
+    if failures:
+        lines += ["", "failures:"] + [f"- Task {n}: {m}" for n, m in failures]
+    if result.get("files"):
+        lines += ["", "files that differ from the handout (the instructor's copy was used):"]
+        lines += [f"- {name}: {state}" for name, state in sorted(result["files"].items())]
     lines += ["", f"score: {result['score']}/{result['total']}"]
     return "\n".join(lines)
 
@@ -494,6 +1042,55 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _grade_main(argv: list) -> int:
+    import signal
+
+    parser = _Parser(prog="opd-handout grade",
+                     description="Grade a lab folder with the instructor's tests, task by task.")
+    parser.add_argument("lab_dir", help="a folder written by opd-handout (or one holding such "
+                                        "folders)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the report as JSON to PATH ('-' for standard output)")
+    parser.add_argument("--timeout", type=float, default=GRADE_TIMEOUT,
+                        help=f"seconds each task's tests may run (default {GRADE_TIMEOUT:g})")
+    args = parser.parse_args(argv)
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    folder = pathlib.Path(args.lab_dir)
+    folders = ([folder] if (folder / "lab.json").exists()
+               else sorted(p.parent for p in folder.glob("*/lab.json")))
+    if not folders:
+        parser.error(f"{args.lab_dir!r} is not a lab folder (no lab.json)")
+
+    def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the harness group is killed
+        raise KeyboardInterrupt(number)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    reports = []
+    try:
+        for lab_folder in folders:
+            result = grade(lab_folder, timeout=args.timeout)
+            reports.append(dict(folder=str(lab_folder), **result))
+            if args.json != "-":
+                print(format_grade(result), flush=True)
+    except KeyboardInterrupt as interrupt:
+        number = interrupt.args[0] if interrupt.args else signal.SIGINT
+        print(f"opd-handout grade: stopped by {signal.Signals(number).name}; no process "
+              "left running", file=sys.stderr)
+        return 128 + int(number)
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        text = json.dumps(dict(labs=reports), indent=1) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            pathlib.Path(args.json).write_text(text)
+    return 0
+
+
 def main(argv=None) -> int:
     """The command line: ``OUTDIR --lab NAME [--force]`` writes, ``grade LABDIR`` grades.
 
@@ -503,18 +1100,7 @@ def main(argv=None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:
-        parser = _Parser(prog="opd-handout grade",
-                         description="Grade a lab folder: run its tests, report each task.")
-        parser.add_argument("lab_dir", help="a folder written by opd-handout")
-        args = parser.parse_args(argv[1:])
-        folder = pathlib.Path(args.lab_dir)
-        folders = ([folder] if (folder / "lab.json").exists()
-                   else sorted(p.parent for p in folder.glob("*/lab.json")))
-        if not folders:
-            parser.error(f"{args.lab_dir!r} is not a lab folder (no lab.json)")
-        for lab_folder in folders:
-            print(format_grade(grade(lab_folder)))
-        return 0
+        return _grade_main(argv[1:])
     parser = _Parser(prog="opd-handout", description=__doc__.split("\n\n")[0],
                      epilog="To grade a folder: opd-handout grade LABDIR")
     parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write the lab into")

@@ -128,14 +128,19 @@ def test_full_solution_of_the_opd_lab_gets_full_marks(labs, tmp_path):
     assert all(t["passed"] == t["tests"] > 0 for t in result["tasks"].values())
 
 
-def test_partial_solution_grades_per_task(labs, tmp_path):
+def test_one_task_solution_scores_exactly_that_task(labs, tmp_path):
+    """Task 1 alone is passed, though the identity tests of Task 1 also call Tasks 2 and 3: the
+    grader supplies their reference versions at grading time, never in the student's folder."""
     folder = tmp_path / "opd"
     shutil.copytree(labs / "opd", folder)
-    _restore(folder, keep={2})
-    tasks = grade(folder)["tasks"]
-    # Task 2's own tests pass, but the identity test also needs Tasks 1 and 3.
-    assert tasks[2]["status"] == "blocked" and 0 < tasks[2]["passed"] < tasks[2]["tests"]
-    assert tasks[1]["status"] == tasks[3]["status"] == "not implemented"
+    _restore(folder, keep={1})
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    result = grade(folder)
+    tasks = result["tasks"]
+    assert tasks[1]["status"] == "passed" and tasks[1]["passed"] == tasks[1]["tests"] == 10
+    assert tasks[2]["status"] == tasks[3]["status"] == "not implemented"
+    assert result["score"] == 1
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
 
 
 def test_wrong_solution_is_failed(labs, tmp_path):
@@ -162,12 +167,17 @@ def test_cli_writes_and_grades(tmp_path):
     run = subprocess.run([sys.executable, "-m", "opd_literate.handout", str(out), "--lab",
                           "opd"], capture_output=True, text=True)
     assert run.returncode == 0 and (out / "lab.json").exists()
-    graded = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade", str(out)],
-                            capture_output=True, text=True)
-    assert graded.returncode == 0
-    assert "| 1 | reverse_kl_rewards | not implemented | 0/" in graded.stdout
-    assert graded.stdout.count("| not implemented | 0/") == 3
-    assert "score: 0/3" in graded.stdout
+    graded = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade", str(out),
+                             "--json", "-"], capture_output=True, text=True)
+    assert graded.returncode == 0, graded.stderr
+    report = json.loads(graded.stdout)["labs"][0]
+    assert report["lab"] == "opd" and report["score"] == 0 and report["total"] == 3
+    assert report["files"] == {}
+    for number, tests in (("1", 10), ("2", 12), ("3", 10)):  # tests of the task, counted here
+        task = report["tasks"][number]
+        assert (task["status"], task["passed"], task["tests"]) == ("not implemented", 0, tests)
+        assert task["messages"][0].endswith(f"NotImplementedError: Task {number}: "
+                                            f"{task['function'].split(', ')[-1]}")
 
 
 class TestBadInput:

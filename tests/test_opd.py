@@ -169,6 +169,23 @@ def enumerate_sampled_token_gradients(student_logits, teacher_logits):
     return torch.stack(rows)
 
 
+@pytest.mark.task(2)
+def test_expected_policy_gradient_with_hand_rewards_is_the_analytic_kl_gradient():
+    """Task 2 alone: with the rewards log q(v) - log p(v) written out here (not Task 1's), the
+    loss's gradient averaged over the sampled token v ~ p is the analytic reverse-KL gradient."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, generator=g, dtype=DOUBLE) * 2
+    zt = torch.randn(6, generator=g, dtype=DOUBLE) * 2
+    p, mean = F.softmax(z, -1), torch.zeros(6, dtype=DOUBLE)
+    for v in range(6):
+        zv = z.clone().requires_grad_(True)
+        student_logp = F.log_softmax(zv, -1)[v].reshape(1, 1)
+        rewards = (F.log_softmax(zt, -1)[v] - student_logp).detach()
+        opd_pg_loss(student_logp, rewards, torch.ones(1, 1, dtype=DOUBLE)).backward()
+        mean += p[v] * zv.grad
+    torch.testing.assert_close(mean, analytic_reverse_kl_grad(z, zt), rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.task(1, 2, 3)
 @pytest.mark.parametrize("seed", range(5))
 def test_expected_sampled_token_gradient_equals_full_vocab_gradient(seed):
