@@ -238,3 +238,70 @@ def test_oversize_messages_in_full():
 def test_argument_errors_in_full(call, error, message):
     with pytest.raises(error, match="^" + re.escape(message) + "$"):
         call()
+
+
+# -------------------------------------------------------------------------------------------
+# The documented draws and the keys of the toys built from logits
+# -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, T, V, mismatch, seed", [
+    ({}, 5, 3, 0.3, 0),  # the documented defaults
+    ({"T": 2, "V": 2, "mismatch": 0.1, "seed": 4}, 2, 2, 0.1, 4),
+])
+def test_autoregressive_toy_is_the_documented_draw(kwargs, T, V, mismatch, seed):
+    toy = make_ar_toy(**kwargs)
+    rng = np.random.default_rng(seed)
+    theta = rng.normal(0.0, 0.7, size=(T, V + 1, V))
+    b = rng.standard_t(3, size=(T, V + 1, V))
+    np.testing.assert_array_equal(toy["theta"], theta)
+    np.testing.assert_array_equal(toy["b"], b)
+    assert toy["mismatch"] == mismatch and toy["T"] == T and toy["V"] == V
+    assert len(toy["Y"]) == sum((V - 1) ** k for k in range(T + 1))
+    # the sampler reads theta + mismatch * b: its first token's log-probabilities
+    first = toy["Y"][:, 0]
+    log_mu0 = _log_softmax(theta[0, 0] + mismatch * b[0, 0])
+    np.testing.assert_allclose(toy["logp_sampler"][:, 0], log_mu0[first], rtol=1e-12)
+
+
+def _log_softmax(z):
+    z = np.asarray(z, dtype=np.float64)
+    return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
+def test_toys_from_logits_keep_the_logits():
+    train, sampler = np.array([[0.0, 1.0], [2.0, 0.5]]), np.array([[0.5, 0.0], [1.0, 1.0]])
+    toy = toy_from_logits(train, sampler)
+    assert toy["theta"].tolist() == train.tolist() and toy["mismatch"] == 1.0
+    assert toy["b"].tolist() == (sampler - train).tolist()
+    train3, sampler3 = np.zeros((2, 3, 2)), np.ones((2, 3, 2)) * [0.0, 0.5]
+    ar = ar_toy_from_logits(train3, sampler3)
+    assert ar["theta"].tolist() == train3.tolist() and ar["mismatch"] == 1.0
+    assert ar["b"].tolist() == (sampler3 - train3).tolist()
+
+
+def test_logits_of_any_real_dtype_are_read_as_float64():
+    for dtype in (np.float32, np.int64, np.int8):
+        toy = toy_from_logits(np.zeros((1, 2), dtype=dtype), np.ones((1, 2), dtype=dtype))
+        assert toy["theta"].dtype == np.float64 and toy["p_train"].tolist() == [0.5, 0.5]
+        ar = ar_toy_from_logits(np.zeros((1, 3, 2), dtype=dtype), np.zeros((1, 3, 2), dtype=dtype))
+        assert ar["theta"].dtype == np.float64 and ar["p_train"].tolist() == [0.5, 0.5]
+
+
+def test_a_mask_of_integers_is_returned_as_float():
+    mask = response_mask({"logp_train": np.zeros((1, 2)), "mask": np.array([[1, 0]])})
+    assert mask.dtype == np.float64 and mask.tolist() == [[1.0, 0.0]]
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 2, 1), (0, 3, 2), (1, 3, 3)])
+def test_autoregressive_logits_of_a_wrong_shape(shape):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"train_logits must have shape (T, V + 1, V) with T, V >= 1, got {shape}") + "$"):
+        ar_toy_from_logits(np.zeros(shape), np.zeros(shape))
+
+
+def test_oversize_autoregressive_toy_from_logits_counts_with_eos():
+    # with <eos> and V = 3: M = sum_{k <= 61} 2^k = 2^62 - 1 responses
+    M = 2**62 - 1
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"ar_toy_from_logits(T=61, V=3, eos=True) would enumerate {M:,} responses and take "
+            f"{8 * M * (5 * 61 + 3 + 61 * 4 * 3) / GIB:.1f} GiB")):
+        ar_toy_from_logits(np.zeros((61, 4, 3)), np.zeros((61, 4, 3)))
