@@ -17,13 +17,15 @@ handout replaces every marked region with its hint and a stub:
 and writes a self-contained lab folder: the student module(s) (docstrings and derivations kept),
 the given code whole, the lab's tests (importing from the folder), a ``pytest.ini``, a
 ``conftest.py`` (for ``pytest --task N``), a ``lab.json`` naming the tasks and a README for
-students. ``grade`` runs those tests and reports each task as passed, not implemented, blocked
-(by another task's stub), failed, or without tests.
+students; with ``--format notebook``, the student module is a Jupyter notebook instead.
+``grade`` runs the instructor's copy of the tests on a sandboxed copy of a student's folder, one
+task at a time, and reports each task as passed, not implemented, blocked, failed, timed out,
+error, or without tests.
 
 Usage:
 
-    python -m opd_literate.handout OUTDIR --lab opd|mismatch|all [--force]
-    python -m opd_literate.handout grade LABDIR
+    python -m opd_literate.handout OUTDIR --lab opd|mismatch|all [--format notebook] [--force]
+    python -m opd_literate.handout grade LABDIR [--json PATH] [--timeout SECONDS]
 
 ``OUTDIR`` receives a ``.opd-handout`` marker that lists the files written and their SHA-256;
 ``--force`` replaces only such a folder, deletes only those files (refusing if one was changed
@@ -44,7 +46,8 @@ import tempfile
 import textwrap
 from dataclasses import dataclass
 
-__all__ = ["LABS", "MARKER", "Lab", "MarkerError", "strip_solutions", "write_lab", "grade", "main"]
+__all__ = ["LABS", "MARKER", "FORMATS", "STATUSES", "GRADE_TIMEOUT", "Lab", "MarkerError",
+           "strip_solutions", "write_lab", "render_notebook", "grade", "format_grade", "main"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -327,7 +330,8 @@ def _remove(out_dir: pathlib.Path, files: dict) -> None:
             path.rmdir()
 
 
-def write_lab(lab_name: str, out_dir, force: bool = False) -> list[pathlib.Path]:
+def write_lab(lab_name: str, out_dir, force: bool = False,
+              format: str = "files") -> list[pathlib.Path]:
     """Write the lab folder(s) for ``lab_name`` ("opd", "mismatch" or "all") under ``out_dir``.
 
     ``all`` writes one sub-folder per lab. ``out_dir`` gets a [MARKER][opd_literate.handout.MARKER]
@@ -335,8 +339,12 @@ def write_lab(lab_name: str, out_dir, force: bool = False) -> list[pathlib.Path]
     refused unless ``force``. ``force`` replaces only a real folder (not a symbolic link) that
     holds this marker, and deletes only the files the marker lists; it refuses, before deleting
     anything, when one of them was changed since, or when a file it would write exists and is
-    not one of them. Every other file stays. Returns the lab folders written.
+    not one of them. Every other file stays. ``format="notebook"`` writes each lab's student
+    module as a Jupyter notebook ``<lab>.ipynb`` instead (see
+    [opd_literate.handout.render_notebook][]). Returns the lab folders written.
     """
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")
     if lab_name != "all" and lab_name not in LABS:
         raise ValueError(f"unknown lab {lab_name!r}; choose from {', '.join([*LABS, 'all'])}")
     out_dir = pathlib.Path(out_dir)
@@ -344,7 +352,7 @@ def write_lab(lab_name: str, out_dir, force: bool = False) -> list[pathlib.Path]
         raise ValueError(f"OUTDIR {str(out_dir)!r} exists and is not a folder")
     names = list(LABS) if lab_name == "all" else [lab_name]
     files = {(f"{name}/" if lab_name == "all" else "") + relative: text
-             for name in names for relative, text in _render(LABS[name]).items()}
+             for name in names for relative, text in _render(LABS[name], format).items()}
     replaceable = {}
     if out_dir.exists() and any(out_dir.iterdir()):
         if not force:
@@ -375,6 +383,93 @@ def write_lab(lab_name: str, out_dir, force: bool = False) -> list[pathlib.Path]
     return [out_dir / name for name in names] if lab_name == "all" else [out_dir]
 
 
+FORMATS = ("files", "notebook")
+"""The ways to write a lab: Python files, or the student module as a Jupyter notebook."""
+
+_NOTEBOOK_CHECK = """import sys
+import types
+
+import pytest
+
+
+def check(task):
+    \"\"\"Run the lab's tests of ``task`` on the functions defined in this notebook.\"\"\"
+    module = types.ModuleType({module!r})
+    module.__dict__.update({{k: v for k, v in globals().items() if not k.startswith("__")}})
+    sys.modules[{module!r}] = module
+    for name in [n for n in sys.modules if n.startswith("test_")]:
+        del sys.modules[name]  # the tests import this notebook's functions afresh
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                        "--task", str(task), "tests"])  # (that plugin is slow in a kernel)
+    assert code == 0, f"Task {{task}}: some tests fail (see above)\""""
+
+
+def _cell(kind: str, source: str, tags=()) -> dict:
+    cell = {"cell_type": kind, "metadata": {"tags": list(tags)} if tags else {},
+            "source": source.strip("\n")}
+    if kind == "code":
+        cell.update(execution_count=None, outputs=[])
+    return cell
+
+
+def render_notebook(lab: Lab, keep=frozenset()) -> dict:
+    """The lab as a Jupyter notebook (nbformat 4): the module's docstring as its introduction;
+    the student module in code cells tagged ``module:<name>`` (the grader joins them back into
+    the module), each task's function after a Markdown cell with its number, hint and docstring;
+    then one cell per task that runs that task's tests. ``keep``: tasks left solved (tests)."""
+    import ast
+
+    if len(lab.student_modules) != 1:
+        raise ValueError(f"lab {lab.name!r}: a notebook holds one student module")
+    module = lab.student_modules[0]
+    source = PACKAGE / f"{module}.py"
+    text, tasks = strip_solutions(_read(source), str(source), keep=keep)
+    text = _flatten_imports(text)
+    task_of = {name: n for n, name in tasks}
+    hints = dict(re.findall(r"### BEGIN SOLUTION Task (\d+): (.*)", _read(source)))
+    tree = ast.parse(text)
+    lines = text.split("\n")
+    cells = [_cell("markdown", f"# Lab: {lab.title}\n\n{lab.summary}\n\nEach task is a "
+                   "function whose body is a `TODO` and a `raise NotImplementedError`: replace "
+                   "the two lines with your code, run the cells from the top, then the task's "
+                   "check cell at the end.")]
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        cells.append(_cell("markdown", body[0].value.value))
+        body = body[1:]
+    pending = []
+
+    def flush():
+        if pending:
+            cells.append(_cell("code", "\n".join(pending), [f"module:{module}"]))
+            pending.clear()
+
+    for node in body:
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        chunk = "\n".join(lines[start:node.end_lineno]).strip("\n")
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            flush()
+            if node.name in task_of:
+                n = task_of[node.name]
+                doc = ast.get_docstring(node) or ""
+                cells.append(_cell("markdown", f"## Task {n}: `{node.name}`\n\n*{hints[str(n)]}*"
+                                               f"\n\n{doc}"))
+            cells.append(_cell("code", chunk, [f"module:{module}"]))
+        else:
+            pending += [chunk, ""]
+    flush()
+    cells.append(_cell("markdown", "## Check your work\n\nEach cell runs the tests of one task "
+                                   "on the functions above (the lab's `tests/` folder)."))
+    cells.append(_cell("code", _NOTEBOOK_CHECK.format(module=module), ["setup"]))
+    for n in sorted({n for n, _ in tasks}):
+        cells.append(_cell("code", f"check({n})", [f"check:{n}"]))
+    for index, cell in enumerate(cells):
+        cell["id"] = f"cell-{index}"  # nbformat 4.5 ids, stable: the same source, same bytes
+    return {"cells": cells, "metadata": {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+
+
 def _tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
     """The tasks of a lab, ``[(number, function, module)]``, sorted, from the library source."""
     found = []
@@ -384,7 +479,7 @@ def _tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-def _render(lab: Lab) -> dict[str, str]:
+def _render(lab: Lab, format: str = "files") -> dict[str, str]:
     """The files of one lab folder, ``{relative path: text}``, in the order they are written."""
     files, all_tasks = {}, []
     for module in lab.student_modules:
@@ -411,6 +506,15 @@ def _render(lab: Lab) -> dict[str, str]:
     for n, name, _ in all_tasks:
         functions.setdefault(str(n), []).append(name)
     manifest = {"lab": lab.name, "title": lab.title, "tasks": functions}
+    if format == "notebook":
+        for module in lab.student_modules:
+            del files[f"{module}.py"]
+        files[f"{lab.name}.ipynb"] = json.dumps(render_notebook(lab), indent=1) + "\n"
+        files["README.md"] = files["README.md"].replace(
+            "Replace the two lines with\nyour code", f"In `{lab.name}.ipynb`, replace the two "
+            "lines with\nyour code").replace("| `" + f"{lab.student_modules[0]}.py" + "` |",
+                                             f"| `{lab.name}.ipynb` |")
+        manifest["format"] = "notebook"
     files["lab.json"] = json.dumps(manifest, indent=1) + "\n"
     return files
 
@@ -600,13 +704,7 @@ def run_task(config, task, pytest):
     work = config["work"]
     os.chdir(work)
     sys.path.append(work)  # last: the student's files never shadow an installed package
-    references = {}
-    for module, source in config["references"].items():  # before any student code runs
-        reference = types.ModuleType(f"_reference_{module}")
-        sys.modules[reference.__name__] = reference  # while it runs (dataclasses look it up)
-        exec(compile(source, f"<reference {module}>", "exec"), reference.__dict__)
-        references[module] = sys.modules.pop(reference.__name__)
-    config["references"] = None
+    references = config.pop("reference_modules")
     hook = make_audit_hook(config["write_roots"], config["secret_roots"],
                            set(config["blocked_modules"]))
     sys.addaudithook(hook)
@@ -614,11 +712,11 @@ def run_task(config, task, pytest):
     students = {}
     for module in config["student_modules"]:
         if not os.path.exists(os.path.join(work, f"{module}.py")):
-            return dict(task=task, error=f"the lab folder has no {module}.py")
+            return dict(task=task, error=f"the lab folder has no {module}.py", at_import=True)
         try:
             students[module] = importlib.import_module(module)
         except BaseException as error:  # anything the student's module raises at import
-            return dict(task=task, error=describe_error(error, work))
+            return dict(task=task, error=describe_error(error, work), at_import=True)
     for other, functions in config["functions"].items():  # other tasks: the reference
         if int(other) == task:
             continue
@@ -676,6 +774,13 @@ def main():
     sys.path.append(config["work"])
     for name in config["given_modules"]:
         importlib.import_module(name)
+    references = {}  # the reference modules, run here once (they never reach the lab copy)
+    for module, source in config.pop("references").items():
+        reference = types.ModuleType(f"_reference_{module}")
+        sys.modules[reference.__name__] = reference  # while it runs (dataclasses look it up)
+        exec(compile(source, f"<reference {module}>", "exec"), reference.__dict__)
+        references[module] = sys.modules.pop(reference.__name__)
+    config["reference_modules"] = references
     sys.path.remove(config["work"])
     gc.freeze()  # a child's collections then skip (and do not copy) the parent's objects
 
@@ -717,6 +822,8 @@ def main():
                                                f"(wait status {status})")
             record["task"] = task
             results.write(json.dumps(dict(record, nonce=nonce)) + "\n")
+            while record.get("at_import") and pending:  # the same import fails for every task
+                results.write(json.dumps(dict(record, task=pending.pop(0), nonce=nonce)) + "\n")
         now = time.monotonic()
         for fd, (pid, task, _, deadline, _) in list(running.items()):
             if now >= deadline:
@@ -1105,12 +1212,15 @@ def main(argv=None) -> int:
                      epilog="To grade a folder: opd-handout grade LABDIR")
     parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write the lab into")
     parser.add_argument("--lab", default="all", help="opd, mismatch or all (default all)")
+    parser.add_argument("--format", default="files", choices=FORMATS,
+                        help="files (default): Python modules; notebook: the student module "
+                             "as a Jupyter notebook <lab>.ipynb")
     parser.add_argument("--force", action="store_true",
                         help="replace a non-empty OUTDIR that this tool wrote (it deletes only "
                              f"the unchanged files listed in OUTDIR/{MARKER})")
     args = parser.parse_args(argv)
     try:
-        folders = write_lab(args.lab, args.out_dir, force=args.force)
+        folders = write_lab(args.lab, args.out_dir, force=args.force, format=args.format)
     except (ValueError, OSError) as error:  # bad input, or a folder that cannot be written
         parser.error(str(error))
     for folder in folders:
