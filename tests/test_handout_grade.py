@@ -68,21 +68,30 @@ def gamed(tmp_path_factory):
             f"{os.environ.get('HOME', '')!r}:",
             "    raise RuntimeError('saw ' + os.environ.get('OPD_GRADER_SECRET', 'HOME'))",
             "return _finish(toy, np.ones(toy['logp_train'].shape), baseline, return_weights)"],
-        # Task 2: right, after trying to write, delete and run things outside its copy.
-        2: ["import os, shutil, subprocess",
-            f"victim = {str(victim)!r}",
-            "attempts = [lambda: open(victim + '/pwned.txt', 'w'),",
-            "            lambda: os.remove(victim + '/keep.txt'),",
-            "            lambda: shutil.rmtree(victim),",
-            "            lambda: os.rename(victim + '/keep.txt', 'stolen.txt'),",
-            "            lambda: os.system('rm -rf ' + victim),",
-            "            lambda: subprocess.run(['rm', '-rf', victim]),",
-            "            lambda: os.open(victim + '/pwned.txt', os.O_CREAT | os.O_WRONLY)]",
-            "for attempt in attempts:",
+        # Task 2: right only if every attempt to leave the sandbox is refused.
+        2: ["import ctypes, gc, os, shutil, subprocess",
+            f"victim, library = {str(victim)!r}, {str(PACKAGE)!r}",
+            "attempts = {'open for writing': lambda: open(victim + '/pwned.txt', 'w'),",
+            "    'os.open': lambda: os.open(victim + '/pwned.txt', os.O_CREAT | os.O_WRONLY),",
+            "    'remove': lambda: os.remove(victim + '/keep.txt'),",
+            "    'rmtree': lambda: shutil.rmtree(victim),",
+            "    'rename': lambda: os.rename(victim + '/keep.txt', 'stolen.txt'),",
+            "    'os.system': lambda: os.system('rm -rf ' + victim),",
+            "    'subprocess': lambda: subprocess.run(['rm', '-rf', victim]),",
+            "    'kill': lambda: os.kill(os.getppid(), 0),",
+            "    'ctypes': lambda: ctypes.CDLL(None),",
+            "    'gc': lambda: gc.get_objects(),",
+            "    'read the library': lambda: open(library + '/estimators.py').read(),",
+            "    'import the library': lambda: __import__('opd_literate.estimators')}",
+            "escaped = []",
+            "for name, attempt in attempts.items():",
             "    try:",
             "        attempt()",
-            "    except PermissionError:",
+            "        escaped.append(name)",
+            "    except (PermissionError, ImportError):",
             "        pass",
+            "if escaped:",
+            "    raise RuntimeError('escaped: ' + ', '.join(escaped))",
             "return _finish(toy, token_ratios(toy), baseline, return_weights)"],
         # Task 3: an infinite loop.
         3: ["while True:", "    pass"],
@@ -246,3 +255,12 @@ def _process_state(pid):
             return stat.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return None
+
+
+def test_the_harness_passes_the_linter(tmp_path):
+    """The harness is kept as a string in handout.py; written out, it is ordinary code."""
+    (tmp_path / "harness.py").write_text(handout.HARNESS)
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated",
+                             "--line-length", "100", "--select", "E,F,W,B,I,UP",
+                             str(tmp_path / "harness.py")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
