@@ -568,9 +568,10 @@ PATH_EVENTS = {
     "shutil.copymode", "shutil.copystat", "shutil.copytree", "shutil.move", "shutil.chown",
 }
 # No cache, no conftest.py, no plugins but these; no collection of every object after the run
-# (slow in a forked child, and the grade does not need it).
+# (slow in a forked child, and the grade does not need it); plain tracebacks (pytest's own
+# re-parse each source file, most of a failing task's time; the grade keeps one line).
 PYTEST_OPTIONS = ["--no-header", "-p", "no:cacheprovider", "--noconftest", "-p",
-                  "no:unraisableexception", "-p", "no:threadexception"]
+                  "no:unraisableexception", "-p", "no:threadexception", "--tb=native"]
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
