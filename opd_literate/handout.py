@@ -862,7 +862,7 @@ def _lab_of(folder: pathlib.Path) -> Lab:
     return LABS[name]
 
 
-def _copy_student_files(folder: pathlib.Path, work: pathlib.Path, lab: Lab) -> list[str]:
+def _copy_student_files(folder: pathlib.Path, work: pathlib.Path) -> list[str]:
     """Copy the student's own files into ``work``: regular files only, without tests, pytest
     configuration, compiled code or caches. Returns the names left out that could change how
     tests run (a ``conftest.py``, a ``pytest.ini``, compiled code, a link)."""
@@ -1081,7 +1081,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
         work = sandbox / "lab"
         for sub in (work, sandbox / "home", sandbox / "tmp"):
             sub.mkdir()
-        ignored = _copy_student_files(folder, work, lab)
+        ignored = _copy_student_files(folder, work)
         for name, text in notebook.items():
             (work / f"{name}.py").write_text(text)
         for name, text in instructor.items():  # the instructor's tests and given code
@@ -1115,8 +1115,6 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
         tasks[number] = dict(function=names, **_task_status(number, records.get(number)))
     score = sum(t["status"] == "passed" for t in tasks.values())
     files = _check_files(folder, checked)
-    if notebook:
-        files = {k: v for k, v in files.items() if k != "conftest.py"}
     files.update({name: "ignored" for name in ignored})
     return dict(lab=lab.name, tasks=tasks, score=score, total=len(tasks), files=files,
                 format="notebook" if notebook else "files",
