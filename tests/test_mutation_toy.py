@@ -305,3 +305,40 @@ def test_oversize_autoregressive_toy_from_logits_counts_with_eos():
             f"ar_toy_from_logits(T=61, V=3, eos=True) would enumerate {M:,} responses and take "
             f"{8 * M * (5 * 61 + 3 + 61 * 4 * 3) / GIB:.1f} GiB")):
         ar_toy_from_logits(np.zeros((61, 4, 3)), np.zeros((61, 4, 3)))
+
+
+def test_autoregressive_toy_records_its_eos():
+    assert make_ar_toy(T=2, V=3)["eos"] == 2  # the token V - 1
+    assert make_ar_toy(T=2, V=3, eos=False)["eos"] is None
+
+
+def test_oversize_autoregressive_toy_without_eos_counts_every_sequence():
+    M = 3**20
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"make_ar_toy(T=20, V=3, eos=False) would enumerate {M:,} responses and take "
+            f"{8 * M * (5 * 20 + 3 + 20 * 4 * 3) / GIB:.1f} GiB, above MAX_TOY_BYTES = 2 GiB")):
+        make_ar_toy(T=20, V=3, eos=False)
+
+
+@pytest.mark.parametrize("V, eos, digits", [
+    (3, True, round((10**6 + 1) * math.log10(2))),  # M < 2^(T + 1)
+    (5, False, round(10**6 * math.log10(5))),        # M = 5^T
+])
+def test_a_huge_autoregressive_toy_is_refused_from_its_logarithm(V, eos, digits):
+    # T = 10^6: M is never formed (summing its 10^6 powers would take minutes)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"make_ar_toy(T=1000000, V={V}, eos={eos}) would enumerate about 10^{digits} "
+            "responses, far above MAX_TOY_BYTES = 2 GiB")):
+        make_ar_toy(T=10**6, V=V, eos=eos)
+
+
+def test_size_messages_print_the_limit_in_gib(monkeypatch):
+    monkeypatch.setattr(toy_module, "MAX_TOY_BYTES", 1000 * GIB)
+    with pytest.raises(ValueError, match=r"far above MAX_TOY_BYTES = 1000 GiB; choose"):
+        make_ar_toy(T=100, V=4, eos=False)
+    with pytest.raises(ValueError, match=r"far above MAX_TOY_BYTES = 1000 GiB; choose"):
+        make_toy(T=100, V=4)
+    with pytest.raises(ValueError, match=r", above MAX_TOY_BYTES = 1000 GiB; choose"):
+        make_toy(T=14, V=8)
+    with pytest.raises(ValueError, match=r", above MAX_TOY_BYTES = 1000 GiB; choose"):
+        make_ar_toy(T=14, V=8)
