@@ -1090,7 +1090,9 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
                 (work / name).write_text(text)
         for name in ("conftest.py", "pytest.ini"):
             (work / name).unlink(missing_ok=True)
-        (sandbox / "pytest.ini").write_text(_PYTEST_INI)
+        # The grader's own configuration: the task marker only (no pythonpath, no addopts).
+        (sandbox / "pytest.ini").write_text("[pytest]\nmarkers =\n    task(*numbers): the "
+                                            "lab tasks a test checks\n")
         (sandbox / "harness.py").write_text(HARNESS)
         references = {m: _flatten_imports(_read(PACKAGE / f"{m}.py"))
                       for m in lab.student_modules}
