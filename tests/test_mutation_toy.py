@@ -342,3 +342,16 @@ def test_size_messages_print_the_limit_in_gib(monkeypatch):
         make_toy(T=14, V=8)
     with pytest.raises(ValueError, match=r", above MAX_TOY_BYTES = 1000 GiB; choose"):
         make_ar_toy(T=14, V=8)
+
+
+@pytest.mark.parametrize("T, V, name", [(0, 2, "T"), (2, 0, "V")])
+def test_response_count_names_the_argument(T, V, name):
+    with pytest.raises(ValueError, match=f"^{name} must be >= 1, got 0$"):
+        ar_num_responses(T, V)
+
+
+def test_moments_of_no_parameter():
+    # no parameter at all: nothing to be wrong about
+    m = estimator_moments({"p_sampler": np.array([0.5, 0.5]), "true_grad": np.zeros(0)},
+                          np.zeros((2, 0)))
+    assert m["bias"] == 0.0 and m["rel_bias"] == 0.0
