@@ -5,6 +5,7 @@ ones the signatures document, checked against values computed here in float64 (s
 KL, JSD and the reductions written out by hand).
 """
 
+import math
 import re
 
 import pytest
@@ -270,3 +271,56 @@ def test_pg_loss_computes_in_the_promoted_dtype():
     loss = opd.opd_pg_loss(s32, r64, ONES)
     assert loss.dtype == D
     torch.testing.assert_close(loss, -(r64 * s32.to(D)).sum() / 6, rtol=1e-15, atol=0)
+
+
+# -------------------------------------------------------------------------------------------
+# Survivors of the measurement on the current code
+# -------------------------------------------------------------------------------------------
+def test_temperature_with_huge_and_impossible_logits():
+    # z / tau would overflow for z = 1e308, tau = 0.5: each row is shifted by its own largest
+    # finite entry first. Rows: p = (1, 0, 0) twice, then softmax((0, 1, 2) / 0.5).
+    s = torch.tensor([[[1e308, 0.0, 0.0], [1e308, -math.inf, 0.0], [0.0, 1.0, 2.0]]], dtype=D)
+    t = torch.zeros(1, 3, 3, dtype=D)  # a uniform teacher
+    log_p2 = torch.log_softmax(torch.tensor([0.0, 2.0, 4.0], dtype=D), -1)
+    want = [math.log(3.0), math.log(3.0), float((log_p2.exp() * (log_p2 + math.log(3))).sum())]
+    got = opd.reverse_kl_per_position(s, t, temperature=0.5)
+    assert torch.allclose(got[0], torch.tensor(want, dtype=D), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: opd.full_vocab_reverse_kl(_logits(), _logits(), ONES, temperature=0.0),
+    lambda: opd.generalized_jsd_per_position(_logits(), _logits(), temperature=0.0),
+    lambda: opd.generalized_jsd(_logits(), _logits(), ONES, temperature=-1.0),
+    lambda: opd.forward_kl_per_position(_logits(), _logits(), temperature=0.0),
+])
+def test_temperature_is_named(call):
+    with pytest.raises(ValueError, match="^temperature must be > 0, got "):
+        call()
+
+
+@pytest.mark.parametrize("beta", [0.3, 0.5])
+def test_masked_jsd_positions_are_exactly_zero(beta):
+    s, t = _logits(V=7, seed=3), _logits(V=7, seed=4)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    got = opd.generalized_jsd_per_position(s, t, beta=beta, mask=mask)
+    assert (got[mask == 0] == 0).all() and (got[mask == 1] > 0).all()
+
+
+@pytest.mark.parametrize("student, teacher", [(torch.float32, D), (D, torch.float32),
+                                              (torch.float16, torch.float16)])
+def test_kl_estimators_compute_in_the_promoted_dtype(student, teacher):
+    s, t = _logp(seed=1).to(student), _logp(seed=2).to(teacher)
+    want_dtype = D if D in (student, teacher) else torch.float32
+    d = s.to(D) - t.to(D)  # exact: float16/32 values are float64 values
+    for kind, value in (("k1", d), ("k2", d**2 / 2), ("k3", torch.expm1(-d) + d)):
+        got = opd.kl_estimator(s, t, kind)
+        assert got.dtype == want_dtype
+        tol = 1e-15 if want_dtype == D else 1e-6
+        torch.testing.assert_close(got.to(D), value, rtol=tol, atol=tol)
+    zs, zt = _logits(seed=1, dtype=student), _logits(seed=2, dtype=teacher)
+    for kind in ("k1", "k2", "k3"):
+        got = opd.expected_kl_estimator_gradient(zs, zt, kind, "reward")
+        assert got.dtype == want_dtype
+        want = opd.expected_kl_estimator_gradient(zs.to(D), zt.to(D), kind, "reward")
+        tol = 1e-14 if want_dtype == D else 1e-6
+        torch.testing.assert_close(got.to(D), want, rtol=tol, atol=tol)
