@@ -53,6 +53,7 @@ __all__ = [
     "answer_tokens",
     "answer_mask",
     "TinyLM",
+    "EnsembleLM",
     "Rollout",
     "rollout",
     "sample_tokens",
@@ -105,40 +106,39 @@ def decode(ids):
 
 
 def make_prompts(pairs):
-    """``(N, 6)`` prompt tokens for a ``(N, 2)`` tensor of operands in [0, 99].
+    """``(..., 6)`` prompt tokens for a ``(..., 2)`` tensor of operands in [0, 99].
 
     Examples
     --------
     >>> decode(make_prompts(torch.tensor([[7, 5]]))[0])
     '07+05='
     """
-    a, b = pairs[:, 0], pairs[:, 1]
-    n = pairs.shape[0]
-    return torch.stack([a // 10, a % 10, torch.full((n,), PLUS), b // 10, b % 10,
-                        torch.full((n,), EQUALS)], dim=1)
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack([a // 10, a % 10, torch.full_like(a, PLUS), b // 10, b % 10,
+                        torch.full_like(a, EQUALS)], dim=-1)
 
 
 def answer_tokens(pairs):
-    """``(N, MAX_ANSWER)`` correct answers: the digits of a + b, ``<eos>``, then ``<pad>``.
+    """``(..., MAX_ANSWER)`` correct answers: the digits of a + b, ``<eos>``, then ``<pad>``.
 
     Examples
     --------
     >>> [decode(row) for row in answer_tokens(torch.tensor([[7, 5], [99, 99], [0, 3]]))]
     ['12<eos><pad>', '198<eos>', '3<eos><pad><pad>']
     """
-    total = pairs[:, 0] + pairs[:, 1]  # (N,) in [0, 198]
+    total = pairs[..., 0] + pairs[..., 1]  # (...) in [0, 198]
     h, t, o = total // 100, (total // 10) % 10, total % 10
     eos, pad = torch.full_like(total, EOS), torch.full_like(total, PAD)
-    three = torch.stack([h, t, o, eos], dim=1)  # 100..198
-    two = torch.stack([t, o, eos, pad], dim=1)  # 10..99
-    one = torch.stack([o, eos, pad, pad], dim=1)  # 0..9
+    three = torch.stack([h, t, o, eos], dim=-1)  # 100..198
+    two = torch.stack([t, o, eos, pad], dim=-1)  # 10..99
+    one = torch.stack([o, eos, pad, pad], dim=-1)  # 0..9
     n_digits = (total >= 10).long() + (total >= 100).long()  # 0, 1 or 2 (one less than digits)
-    return torch.where((n_digits == 2)[:, None], three,
-                       torch.where((n_digits == 1)[:, None], two, one))
+    return torch.where((n_digits == 2)[..., None], three,
+                       torch.where((n_digits == 1)[..., None], two, one))
 
 
 def answer_mask(tokens):
-    r"""1 up to and including the first ``<eos>``, 0 after it (float, ``(B, T)``).
+    r"""1 up to and including the first ``<eos>``, 0 after it (float, ``(..., T)``).
 
     An answer without ``<eos>`` in its ``MAX_ANSWER`` tokens is kept whole (it was cut off).
 
@@ -149,7 +149,7 @@ def answer_mask(tokens):
     """
     is_eos = tokens == EOS
     # eos seen strictly before position t: the cumulative count, shifted right by one
-    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
     return (eos_before == 0).float()
 
 
@@ -179,15 +179,16 @@ class TinyLM(nn.Module):
 
     @staticmethod
     def context_at(prompts, answers, t):
-        """The context of answer position ``t``, ``(B, 9)``: the prompt, ``answers[:, :t]``
-        (the tokens already written), then ``<pad>``."""
-        padding = torch.full((prompts.shape[0], MAX_ANSWER - 1 - t), PAD, dtype=torch.long)
-        return torch.cat([prompts, answers[:, :t], padding], dim=1)
+        """The context of answer position ``t``, ``(..., 9)``: the prompt, ``answers[..., :t]``
+        (the tokens already written), then ``<pad>``. Any leading dimensions (``(B,)``, or
+        ``(M, B)`` for an [opd_literate.tinylm.EnsembleLM][])."""
+        padding = torch.full((*prompts.shape[:-1], MAX_ANSWER - 1 - t), PAD, dtype=torch.long)
+        return torch.cat([prompts, answers[..., :t], padding], dim=-1)
 
     def window(self, prompts, answers):
-        """Contexts for every answer position: ``(B, T, 9)`` token ids (teacher forcing)."""
+        """Contexts for every answer position: ``(..., T, 9)`` token ids (teacher forcing)."""
         return torch.stack([self.context_at(prompts, answers, t) for t in range(MAX_ANSWER)],
-                           dim=1)
+                           dim=-2)
 
     def forward(self, context, position):
         """Logits ``(..., V)`` for contexts ``(..., 9)`` at answer positions ``(...)``."""
@@ -196,10 +197,130 @@ class TinyLM(nn.Module):
         return self.mlp(features)
 
     def logits(self, prompts, answers):
-        """Teacher-forced logits ``(B, T, V)`` of every answer position, in one batched call."""
-        B = prompts.shape[0]
-        positions = torch.arange(MAX_ANSWER).expand(B, MAX_ANSWER)
+        """Teacher-forced logits ``(..., T, V)`` of every answer position, in one batched call."""
+        positions = torch.arange(MAX_ANSWER).expand(*prompts.shape[:-1], MAX_ANSWER)
         return self(self.window(prompts, answers), positions)
+
+
+class EnsembleLM(TinyLM):
+    r"""``M`` independent TinyLMs of one shape, stored as stacked weights and run as one model.
+
+    Every weight has a leading model dimension: embeddings ``(M, V, E)``, each linear layer a
+    matrix ``(M, in, out)`` and a bias ``(M, out)``. A forward pass takes contexts
+    ``(M, ..., 9)``, one batch per model, and computes every layer of every model with one
+    batched matrix product,
+
+    $$
+    h^{(m)}_{\ell+1} = \mathrm{GELU}\big(h^{(m)}_\ell W^{(m)}_\ell + b^{(m)}_\ell\big),
+    \qquad m = 1, \dots, M,
+    $$
+
+    so the ``M`` models cost one call per layer instead of ``M``. No weight is shared: the
+    gradient of $\sum_m \mathcal{L}_m$ with respect to model $m$'s weights is the gradient of
+    $\mathcal{L}_m$ alone, and a per-element optimizer such as Adam trains each model exactly
+    as it would alone. [opd_literate.tinylm.sample_tokens][], [opd_literate.tinylm.rollout][]
+    and ``logits`` take ``(M, B, 6)`` prompts and return ``(M, B, ...)`` tensors.
+
+    Parameters
+    ----------
+    models : int
+        ``M``, the number of models.
+    hidden, layers, embed : int
+        As for [opd_literate.tinylm.TinyLM][].
+
+    Examples
+    --------
+    Two TinyLMs stacked give, model by model, the logits each gives alone:
+
+    >>> torch.manual_seed(0) is not None
+    True
+    >>> a, b = TinyLM(8, 1), TinyLM(8, 1)
+    >>> ensemble = EnsembleLM.from_models([a, b])
+    >>> prompts = make_prompts(torch.tensor([[1, 2], [40, 50]]))
+    >>> answers = answer_tokens(torch.tensor([[1, 2], [40, 50]]))
+    >>> stacked = ensemble.logits(torch.stack([prompts, prompts]), torch.stack([answers] * 2))
+    >>> stacked.shape
+    torch.Size([2, 2, 4, 14])
+    >>> torch.allclose(stacked[1], b.logits(prompts, answers), atol=1e-6)
+    True
+    """
+
+    def __init__(self, models, hidden=64, layers=1, embed=16):
+        nn.Module.__init__(self)
+        self.models, self.embed = models, embed
+        self.token_embedding = nn.Parameter(torch.zeros(models, V, embed))
+        self.position_embedding = nn.Parameter(torch.zeros(models, MAX_ANSWER, embed))
+        widths = [(PROMPT_LEN + MAX_ANSWER) * embed] + [hidden] * layers + [V]
+        self.weights = nn.ParameterList(
+            [nn.Parameter(torch.zeros(models, n_in, n_out))
+             for n_in, n_out in zip(widths[:-1], widths[1:])])
+        self.biases = nn.ParameterList(
+            [nn.Parameter(torch.zeros(models, n_out)) for n_out in widths[1:]])
+
+    @classmethod
+    def from_models(cls, models):
+        """Stack the weights of TinyLMs of one shape (copies: the ensemble owns its weights)."""
+        first = models[0]
+        linears = [m for m in first.mlp if isinstance(m, nn.Linear)]
+        ensemble = cls(len(models), linears[0].out_features, len(linears) - 1,
+                       first.token_embedding.embedding_dim)
+        with torch.no_grad():
+            ensemble.token_embedding.copy_(torch.stack([m.token_embedding.weight for m in models]))
+            ensemble.position_embedding.copy_(
+                torch.stack([m.position_embedding.weight for m in models]))
+            for i in range(len(linears)):
+                layer = [[x for x in m.mlp if isinstance(x, nn.Linear)][i] for m in models]
+                ensemble.weights[i].copy_(torch.stack([x.weight.T for x in layer]))
+                ensemble.biases[i].copy_(torch.stack([x.bias for x in layer]))
+        return ensemble
+
+    def member(self, m):
+        """Model ``m`` as a plain [opd_literate.tinylm.TinyLM][] (a copy of its weights)."""
+        hidden, layers = self.weights[0].shape[2], len(self.weights) - 1
+        model = TinyLM(hidden, layers, self.embed)
+        linears = [x for x in model.mlp if isinstance(x, nn.Linear)]
+        with torch.no_grad():
+            model.token_embedding.weight.copy_(self.token_embedding[m])
+            model.position_embedding.weight.copy_(self.position_embedding[m])
+            for linear, weight, bias in zip(linears, self.weights, self.biases):
+                linear.weight.copy_(weight[m].T)
+                linear.bias.copy_(bias[m])
+        return model
+
+    def forward(self, context, position):
+        """Logits ``(M, ..., V)`` for contexts ``(M, ..., 9)`` at positions ``(M, ...)``.
+
+        A one-model ensemble takes contexts ``(..., 9)`` with any leading dimensions and
+        returns ``(..., V)``, as a [opd_literate.tinylm.TinyLM][] does (the frozen teacher of
+        the experiment runs this way).
+        """
+        if self.models == 1 and (context.ndim < 3 or context.shape[0] != 1):
+            return self(context[None], position[None])[0]
+        M, lead = context.shape[0], context.shape[1:-1]
+        if M != self.models:
+            raise ValueError(f"context must have a leading model dimension of {self.models}, "
+                             f"got shape {tuple(context.shape)}")
+        # The first layer over the concatenated slot embeddings splits by slot:
+        #   [e(c_1), ..., e(c_9), e_pos(t)] W = sum_j e(c_j) W_j + e_pos(t) W_10,
+        # so a table of every (slot, token) row times its block W_j (9 V + T rows per model,
+        # cheap to build) turns the widest matrix product into a gather and a sum.
+        slots = PROMPT_LEN + MAX_ANSWER - 1
+        blocks = self.weights[0].view(M, slots + 1, self.embed, -1)  # (M, 10, E, H)
+        token_rows = torch.einsum("mve,mseh->msvh", self.token_embedding, blocks[:, :slots])
+        position_rows = torch.einsum("mte,meh->mth", self.position_embedding, blocks[:, slots])
+        rows_per_model = slots * V + MAX_ANSWER
+        table = torch.cat([token_rows.reshape(M, slots * V, -1), position_rows], dim=1)
+        # Row of (model m, slot j, token v): m * rows_per_model + j * V + v; position t after.
+        context = context.reshape(M, -1, slots)
+        model_offset = torch.arange(M).view(M, 1, 1) * rows_per_model
+        index = torch.cat([context + torch.arange(slots) * V + model_offset,
+                           position.reshape(M, -1, 1) + slots * V + model_offset], dim=-1)
+        h = F.embedding_bag(index.reshape(-1, slots + 1), table.reshape(M * rows_per_model, -1),
+                            mode="sum").view(M, index.shape[1], -1) + self.biases[0][:, None, :]
+        for weight, bias in zip(self.weights[1:], self.biases[1:]):
+            # h W + b for every model at once: (M, N, in) @ (M, in, out) -> (M, N, out)
+            h = torch.baddbmm(bias[:, None, :], F.gelu(h), weight)
+        return h.reshape(M, *lead, V)
 
 
 @dataclass
@@ -215,16 +336,20 @@ class Rollout:
 
 @torch.no_grad()
 def sample_tokens(model, prompts, generator=None, greedy=False):
-    """Sample (or greedily decode) answers without gradient: ``(tokens, mask)``, ``(B, T)``."""
-    B = prompts.shape[0]
-    tokens = torch.full((B, MAX_ANSWER), PAD, dtype=torch.long)
+    """Sample (or greedily decode) answers without gradient: ``(tokens, mask)``, ``(..., T)``.
+
+    ``prompts`` is ``(B, 6)``, or ``(M, B, 6)`` for an [opd_literate.tinylm.EnsembleLM][].
+    """
+    lead = prompts.shape[:-1]  # (B,) or (M, B)
+    tokens = torch.full((*lead, MAX_ANSWER), PAD, dtype=torch.long)
     for t in range(MAX_ANSWER):
-        context = model.context_at(prompts, tokens, t)  # reads tokens[:, :t] only
-        logits = model(context, torch.full((B,), t, dtype=torch.long))
+        context = model.context_at(prompts, tokens, t)  # reads tokens[..., :t] only
+        logits = model(context, torch.full(lead, t, dtype=torch.long))  # (..., V)
         if greedy:
-            tokens[:, t] = logits.argmax(-1)
+            tokens[..., t] = logits.argmax(-1)
         else:
-            tokens[:, t] = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)[:, 0]
+            probs = F.softmax(logits, -1).reshape(-1, V)
+            tokens[..., t] = torch.multinomial(probs, 1, generator=generator).reshape(lead)
     mask = answer_mask(tokens)
     # After <eos> the response is over: store <pad> so no later position reads a stray token.
     tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, PAD))

@@ -13,8 +13,9 @@ from opd_literate import run
 
 # A configuration small enough to run the whole pipeline in well under a second: for the tests
 # of the CLI's plumbing (results, interruption, the cache), not of learning.
-TINY = dict(run.DEFAULTS, steps=2, batch_size=8, lrs=[1e-3], eval_every=1, eval_prompts=16,
-            teacher_hidden=8, teacher_layers=1, teacher_steps=2, teacher_batch=8,
+TINY = dict(run.DEFAULTS, seeds=2, steps=2, batch_size=8, lrs=[1e-3], eval_every=1,
+            eval_prompts=16, val_prompts=8, teacher_hidden=8, teacher_layers=1, teacher_steps=2,
+            teacher_batch=8,
             student_hidden=8, student_layers=1, student_pretrain_steps=1,
             student_pretrain_batch=8)
 
@@ -51,25 +52,38 @@ def test_quick_run_writes_results_and_plots(quick_results):
     assert not (out / "results.partial.json").exists()  # superseded by results.json
     assert 0.9 <= results["teacher_accuracy"] <= 1.0
     assert set(results["methods"]) == set(run.METHODS)
+    assert results["config"]["seeds"] == run.QUICK["seeds"]
     for record in results["methods"].values():
         n = len(record["samples"])
-        assert n == run.QUICK["steps"] // run.QUICK["eval_every"] + 1
-        assert record["samples"][0] == 0 and record["seconds"][0] == 0.0
-        assert all(len(record[k]) == n for k in ("accuracy", "reverse_kl", "seconds"))
+        assert n == len(run.eval_steps(run.QUICK))
+        assert record["samples"][0] == 0
+        for key in ("accuracy", "reverse_kl", "seconds"):  # one curve per seed
+            assert len(record[key]) == run.QUICK["seeds"], key
+            assert all(len(curve) == n for curve in record[key]), key
+        assert all(curve[0] == 0.0 for curve in record["seconds"])
         assert record["samples"][-1] == run.QUICK["steps"] * run.QUICK["batch_size"]
 
 
-def test_quick_run_opd_students_learn(quick_results):
-    """Margins: +0.05 accuracy and -10% reverse KL against the start, for both OPD methods.
+def _mean(values):
+    return sum(values) / len(values)
 
-    Measured on this machine: opd_sampled 0.374 -> 0.472 and 0.748 -> 0.556 nats; full-vocab
-    0.374 -> 0.850 and 0.748 -> 0.350. The margins leave room for other CPUs' rounding.
+
+def test_quick_run_opd_students_learn(quick_results):
+    """Margins: +0.05 accuracy and -10% reverse KL against the start (means over seeds), for
+    both OPD methods; full-vocabulary OPD reaches its target on every seed (the issue asks
+    --quick for a headline where it does).
+
+    Measured on this machine: opd_sampled 0.601 -> 0.780 and 0.538 -> 0.330 nats; full-vocab
+    0.601 -> 0.910 and 0.538 -> 0.188. The margins leave room for other CPUs' rounding.
     """
     _, results = quick_results
     for method in ("opd_sampled", "opd_full_vocab"):
         record = results["methods"][method]
-        assert record["accuracy"][-1] >= record["accuracy"][0] + 0.05, method
-        assert record["reverse_kl"][-1] <= 0.9 * record["reverse_kl"][0], method
+        accuracy = [_mean([c[i] for c in record["accuracy"]]) for i in (0, -1)]
+        kl = [_mean([c[i] for c in record["reverse_kl"]]) for i in (0, -1)]
+        assert accuracy[1] >= accuracy[0] + 0.05, method
+        assert kl[1] <= 0.9 * kl[0], method
+    assert run.headline(results)["opd_full_vocab"]["reached"] == run.QUICK["seeds"]
 
 
 def test_same_seed_same_numbers(tmp_path, monkeypatch):
@@ -87,17 +101,18 @@ def test_same_seed_same_numbers(tmp_path, monkeypatch):
 
 
 def test_headline_counts_first_evaluation_at_target():
-    results = {"teacher_accuracy": 1.0, "config": {"target_fraction": 0.9},
+    results = {"teacher_accuracy": 1.0,
+               "config": {"target_fraction": 0.9, "steps": 2, "batch_size": 10, "seeds": 1},
                "methods": {
-                   "opd_full_vocab": {"samples": [0, 10, 20], "accuracy": [0.1, 0.95, 0.99],
-                                      "reverse_kl": [1, 0.1, 0.05], "seconds": [0, 1, 2],
+                   "opd_full_vocab": {"samples": [0, 10, 20], "accuracy": [[0.1, 0.95, 0.99]],
+                                      "reverse_kl": [[1, 0.1, 0.05]], "seconds": [[0, 1, 2]],
                                       "lr": 0.003},
-                   "rl": {"samples": [0, 10, 20], "accuracy": [0.1, 0.2, 0.3],
-                          "reverse_kl": [1, 1, 1], "seconds": [0, 1, 2], "lr": 0.001}}}
+                   "rl": {"samples": [0, 10, 20], "accuracy": [[0.1, 0.2, 0.3]],
+                          "reverse_kl": [[1, 1, 1]], "seconds": [[0, 1, 2]], "lr": 0.001}}}
     table = run.headline(results)
-    assert table["opd_full_vocab"]["samples"] == 10 and table["rl"]["samples"] is None
+    assert table["opd_full_vocab"]["samples"]["mean"] == 10 and table["rl"]["samples"] is None
     text = run.format_headline(results)
-    assert "never reached (ratio > 2.0x)" in text
+    assert "rl / opd_full_vocab: at least 2.0x [2.0, 2.0] (1 of 1 seeds never reach" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +397,14 @@ def test_every_method_uses_batch_size_samples_and_rl_the_first_prompts_group_tim
             assert seen[0].tolist() == run.lm.make_prompts(torch.stack(expected)).tolist()
         elif method != "sft":
             assert seen[0].tolist() == run.lm.make_prompts(pairs).tolist()
+    # The batched form: each model of an ensemble gets its own batch, treated the same way.
+    ensemble = run.lm.EnsembleLM.from_models([student, run.lm.TinyLM(8, 1)])
+    batched = torch.stack([pairs, pairs.flip(0)])  # (M, B, 2)
+    seen.clear()
+    _, used = run._step_loss("rl", ensemble, teacher, batched, config, generator)
+    firsts = [[pairs[0]] * 4 + [pairs[1]] * 4, [pairs[7]] * 4 + [pairs[6]] * 4]
+    assert used == 8 and seen[0].tolist() == run.lm.make_prompts(
+        torch.stack([torch.stack(f) for f in firsts])).tolist()
 
 
 def test_ctrl_c_while_plotting_names_the_results_file(tiny_cli, monkeypatch, capsys):
