@@ -324,3 +324,28 @@ def test_kl_estimators_compute_in_the_promoted_dtype(student, teacher):
         want = opd.expected_kl_estimator_gradient(zs.to(D), zt.to(D), kind, "reward")
         tol = 1e-14 if want_dtype == D else 1e-6
         torch.testing.assert_close(got.to(D), want, rtol=tol, atol=tol)
+
+
+def test_the_smallest_temperature_is_one_over_the_largest_number():
+    big = torch.finfo(torch.float32).max
+    s = torch.tensor([[[0.0, 1.0]]])
+    t = torch.tensor([[[0.5, 1.0]]])
+    # 1 / tau = big exactly, and 1 / tau = big / 1.5: accepted; the limit tau -> 0 is the argmax,
+    # the same token for both, so the KL is 0
+    for tau in (1.0 / big, 1.5 / big):
+        assert 1.0 / tau <= big
+        assert opd.reverse_kl_per_position(s, t, temperature=tau).tolist() == [[0.0]]
+    with pytest.raises(ValueError, match=r"^temperature must be at least 1 / \(the largest "
+                       r"torch.float32 number\), got "):
+        opd.reverse_kl_per_position(s, t, temperature=0.5 / big)
+
+
+@pytest.mark.parametrize("student, other", [(torch.float32, D), (D, torch.float32)])
+def test_rewards_and_pg_loss_in_the_promoted_dtype(student, other):
+    s, t = _logp(seed=1).to(student), _logp(seed=2).to(other)
+    rewards = opd.reverse_kl_rewards(s, t, ONES)
+    assert rewards.dtype == D
+    assert torch.equal(rewards, t.to(D) - s.to(D))  # exact: both are float64 values
+    loss = opd.opd_pg_loss(s, t, ONES)
+    assert loss.dtype == D
+    torch.testing.assert_close(loss, -(t.to(D) * s.to(D)).sum() / 6, rtol=1e-15, atol=0)
