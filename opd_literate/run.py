@@ -2,10 +2,12 @@ r"""The OPD experiment: on-policy distillation against off-policy distillation a
 
 ``python -m opd_literate.run`` (or ``opd-experiment``) trains a strong teacher on two-digit
 addition ([opd_literate.tinylm][]), or loads it from a cache keyed by its configuration, makes
-a weak student (narrower, briefly trained), and then trains one copy of the student per
-method and learning rate, with the same optimizer, the same learning-rate grid, the same
-stream of prompts and the same number of samples per step (``batch_size``; RL answers the
-first ``batch_size / group`` prompts of each step, ``group`` times each):
+``seeds`` weak students (each from its own initial weights, briefly trained), and then trains
+every student with every method at every learning rate of a common grid, with the same
+optimizer, the same stream of prompts per seed and the same number of samples per step
+(``batch_size``; RL answers the first ``batch_size / group`` prompts of each step, ``group``
+times each). The students of one method (seeds times learning rates) train together as one
+batched model ([opd_literate.tinylm.EnsembleLM][], [opd_literate.run.BatchedAdam][]).
 
 * ``opd_sampled``: sampled-token OPD. The student samples, the teacher scores the sampled
   tokens, and the loss is [opd_literate.opd.opd_pg_loss][] of
@@ -19,10 +21,13 @@ first ``batch_size / group`` prompts of each step, ``group`` times each):
   (``group`` samples per prompt), through the same [opd_literate.opd.opd_pg_loss][] with the
   advantage of each sequence on each of its tokens.
 
-Every evaluation point records the student samples used so far, the greedy accuracy on
-held-out prompts, the per-token reverse KL to the teacher on the student's own samples, and
-the seconds spent in training steps so far (evaluations excluded). The headline is, per
-method, the samples and seconds needed to first reach 90% of the teacher's accuracy.
+Every evaluation point records the student samples used so far and, per student, the greedy
+accuracy on the validation and the test prompts (disjoint, both held out), the per-token
+reverse KL to the teacher on the student's own samples, and its share of the seconds spent in
+training steps so far (evaluations excluded). Each method is reported at the learning rate
+that does best on the validation prompts; the headline is, per method, the mean over seeds
+(with a 95% percentile-bootstrap interval) of the samples and seconds needed to first reach
+90% of the teacher's accuracy on the test prompts, and of the final accuracy and reverse KL.
 """
 
 from __future__ import annotations
@@ -553,7 +558,7 @@ GRADIENT_KEYS = _TEACHER_KEYS + ("seeds", "student_hidden", "student_layers",
 the weak students."""
 
 
-def gradient_agreement_record(config):
+def gradient_agreement_record(config, batch_sizes=(16, 64, 256), reference=4096, repeats=4):
     """``gradient_agreement.json``: the table of [opd_literate.run.gradient_agreement][] with the
     settings it was computed from (``config``, restricted to
     [opd_literate.run.GRADIENT_KEYS][]) and its sizes.
@@ -561,9 +566,9 @@ def gradient_agreement_record(config):
     Written by ``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``;
     the docs build reads it rather than computing it (half a minute on 2 cores).
     """
-    table = gradient_agreement(config)
+    table = gradient_agreement(config, batch_sizes, reference, repeats)
     return {"config": {k: config[k] for k in GRADIENT_KEYS},
-            "batch_sizes": [16, 64, 256], "reference": 4096, "repeats": 4,
+            "batch_sizes": list(batch_sizes), "reference": reference, "repeats": repeats,
             "cosine": {method: {str(B): value for B, value in row.items()}
                        for method, row in table.items()}}
 

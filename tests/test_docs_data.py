@@ -146,6 +146,11 @@ def test_experiment_page_claims(results):
     assert kl["sft"]["mean"] > kl["opd_full_vocab"]["mean"]
     # "its greedy accuracy on the test prompts is 1.000"
     assert f"{results['teacher_accuracy']:.3f}" == "1.000"
+    # index.md: "RL with a 0/1 reward gets there last, after about 8 times as many samples"
+    index = " ".join((ROOT / "docs/index.md").read_text().split())
+    assert "gets there last, after about 8 times as many samples" in index
+    assert round(found["rl"]["mean"]) == 8 and "5 seeds each" in index
+    assert max(means, key=means.get) == "rl"
 
 
 def test_experiment_page_setup_claims():

@@ -127,6 +127,8 @@ def test_help_states_the_real_defaults(capsys):
     assert (int(steps[1]), int(steps[2])) == (run.DEFAULTS["steps"], run.QUICK["steps"])
     seed = re.search(r"--seed SEED random seed \(default (\d+)\)", text)
     assert int(seed[1]) == run.DEFAULTS["seed"]
+    seeds = re.search(r"--seeds SEEDS .*?\(default (\d+), with --quick (\d+)\)", text)
+    assert (int(seeds[1]), int(seeds[2])) == (run.DEFAULTS["seeds"], run.QUICK["seeds"])
 
 
 def test_the_module_command_refuses_a_repeated_method():
@@ -153,6 +155,7 @@ def _bad_out_cases(tmp_path):
     a_file.write_text("x")
     cases = [
         (["--steps", "-3"], "expected a positive integer, got -3"),
+        (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
         (["--methods", "opd_sampled,dpo"], "unknown method 'dpo'"),
         (["--methods", "opd_sampled,rl,opd_sampled"], "method opd_sampled given more than once"),
         (["--out", str(a_file)], f"--out {str(a_file)!r} exists and is not a folder"),
@@ -419,3 +422,20 @@ def test_ctrl_c_while_plotting_names_the_results_file(tiny_cli, monkeypatch, cap
     assert err.endswith(f"; every method in {out / 'results.json'} (the plots were not "
                         "written)\n")
     assert list(json.loads((out / "results.json").read_text())["methods"]) == ["rl"]
+
+
+def test_gradient_agreement_flag_writes_the_table_with_its_settings(tiny_cli, monkeypatch):
+    import functools
+
+    small = functools.partial(run.gradient_agreement_record, batch_sizes=(4, 8), reference=64,
+                              repeats=2)
+    monkeypatch.setattr(run, "gradient_agreement_record", small)
+    out = tiny_cli / "ga"
+    assert run.main(["--quick", "--gradient-agreement", "--out", str(out)]) == 0
+    record = json.loads((out / "gradient_agreement.json").read_text())
+    assert record["config"] == {k: TINY[k] for k in run.GRADIENT_KEYS}
+    assert (record["batch_sizes"], record["reference"], record["repeats"]) == ([4, 8], 64, 2)
+    assert sorted(p.name for p in out.iterdir()) == ["gradient_agreement.json"]  # no training
+    for method in ("opd_sampled", "opd_full_vocab"):
+        cosines = [record["cosine"][method][str(B)] for B in record["batch_sizes"]]
+        assert all(-1 <= c <= 1 for c in cosines), method

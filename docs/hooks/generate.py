@@ -5,8 +5,9 @@ only when its content changed, so ``mkdocs serve`` does not rebuild in a loop. T
 include the tables with ``--8<-- "generated/NAME.md"`` and show the figures as images.
 
 The experiment's numbers come from ``docs/data/experiment/results.json``, written by the
-documented command ``python -m opd_literate.run --out docs/data/experiment`` (about 170 s on
-2 cores, too long for a docs build), and the OPD chapter's gradient-agreement table from
+documented command ``python -m opd_literate.run --out docs/data/experiment`` (237 s measured
+on the shared 2-core machine, too long for a docs build), and the OPD chapter's
+gradient-agreement table from
 ``docs/data/experiment/gradient_agreement.json``, written by
 ``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``;
 ``tests/test_docs_data.py`` checks that both match the current defaults.
@@ -283,8 +284,8 @@ def _experiment():
 
 
 def _gradient_agreement():
-    """The OPD chapter's table, from the committed ``gradient_agreement.json`` (computing it
-    trains the teacher the first time: half a minute on 2 cores, too long for a docs build)."""
+    """The OPD chapter's table, from the committed ``gradient_agreement.json`` (computing it took
+    59 s on the shared 2-core machine, more the first time, which trains the teacher)."""
     record = json.loads(GRADIENT_AGREEMENT.read_text())
     sizes = record["batch_sizes"]
     lines = ["| OPD gradient | " + " | ".join(f"batch of {B}" for B in sizes) + " |",
