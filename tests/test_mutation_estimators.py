@@ -20,7 +20,13 @@ from opd_literate.estimators import (
     mismatch_sweep,
     weighted_score,
 )
-from opd_literate.toy import estimator_moments, make_ar_toy, make_toy, toy_from_logits
+from opd_literate.toy import (
+    ar_toy_from_logits,
+    estimator_moments,
+    make_ar_toy,
+    make_toy,
+    toy_from_logits,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -32,6 +38,9 @@ def _toys():
         "m1": make_toy(T=3, V=3, mismatch=1.0, seed=0),      # ratios 0.26 .. 3.8
         "m2": make_toy(T=3, V=3, mismatch=2.0, seed=0),      # ratios 0.14 .. 19.5
         "ar": make_ar_toy(T=3, V=3, mismatch=1.0, seed=2),   # padding after <eos>
+        # rho_t = (2.5, 0.4, 1) at both positions: the sequence (0, 1) has rho_geo = 1 (inside
+        # geo_rs's tight band) with a token ratio above the cap 2
+        "cancel": toy_from_logits(np.log([[0.5, 0.2, 0.3]] * 2), np.log([[0.2, 0.5, 0.3]] * 2)),
     }
 
 
@@ -141,7 +150,7 @@ def test_weights_with_the_defaults_are_the_formula(name, toy_name, baseline):
     np.testing.assert_allclose(fn(toy, baseline=baseline), est, rtol=1e-12, atol=1e-300)
 
 
-@pytest.mark.parametrize("toy_name", ["m1", "m2", "ar", "m0.002"])
+@pytest.mark.parametrize("toy_name", ["m1", "m2", "ar", "m0.002", "cancel"])
 @pytest.mark.parametrize("baseline", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("name", sorted(OTHER))
 def test_weights_with_other_parameters_are_the_formula(name, toy_name, baseline):
@@ -152,11 +161,14 @@ def test_weights_with_other_parameters_are_the_formula(name, toy_name, baseline)
     # estimator_weights passes the parameters and the baseline on, (M, T) always
     ew = estimator_weights(toy, name, baseline=baseline, **OTHER[name])
     assert ew.shape == toy["logp_train"].shape and ew.dtype == np.float64
-    np.testing.assert_allclose(ew, want if want.ndim == 2 else np.repeat(want[:, None], 3, 1),
-                               rtol=1e-12, atol=0)
+    flat = want if want.ndim == 2 else np.repeat(want[:, None], ew.shape[1], axis=1)
+    np.testing.assert_allclose(ew, flat, rtol=1e-12, atol=0)
 
 
 def test_the_bounds_bite_on_these_toys():
+    rho_t, _, geo, _ = _parts(TOYS["cancel"])
+    kept = (geo >= 1 / 1.001) & (geo <= 1 / 0.999)
+    assert (rho_t[kept] > 2).any()
     rho_t = _parts(TOYS["m2"])[0]
     # icepop's and cispo's defaults bite, and the band [5, 6] is not empty
     assert ((5 < rho_t) & (rho_t < 6)).any() and rho_t.max() > 6 and rho_t.min() < 0.2
@@ -460,3 +472,54 @@ def test_format_table_by_hand():
         "| `x` | 0.1235 | 1234 | 0.5000 | 25.0% | 100.0% | yes |\n"
         "| `y` | 0.1235 | 1234 | 0.5000 | 25.0% | 100.0% | no |")
     assert "(N=64)" in format_table([])
+
+
+def test_k3_mean_is_over_the_responses_own_tokens():
+    # a threshold between the mean over the n tokens and the mean over all T positions of a
+    # short response: the response is rejected (the padding is not averaged in)
+    toy = TOYS["ar"]
+    rho_t, _, _, mask = _parts(toy)
+    k3 = (rho_t - 1 - np.log(rho_t)) * mask
+    n = mask.sum(axis=1)
+    over_n, over_T = k3.sum(axis=1) / n, k3.sum(axis=1) / mask.shape[1]
+    short = int(np.argmax((n < mask.shape[1]) & (over_n > 0)))
+    threshold = (over_n[short] + over_T[short]) / 2
+    got = E.k3_seq_rs(toy, threshold=threshold, return_weights=True)
+    assert got[short] == 0.0
+    np.testing.assert_array_equal(got, (over_n <= threshold) * 1.0)
+
+
+def _length_sweep(lengths, names, mismatch, V, seeds, autoregressive, eos):
+    out = {}
+    for T in lengths:
+        out[T] = {}
+        for name in names:
+            biases = []
+            for seed in seeds:
+                table = (make_ar_toy(T=max(lengths), V=V, mismatch=0.0, seed=seed, eos=eos)
+                         if autoregressive else
+                         make_toy(T=max(lengths), V=V, mismatch=0.0, seed=seed))
+                sampler = table["theta"][:T] + mismatch * table["b"][:T]
+                toy = (ar_toy_from_logits(table["theta"][:T], sampler, eos=eos) if autoregressive
+                       else toy_from_logits(table["theta"][:T], sampler))
+                biases.append(_row(toy, name, reference(name, toy, 0.0, **DEFAULTS[name]), 64,
+                                   0.0)["rel_bias"])
+            out[T][name] = float(np.median(biases))
+    return out
+
+
+@pytest.mark.parametrize("kwargs, explicit", [
+    ({}, {"mismatch": 0.3, "V": 3, "seeds": range(5), "autoregressive": True, "eos": True}),
+    ({"mismatch": 0.8, "V": 4, "seeds": [2, 3, 7], "autoregressive": True, "eos": False},
+     {"mismatch": 0.8, "V": 4, "seeds": [2, 3, 7], "autoregressive": True, "eos": False}),
+    ({"mismatch": 0.8, "V": 2, "seeds": [1, 4], "autoregressive": False},
+     {"mismatch": 0.8, "V": 2, "seeds": [1, 4], "autoregressive": False, "eos": True}),
+])
+def test_length_sweep_is_a_median_over_seeds(kwargs, explicit):
+    names = ["token_is", "token_tis"]
+    got = E.length_sweep([1, 3], names, **kwargs)
+    want = _length_sweep([1, 3], names, **explicit)
+    assert list(got) == [1, 3]
+    for T in got:
+        for name in names:
+            assert math.isclose(got[T][name], want[T][name], rel_tol=1e-9, abs_tol=1e-14)
