@@ -48,7 +48,7 @@ import torch
 from . import tinylm as lm
 from .opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
-__all__ = ["DEFAULTS", "QUICK", "METHODS", "CACHE_MODES", "GRADIENT_KEYS", "prepare",
+__all__ = ["DEFAULTS", "QUICK", "LONG", "METHODS", "CACHE_MODES", "GRADIENT_KEYS", "prepare",
            "run_experiment", "train_teacher", "teacher_cache_path", "eval_steps", "BatchedAdam",
            "headline", "ratios", "bootstrap_interval", "format_headline", "gradient_agreement",
            "gradient_agreement_record", "write_plots", "main"]
@@ -79,14 +79,23 @@ QUICK = dict(DEFAULTS, seeds=3, steps=200, lrs=[1e-3], eval_every=25, val_prompt
 2 CPU cores with the teacher cached); full-vocabulary OPD reaches its target on every seed."""
 
 
+LONG = dict(DEFAULTS, digits=3, steps=1200, teacher_steps=1200, student_pretrain_steps=600)
+"""``--long``: the second regime, longer answers. Three-digit operands (``"abc+def="``, answers
+of up to 5 tokens), where a wrong early digit leaves the student further from anything the
+teacher showed it; the teacher and the students are trained longer to reach comparable
+starting points, and the budget is 1,200 steps of 64 samples."""
+
+
 def _cache_dir():
     return pathlib.Path(os.environ.get("OPD_LITERATE_CACHE",
                                        pathlib.Path.home() / ".cache" / "opd_literate"))
 
 
 def _split(config):
-    """All 10,000 operand pairs, shuffled by the seed: (train pairs, held-out pairs)."""
-    pairs = torch.cartesian_prod(torch.arange(100), torch.arange(100))
+    """All operand pairs (10,000 with two digits), shuffled by the seed: (train pairs,
+    held-out pairs)."""
+    numbers = torch.arange(10 ** config.get("digits", 2))
+    pairs = torch.cartesian_prod(numbers, numbers)
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(config["seed"]))
     held = config["held_out"]
     return pairs[order[held:]], pairs[order[:held]]
@@ -96,7 +105,7 @@ def _supervised(model, pairs, answers, steps, batch, lr, generator, label_smooth
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
         idx = torch.randint(0, len(pairs), (batch,), generator=generator)
-        loss = lm.supervised_loss(model, lm.make_prompts(pairs[idx]), answers[idx],
+        loss = lm.supervised_loss(model, lm.make_prompts(pairs[idx], model.digits), answers[idx],
                                   label_smoothing)
         optimizer.zero_grad()
         loss.backward()
@@ -113,12 +122,13 @@ file, so it also repairs a corrupt one; ``off`` neither reads nor writes it.
 """
 
 _TEACHER_KEYS = ("seed", "held_out", "teacher_hidden", "teacher_layers", "teacher_steps",
-                 "teacher_batch", "pretrain_lr", "teacher_label_smoothing")
+                 "teacher_batch", "pretrain_lr", "teacher_label_smoothing", "digits")
 
 
 def teacher_cache_path(config):
     """The cache file of the teacher of ``config``: keyed by the settings that shape it."""
-    key = hashlib.sha256(json.dumps({k: config[k] for k in _TEACHER_KEYS},
+    # "digits" only where set (LONG), so the two-digit configurations keep their cache files
+    key = hashlib.sha256(json.dumps({k: config[k] for k in _TEACHER_KEYS if k in config},
                                     sort_keys=True).encode())
     return _cache_dir() / f"teacher-{key.hexdigest()[:16]}.pt"
 
@@ -178,7 +188,8 @@ def train_teacher(config, train_pairs, train_answers, cache="read"):
 
     def trained():
         torch.manual_seed(config["seed"])  # the initial weights
-        teacher = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
+        teacher = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"],
+                            digits=config.get("digits", 2))
         _supervised(teacher, train_pairs, train_answers, config["teacher_steps"],
                     config["teacher_batch"], config["pretrain_lr"],
                     torch.Generator().manual_seed(config["seed"] + 1),
@@ -191,7 +202,8 @@ def train_teacher(config, train_pairs, train_answers, cache="read"):
     path.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(f"{path}.lock"):
         if cache == "read" and path.exists():
-            cached = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"])
+            cached = lm.TinyLM(config["teacher_hidden"], config["teacher_layers"],
+                               digits=config.get("digits", 2))
             problem = _load_verified(path, cached)
             if problem is None:
                 return cached.eval(), True
@@ -225,13 +237,14 @@ def _step_loss(method, student, teacher, pairs, config, generator):
         # B samples: B / group prompts, group samples each, group-mean baseline.
         group = config["group"]
         firsts = pairs[..., : B // group, :].repeat_interleave(group, dim=-2)
-        prompts, answers = lm.make_prompts(firsts), lm.answer_tokens(firsts)
+        prompts = lm.make_prompts(firsts, student.digits)
+        answers = lm.answer_tokens(firsts, student.digits)
         out = lm.rollout(student, prompts, generator)
         reward = (out.tokens == answers).all(dim=-1).float()  # (..., B)
         baseline = reward.unflatten(-1, (-1, group)).mean(-1).repeat_interleave(group, dim=-1)
         per_token_advantage = (reward - baseline)[..., None].expand_as(out.logp)
         return _per_model(batched, opd_pg_loss, out.logp, per_token_advantage, out.mask), B
-    prompts = lm.make_prompts(pairs[..., :B, :])
+    prompts = lm.make_prompts(pairs[..., :B, :], student.digits)
     if method == "sft":
         teacher_tokens, _ = lm.sample_tokens(teacher, prompts, generator)
         if not batched:
@@ -304,14 +317,16 @@ def _pretrain_students(config, train_pairs, train_answers):
     inits = []
     for s in range(S):
         torch.manual_seed(_seed(config, s, 2))
-        inits.append(lm.TinyLM(config["student_hidden"], config["student_layers"]))
+        inits.append(lm.TinyLM(config["student_hidden"], config["student_layers"],
+                               digits=config.get("digits", 2)))
     students = lm.EnsembleLM.from_models(inits)
     optimizer = BatchedAdam(students.parameters(), [config["pretrain_lr"]] * S)
     generator = torch.Generator().manual_seed(_seed(config, 0, 3))
     for _ in range(config["student_pretrain_steps"]):
         idx = torch.randint(0, len(train_pairs), (S, config["student_pretrain_batch"]),
                             generator=generator)
-        prompts, targets = lm.make_prompts(train_pairs[idx]), train_answers[idx]
+        prompts = lm.make_prompts(train_pairs[idx], students.digits)
+        targets = train_answers[idx]
         log_probs = torch.log_softmax(students.logits(prompts, targets), -1)
         nll = -log_probs.gather(-1, targets[..., None])[..., 0]  # (S, B, T)
         mask = lm.answer_mask(targets)
@@ -329,10 +344,11 @@ def _evaluate(students, teacher, test_pairs, val_pairs, seed):
     M = students.models
     accuracy = {}
     for name, pairs in (("test", test_pairs), ("val", val_pairs)):
-        prompts = lm.make_prompts(pairs).expand(M, -1, -1)
+        prompts = lm.make_prompts(pairs, students.digits).expand(M, -1, -1)
         tokens, _ = lm.sample_tokens(students, prompts, greedy=True)
-        accuracy[name] = (tokens == lm.answer_tokens(pairs)).all(-1).float().mean(-1)
-    prompts = lm.make_prompts(test_pairs).expand(M, -1, -1)
+        answers = lm.answer_tokens(pairs, students.digits)
+        accuracy[name] = (tokens == answers).all(-1).float().mean(-1)
+    prompts = lm.make_prompts(test_pairs, students.digits).expand(M, -1, -1)
     out = lm.rollout(students, prompts, torch.Generator().manual_seed(seed))
     _, teacher_logits = lm.score(teacher, prompts, out.tokens)
     kl = torch.stack([full_vocab_reverse_kl(out.logits[m], teacher_logits[m], out.mask[m])
@@ -352,7 +368,7 @@ def prepare(config, cache="read"):
     """
     torch.manual_seed(config["seed"])
     train_pairs, held_out = _split(config)
-    train_answers = lm.answer_tokens(train_pairs)
+    train_answers = lm.answer_tokens(train_pairs, config.get("digits", 2))
     val_pairs = held_out[: config["val_prompts"]]
     test_pairs = held_out[config["val_prompts"]: config["val_prompts"] + config["eval_prompts"]]
     teacher, cached = train_teacher(config, train_pairs, train_answers, cache)
@@ -427,7 +443,8 @@ def _train_one(method, student_state, teacher, train_pairs, test_pairs, val_pair
     S, lrs = config["seeds"], config["lrs"]
     M = S * len(lrs)
     teacher = lm.EnsembleLM.from_models([teacher]).requires_grad_(False)  # the fast forward
-    students = lm.EnsembleLM(M, config["student_hidden"], config["student_layers"])
+    students = lm.EnsembleLM(M, config["student_hidden"], config["student_layers"],
+                             digits=config.get("digits", 2))
     students.load_state_dict({k: v.repeat(len(lrs), *[1] * (v.ndim - 1))
                               for k, v in student_state.items()})
     optimizer = BatchedAdam(students.parameters(),
@@ -515,13 +532,13 @@ def gradient_agreement(config, batch_sizes=(16, 64, 256), reference=4096, repeat
     """
     train_pairs, _, _, teacher, _, student_state = prepare(config)
     student = lm.EnsembleLM(config["seeds"], config["student_hidden"],
-                            config["student_layers"])
+                            config["student_layers"], digits=config.get("digits", 2))
     student.load_state_dict(student_state)
     student = student.member(0)
     generator = torch.Generator().manual_seed(config["seed"] + 20)
 
     def gradients(pairs):
-        prompts = lm.make_prompts(pairs)
+        prompts = lm.make_prompts(pairs, student.digits)
         out = lm.rollout(student, prompts, generator)
         teacher_logp, teacher_logits = lm.score(teacher, prompts, out.tokens)
         losses = {
@@ -552,7 +569,7 @@ def gradient_agreement(config, batch_sizes=(16, 64, 256), reference=4096, repeat
     return table
 
 
-GRADIENT_KEYS = _TEACHER_KEYS + ("seeds", "student_hidden", "student_layers",
+GRADIENT_KEYS = _TEACHER_KEYS[:-1] + ("seeds", "student_hidden", "student_layers",
                                  "student_pretrain_steps", "student_pretrain_batch")
 """The settings [opd_literate.run.gradient_agreement][] depends on: those of the teacher and of
 the weak students."""
@@ -816,6 +833,8 @@ def build_parser():
     parser.add_argument("--quick", action="store_true",
                         help="the smaller QUICK configuration, for tests and smoke checks (about "
                              "14 s on 2 cores with the teacher cached)")
+    parser.add_argument("--long", action="store_true",
+                        help="the second regime, LONG: three-digit operands (longer answers)")
     parser.add_argument("--out", default="runs/latest",
                         help="output folder, created if missing (default %(default)s)")
     parser.add_argument("--methods", type=_methods, default=list(METHODS),
@@ -866,8 +885,10 @@ def main(argv=None):
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.quick and args.long:
+        parser.error("--quick and --long are two configurations; choose one")
     out_dir = _check_out(parser, args.out)
-    config = dict(QUICK if args.quick else DEFAULTS)
+    config = dict(QUICK if args.quick else LONG if args.long else DEFAULTS)
     if args.seed is not None:
         config["seed"] = args.seed
     if args.steps is not None:

@@ -105,36 +105,46 @@ def decode(ids):
     return "".join(VOCAB[int(i)] for i in ids)
 
 
-def make_prompts(pairs):
-    """``(..., 6)`` prompt tokens for a ``(..., 2)`` tensor of operands in [0, 99].
+def make_prompts(pairs, digits=2):
+    """``(..., 2 digits + 2)`` prompt tokens for a ``(..., 2)`` tensor of operands with at most
+    ``digits`` digits (zero-padded): ``"ab+cd="`` for two digits, ``"abc+def="`` for three.
 
     Examples
     --------
     >>> decode(make_prompts(torch.tensor([[7, 5]]))[0])
     '07+05='
+    >>> decode(make_prompts(torch.tensor([[7, 105]]), digits=3)[0])
+    '007+105='
     """
     a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack([a // 10, a % 10, torch.full_like(a, PLUS), b // 10, b % 10,
-                        torch.full_like(a, EQUALS)], dim=-1)
+
+    def written(x):  # the digits of x, most significant first: (..., digits)
+        return torch.stack([(x // 10 ** k) % 10 for k in range(digits - 1, -1, -1)], dim=-1)
+
+    return torch.cat([written(a), torch.full_like(a, PLUS)[..., None], written(b),
+                      torch.full_like(a, EQUALS)[..., None]], dim=-1)
 
 
-def answer_tokens(pairs):
-    """``(..., MAX_ANSWER)`` correct answers: the digits of a + b, ``<eos>``, then ``<pad>``.
+def answer_tokens(pairs, digits=2):
+    """``(..., digits + 2)`` correct answers: the digits of a + b, ``<eos>``, then ``<pad>``.
 
     Examples
     --------
     >>> [decode(row) for row in answer_tokens(torch.tensor([[7, 5], [99, 99], [0, 3]]))]
     ['12<eos><pad>', '198<eos>', '3<eos><pad><pad>']
+    >>> decode(answer_tokens(torch.tensor([[999, 999]]), digits=3)[0])
+    '1998<eos>'
     """
-    total = pairs[..., 0] + pairs[..., 1]  # (...) in [0, 198]
-    h, t, o = total // 100, (total // 10) % 10, total % 10
-    eos, pad = torch.full_like(total, EOS), torch.full_like(total, PAD)
-    three = torch.stack([h, t, o, eos], dim=-1)  # 100..198
-    two = torch.stack([t, o, eos, pad], dim=-1)  # 10..99
-    one = torch.stack([o, eos, pad, pad], dim=-1)  # 0..9
-    n_digits = (total >= 10).long() + (total >= 100).long()  # 0, 1 or 2 (one less than digits)
-    return torch.where((n_digits == 2)[..., None], three,
-                       torch.where((n_digits == 1)[..., None], two, one))
+    total = pairs[..., 0] + pairs[..., 1]  # (...) in [0, 2 * 10^digits - 2]
+    # number of digits of the sum: 1 + [total >= 10] + [total >= 100] + ...
+    n = 1 + sum((total >= 10 ** k).long() for k in range(1, digits + 1))
+    columns = []
+    for j in range(digits + 2):  # answer position j
+        # position j < n holds the digit of 10^(n - 1 - j); position n holds <eos>
+        power = torch.pow(10, (n - 1 - j).clamp_min(0))
+        digit = (total // power) % 10
+        columns.append(torch.where(j < n, digit, torch.where(j == n, EOS, PAD)))
+    return torch.stack(columns, dim=-1)
 
 
 def answer_mask(tokens):
@@ -164,13 +174,18 @@ class TinyLM(nn.Module):
         Number of hidden layers.
     embed : int
         Token embedding size.
+    digits : int
+        Operand digits of the task: 2 (the experiment's default, answers of up to
+        ``MAX_ANSWER = 4`` tokens) or more (answers of up to ``digits + 2`` tokens).
     """
 
-    def __init__(self, hidden=64, layers=1, embed=16):
+    def __init__(self, hidden=64, layers=1, embed=16, digits=2):
         super().__init__()
+        self.digits, self.max_answer = digits, digits + 2
         self.token_embedding = nn.Embedding(V, embed)
-        self.position_embedding = nn.Embedding(MAX_ANSWER, embed)
-        width = (PROMPT_LEN + MAX_ANSWER - 1 + 1) * embed  # 9 token slots + the position
+        self.position_embedding = nn.Embedding(self.max_answer, embed)
+        # the prompt (2 digits + 2 tokens), the answer so far, and the position
+        width = (2 * digits + 2 + self.max_answer - 1 + 1) * embed
         blocks = []
         for _ in range(layers):
             blocks += [nn.Linear(width, hidden), nn.GELU()]
@@ -182,13 +197,14 @@ class TinyLM(nn.Module):
         """The context of answer position ``t``, ``(..., 9)``: the prompt, ``answers[..., :t]``
         (the tokens already written), then ``<pad>``. Any leading dimensions (``(B,)``, or
         ``(M, B)`` for an [opd_literate.tinylm.EnsembleLM][])."""
-        padding = torch.full((*prompts.shape[:-1], MAX_ANSWER - 1 - t), PAD, dtype=torch.long)
+        T = answers.shape[-1]  # the answer positions, MAX_ANSWER for two-digit operands
+        padding = torch.full((*prompts.shape[:-1], T - 1 - t), PAD, dtype=torch.long)
         return torch.cat([prompts, answers[..., :t], padding], dim=-1)
 
     def window(self, prompts, answers):
         """Contexts for every answer position: ``(..., T, 9)`` token ids (teacher forcing)."""
-        return torch.stack([self.context_at(prompts, answers, t) for t in range(MAX_ANSWER)],
-                           dim=-2)
+        return torch.stack([self.context_at(prompts, answers, t)
+                            for t in range(answers.shape[-1])], dim=-2)
 
     def forward(self, context, position):
         """Logits ``(..., V)`` for contexts ``(..., 9)`` at answer positions ``(...)``."""
@@ -198,7 +214,8 @@ class TinyLM(nn.Module):
 
     def logits(self, prompts, answers):
         """Teacher-forced logits ``(..., T, V)`` of every answer position, in one batched call."""
-        positions = torch.arange(MAX_ANSWER).expand(*prompts.shape[:-1], MAX_ANSWER)
+        T = answers.shape[-1]
+        positions = torch.arange(T).expand(*prompts.shape[:-1], T)
         return self(self.window(prompts, answers), positions)
 
 
@@ -245,12 +262,13 @@ class EnsembleLM(TinyLM):
     True
     """
 
-    def __init__(self, models, hidden=64, layers=1, embed=16):
+    def __init__(self, models, hidden=64, layers=1, embed=16, digits=2):
         nn.Module.__init__(self)
         self.models, self.embed = models, embed
+        self.digits, self.max_answer = digits, digits + 2
         self.token_embedding = nn.Parameter(torch.zeros(models, V, embed))
-        self.position_embedding = nn.Parameter(torch.zeros(models, MAX_ANSWER, embed))
-        widths = [(PROMPT_LEN + MAX_ANSWER) * embed] + [hidden] * layers + [V]
+        self.position_embedding = nn.Parameter(torch.zeros(models, self.max_answer, embed))
+        widths = [(2 * digits + 2 + self.max_answer) * embed] + [hidden] * layers + [V]
         self.weights = nn.ParameterList(
             [nn.Parameter(torch.zeros(models, n_in, n_out))
              for n_in, n_out in zip(widths[:-1], widths[1:])])
@@ -263,7 +281,7 @@ class EnsembleLM(TinyLM):
         first = models[0]
         linears = [m for m in first.mlp if isinstance(m, nn.Linear)]
         ensemble = cls(len(models), linears[0].out_features, len(linears) - 1,
-                       first.token_embedding.embedding_dim)
+                       first.token_embedding.embedding_dim, first.digits)
         with torch.no_grad():
             ensemble.token_embedding.copy_(torch.stack([m.token_embedding.weight for m in models]))
             ensemble.position_embedding.copy_(
@@ -277,7 +295,7 @@ class EnsembleLM(TinyLM):
     def member(self, m):
         """Model ``m`` as a plain [opd_literate.tinylm.TinyLM][] (a copy of its weights)."""
         hidden, layers = self.weights[0].shape[2], len(self.weights) - 1
-        model = TinyLM(hidden, layers, self.embed)
+        model = TinyLM(hidden, layers, self.embed, self.digits)
         linears = [x for x in model.mlp if isinstance(x, nn.Linear)]
         with torch.no_grad():
             model.token_embedding.weight.copy_(self.token_embedding[m])
@@ -304,11 +322,11 @@ class EnsembleLM(TinyLM):
         #   [e(c_1), ..., e(c_9), e_pos(t)] W = sum_j e(c_j) W_j + e_pos(t) W_10,
         # so a table of every (slot, token) row times its block W_j (9 V + T rows per model,
         # cheap to build) turns the widest matrix product into a gather and a sum.
-        slots = PROMPT_LEN + MAX_ANSWER - 1
+        slots = context.shape[-1]  # prompt and answer so far: 9 for two-digit operands
         blocks = self.weights[0].view(M, slots + 1, self.embed, -1)  # (M, 10, E, H)
         token_rows = torch.einsum("mve,mseh->msvh", self.token_embedding, blocks[:, :slots])
         position_rows = torch.einsum("mte,meh->mth", self.position_embedding, blocks[:, slots])
-        rows_per_model = slots * V + MAX_ANSWER
+        rows_per_model = slots * V + self.max_answer
         table = torch.cat([token_rows.reshape(M, slots * V, -1), position_rows], dim=1)
         # Row of (model m, slot j, token v): m * rows_per_model + j * V + v; position t after.
         context = context.reshape(M, -1, slots)
@@ -341,8 +359,8 @@ def sample_tokens(model, prompts, generator=None, greedy=False):
     ``prompts`` is ``(B, 6)``, or ``(M, B, 6)`` for an [opd_literate.tinylm.EnsembleLM][].
     """
     lead = prompts.shape[:-1]  # (B,) or (M, B)
-    tokens = torch.full((*lead, MAX_ANSWER), PAD, dtype=torch.long)
-    for t in range(MAX_ANSWER):
+    tokens = torch.full((*lead, model.max_answer), PAD, dtype=torch.long)
+    for t in range(model.max_answer):
         context = model.context_at(prompts, tokens, t)  # reads tokens[..., :t] only
         logits = model(context, torch.full(lead, t, dtype=torch.long))  # (..., V)
         if greedy:
@@ -412,8 +430,8 @@ def supervised_loss(model, prompts, targets, label_smoothing=0.0):
 @torch.no_grad()
 def greedy_accuracy(model, pairs):
     """Fraction of prompts whose greedy answer is exactly right (digits and ``<eos>``)."""
-    tokens, _ = sample_tokens(model, make_prompts(pairs), None, greedy=True)
-    return float((tokens == answer_tokens(pairs)).all(dim=1).float().mean())
+    tokens, _ = sample_tokens(model, make_prompts(pairs, model.digits), None, greedy=True)
+    return float((tokens == answer_tokens(pairs, model.digits)).all(dim=1).float().mean())
 
 
 @torch.no_grad()
@@ -424,7 +442,7 @@ def reverse_kl_on_own_samples(student, teacher, pairs, generator):
     (up to and including ``<eos>``), averaged over tokens: the full-vocabulary OPD loss,
     evaluated.
     """
-    prompts = make_prompts(pairs)
+    prompts = make_prompts(pairs, student.digits)
     out = rollout(student, prompts, generator)
     _, teacher_logits = score(teacher, prompts, out.tokens)
     return float(full_vocab_reverse_kl(out.logits, teacher_logits, out.mask))

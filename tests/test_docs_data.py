@@ -21,6 +21,7 @@ from opd_literate.opd_mismatch import opd_mismatch_table
 from opd_literate.run import (
     DEFAULTS,
     GRADIENT_KEYS,
+    LONG,
     METHODS,
     _split,
     build_parser,
@@ -34,6 +35,7 @@ from opd_literate.toy import make_toy
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/data/experiment/results.json"
 GRADIENT_AGREEMENT = ROOT / "docs/data/experiment/gradient_agreement.json"
+RESULTS_LONG = ROOT / "docs/data/experiment/long/results.json"
 OPD_PAGE = ROOT / "docs/opd.md"
 EXPERIMENT_PAGE = ROOT / "docs/experiment.md"
 RUN_SOURCE = ROOT / "opd_literate/run.py"
@@ -55,6 +57,43 @@ def test_committed_results_use_the_current_defaults(results):
             assert all(len(curve) == n for curve in record[key]), (method, key)
         assert record["lr"] in DEFAULTS["lrs"]
         assert set(results["lr_search"][method]) == {str(lr) for lr in DEFAULTS["lrs"]}
+
+
+def test_committed_long_results_use_the_current_long_config():
+    long = json.loads(RESULTS_LONG.read_text())
+    assert long["config"] == json.loads(json.dumps(LONG))
+    assert set(long["methods"]) == set(METHODS)
+    for record in long["methods"].values():
+        assert record["samples"] == [k * LONG["batch_size"] for k in eval_steps(LONG)]
+        assert all(len(record[key]) == LONG["seeds"] for key in ("accuracy", "reverse_kl"))
+
+
+def test_experiment_page_long_regime_claims(results):
+    """docs/experiment.md, "A second regime": every number and ordering it states."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    long = json.loads(RESULTS_LONG.read_text())
+    assert LONG["digits"] == 3 and LONG["teacher_steps"] == 1200
+    assert LONG["student_pretrain_steps"] == 600 and LONG["steps"] == 1200
+    assert "76,800 student samples (1,200 steps of 64)" in page
+    assert LONG["steps"] * LONG["batch_size"] == 76_800
+    assert "(greedy accuracy 0.996 on the test prompts)" in page
+    assert f"{long['teacher_accuracy']:.3f}" == "0.996"
+    starts = [c[0] for c in long["methods"]["rl"]["accuracy"]]
+    assert "68% on average" in page and round(100 * sum(starts) / len(starts)) == 68
+    table, two = headline(long), headline(results)
+    reached = {m: row["reached"] for m, row in table.items()}
+    assert reached == {"opd_full_vocab": 5, "opd_sampled": 2, "sft": 0, "rl": 0}
+    assert "Sampled-token OPD reaches it on 2 of 5 seeds" in page
+    # "after 3.7 times the samples it needed with two digits"
+    factor = table["opd_full_vocab"]["samples"]["mean"] / two["opd_full_vocab"]["samples"]["mean"]
+    assert "after 3.7 times the samples it needed with two digits" in page
+    assert round(factor, 1) == 3.7
+    found = ratios(long)
+    assert found["sft"]["bound"] and found["rl"]["bound"]  # "lower bounds only"
+    # "SFT, which reached the target on every seed with two digits, ends here at a final
+    # accuracy whose interval lies below full-vocabulary OPD's"
+    assert two["sft"]["reached"] == 5
+    assert table["sft"]["final_accuracy"]["high"] < table["opd_full_vocab"]["final_accuracy"]["low"]
 
 
 def test_committed_gradient_agreement_uses_the_current_defaults():

@@ -156,6 +156,7 @@ def _bad_out_cases(tmp_path):
     cases = [
         (["--steps", "-3"], "expected a positive integer, got -3"),
         (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
+        (["--quick", "--long"], "--quick and --long are two configurations; choose one"),
         (["--methods", "opd_sampled,dpo"], "unknown method 'dpo'"),
         (["--methods", "opd_sampled,rl,opd_sampled"], "method opd_sampled given more than once"),
         (["--out", str(a_file)], f"--out {str(a_file)!r} exists and is not a folder"),

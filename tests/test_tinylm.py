@@ -199,3 +199,30 @@ def test_greedy_accuracy_of_a_perfect_model_is_one():
     pairs = torch.randint(0, 100, (200, 2), generator=torch.Generator().manual_seed(0))
     assert lm.greedy_accuracy(Oracle(), pairs) == 1.0
     assert lm.greedy_accuracy(_model(), pairs) < 0.2
+
+
+def test_three_digit_prompts_and_answers_are_the_written_sums():
+    """The second regime: every answer of a sample of three-digit pairs is str(a + b) and
+    <eos>, padded to digits + 2 = 5 tokens; the prompt is the zero-padded operands."""
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.cat([torch.randint(0, 1000, (300, 2), generator=g),
+                       torch.tensor([[0, 0], [999, 999], [1, 9], [500, 500], [99, 1]])])
+    answers, prompts = lm.answer_tokens(pairs, digits=3), lm.make_prompts(pairs, digits=3)
+    assert answers.shape == (305, 5) and prompts.shape == (305, 8)
+    for (a, b), answer, prompt in zip(pairs.tolist(), answers, prompts):
+        assert lm.decode(answer).replace("<pad>", "") == f"{a + b}<eos>"
+        assert lm.decode(prompt) == f"{a:03d}+{b:03d}="
+
+
+def test_three_digit_models_roll_out_five_positions_and_stack():
+    torch.manual_seed(0)
+    models = [lm.TinyLM(16, 1, digits=3) for _ in range(2)]
+    pairs = torch.randint(0, 1000, (2, 12, 2), generator=torch.Generator().manual_seed(1))
+    prompts = lm.make_prompts(pairs, digits=3)
+    out = lm.rollout(models[0], prompts[0], torch.Generator().manual_seed(2))
+    assert out.tokens.shape == (12, 5) and out.logits.shape == (12, 5, lm.V)
+    ensemble = lm.EnsembleLM.from_models(models)
+    answers = lm.answer_tokens(pairs, digits=3)
+    stacked = ensemble.logits(prompts, answers)
+    torch.testing.assert_close(stacked[1], models[1].logits(prompts[1], answers[1]),
+                               rtol=1e-5, atol=1e-5)

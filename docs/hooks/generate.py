@@ -32,6 +32,7 @@ DOCS = pathlib.Path(__file__).resolve().parents[1]
 OUT = DOCS / "generated"
 EXPERIMENT = DOCS / "data" / "experiment" / "results.json"
 GRADIENT_AGREEMENT = DOCS / "data" / "experiment" / "gradient_agreement.json"
+EXPERIMENT_LONG = DOCS / "data" / "experiment" / "long" / "results.json"
 
 
 def _write(name: str, data) -> None:
@@ -281,6 +282,12 @@ def _experiment():
     _write("experiment_lr_search.md", "\n".join(lr_lines) + "\n")
     _write("experiment_config.md",
            "```json\n" + json.dumps(results["config"], indent=1) + "\n```\n")
+    # The second regime (--long): its headline and accuracy plot.
+    long = json.loads(EXPERIMENT_LONG.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in write_plots(long, tmp):
+            _write(f"experiment_long_{path.name}", path.read_bytes())
+    _write("experiment_long_headline.md", format_headline(long) + "\n")
 
 
 def _gradient_agreement():
