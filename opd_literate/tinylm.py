@@ -8,7 +8,9 @@ digit first is the hard order: the first digit depends on a carry that has not b
 yet, and every later digit is predicted *given the digits already written*. A model that gets
 the first digit wrong is then in a state it has never seen during supervised training (a
 prefix that is not the start of the correct sum), and its later tokens are unreliable: the
-compounding error that on-policy distillation addresses.
+compounding error that on-policy distillation addresses. With ``digits=3`` (the experiment's
+second regime) the prompt is ``"abc+def="`` and answers have up to ``digits + 2 = 5`` tokens;
+the constants ``PROMPT_LEN`` and ``MAX_ANSWER`` describe the two-digit default.
 
 **The model.** A next-token MLP over a fixed window: the 6 prompt tokens and the at most 3
 answer tokens already written (``<pad>`` where there are none), each embedded, plus an
