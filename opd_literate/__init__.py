@@ -19,8 +19,9 @@ drags along:
 * ``opd_literate.topk``: top-k teachers, three approximations of the KL with their exact bias
   (imports: torch, matplotlib; matplotlib only to plot).
 * ``opd_literate.tinylm``: a tiny LM for two-digit addition (imports: torch).
-* ``opd_literate.run``: the OPD experiment (imports: torch, filelock, tqdm, matplotlib; the
-  last two only when a progress bar or a plot is asked for).
+* ``opd_literate.run``: the OPD experiment (imports: torch, numpy, filelock, tqdm, matplotlib;
+  numpy for the bootstrap intervals, the last two only when a progress bar or a plot is asked
+  for).
 * ``opd_literate.handout``: lab handouts and a grader, generated from this source
   (imports: nothing).
 * ``opd_literate.copy``: ``opd-copy NAME`` prints a public function with every helper, constant

@@ -30,7 +30,7 @@ THIRD_PARTY = {
     "large_vocab": {"torch"},
     "topk": {"torch", "matplotlib"},
     "tinylm": {"torch"},
-    "run": {"torch", "filelock", "tqdm", "matplotlib"},
+    "run": {"torch", "numpy", "filelock", "tqdm", "matplotlib"},
     "handout": set(),
     "copy": set(),
 }
