@@ -523,3 +523,30 @@ def test_length_sweep_is_a_median_over_seeds(kwargs, explicit):
     for T in got:
         for name in names:
             assert math.isclose(got[T][name], want[T][name], rel_tol=1e-9, abs_tol=1e-14)
+
+
+def test_the_largest_finite_ratio_is_accepted_and_rho_geo_overflows_to_inf():
+    # log ratio exactly log(float max): exp of it is finite, so it is no overflow
+    edge = float(np.log(np.finfo(float).max))
+    hand = {"logp_train": np.array([[0.0]]), "logp_sampler": np.array([[-edge]])}
+    assert E.token_ratios(hand)[0, 0] == np.exp(edge) < np.inf
+    # rho_geo beyond float max is inf (outside every finite band), silently
+    big = {"logp_train": np.zeros((1, 2)), "logp_sampler": np.full((1, 2), -800.0)}
+    assert E.geometric_ratio(big).tolist() == [np.inf]
+
+
+@pytest.mark.parametrize("name, params", [("seq_tis", {"cap": INF}),
+                                          ("seq_mis", {"low": 0.0, "high": INF})])
+def test_overflowing_sequence_ratios_name_the_level_and_the_mismatch(name, params):
+    hand = dict(TOYS["m1"])
+    hand["logp_sampler"] = hand["logp_sampler"] - 400.0  # log rho = 3 * 400 > 709.8
+    with pytest.raises(ValueError, match=r"^the sequence importance ratios overflow float64 "
+                       r"\(log ratio up to 1\d\d\d > 709.8\) at mismatch=1.0: "):
+        getattr(E, name)(hand, **params, return_weights=True)
+
+
+def test_estimator_weights_default_baseline_is_zero():
+    toy = TOYS["m1"]
+    np.testing.assert_array_equal(
+        estimator_weights(toy, "ppo_clip_bypass"),
+        reference("ppo_clip_bypass", toy, 0.0, **DEFAULTS["ppo_clip_bypass"]))

@@ -272,7 +272,8 @@ def test_toys_from_logits_keep_the_logits():
     toy = toy_from_logits(train, sampler)
     assert toy["theta"].tolist() == train.tolist() and toy["mismatch"] == 1.0
     assert toy["b"].tolist() == (sampler - train).tolist()
-    train3, sampler3 = np.zeros((2, 3, 2)), np.ones((2, 3, 2)) * [0.0, 0.5]
+    train3 = np.arange(12.0).reshape(2, 3, 2) / 10
+    sampler3 = np.ones((2, 3, 2)) * [0.0, 0.5]
     ar = ar_toy_from_logits(train3, sampler3)
     assert ar["theta"].tolist() == train3.tolist() and ar["mismatch"] == 1.0
     assert ar["b"].tolist() == (sampler3 - train3).tolist()
