@@ -435,8 +435,8 @@ def reverse_kl_per_position(student_logits, teacher_logits, mask=None, temperatu
         softmax if its row is all ``-inf`` or NaN.
 
     temperature : float
-        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
-        (``temperature``, default 1.0, which leaves the logits unchanged).
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's
+        ``DistillationTrainer`` does (default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -498,8 +498,8 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask, temperature=1.0)
         ``(B, T)`` with values in {0, 1}.
 
     temperature : float
-        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
-        (``temperature``, default 1.0, which leaves the logits unchanged).
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's
+        ``DistillationTrainer`` does (default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -559,8 +559,8 @@ def forward_kl_per_position(student_logits, teacher_logits, mask=None, temperatu
         [opd_literate.opd.reverse_kl_per_position][]).
 
     temperature : float
-        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
-        (``temperature``, default 1.0, which leaves the logits unchanged).
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's
+        ``DistillationTrainer`` does (default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -595,8 +595,8 @@ def forward_kl(student_logits, teacher_logits, mask, temperature=1.0):
         ``(B, T)`` with values in {0, 1}.
 
     temperature : float
-        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
-        (``temperature``, default 1.0, which leaves the logits unchanged).
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's
+        ``DistillationTrainer`` does (default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -680,8 +680,8 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
         [opd_literate.opd.reverse_kl_per_position][]).
 
     temperature : float
-        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
-        (``temperature``, default 1.0, which leaves the logits unchanged).
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's
+        ``DistillationTrainer`` does (default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
@@ -746,8 +746,8 @@ def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=Fa
         Divide by $\beta(1 - \beta)$ inside $(0, 1)$.
 
     temperature : float
-        $\tau > 0$: both logits are divided by it before the softmax, as TRL's trainers do
-        (``temperature``, default 1.0, which leaves the logits unchanged).
+        $\tau > 0$: both logits are divided by it before the softmax, as TRL's
+        ``DistillationTrainer`` does (default 1.0, which leaves the logits unchanged).
 
     Returns
     -------
