@@ -146,9 +146,11 @@ def add_teacher(toy, teacher_seed=1, scale=1.0, phi=None):
         if phi.shape != theta.shape or not np.isfinite(phi).all():
             raise ValueError(f"phi must be finite with the shape of toy['theta'] {theta.shape}, "
                              f"got shape {phi.shape}")
-    with np.errstate(over="ignore"):
+    # phi itself may overflow to +-inf at a huge scale (inf - inf inside the softmax is NaN):
+    # both are the same refusal below, not a warning.
+    with np.errstate(over="ignore", invalid="ignore"):
         log_q = log_softmax(phi)
-    if not np.isfinite(log_q).all():
+    if not (np.isfinite(phi).all() and np.isfinite(log_q).all()):
         # A teacher probability of 0 makes the reverse KL infinite and its gradient NaN.
         raise ValueError(f"scale={scale!r} gives the teacher a token of probability 0 (its "
                          "logits overflow float64 or differ by more than it can represent); "

@@ -82,3 +82,18 @@ def test_an_overflowing_opd_estimate_is_a_clear_error_not_inf():
     toy = add_teacher(make_toy(T=2, V=3, mismatch=100.0), scale=1e306)
     with pytest.raises(ValueError, match="the weights times the log-probability gaps overflow"):
         opd_estimate(toy, "trainer", "token_is")
+
+
+def test_a_huge_teacher_scale_is_one_clear_error_for_every_seed():
+    # At scale 1e308 some draws overflow to +-inf (seeds 2 and 3 gave a NaN RuntimeWarning
+    # before the refusal); every seed must give the same ValueError naming the scale.
+    import warnings
+
+    from opd_literate.opd_mismatch import add_teacher
+    from opd_literate.toy import make_toy
+
+    for seed in (1, 2, 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match=r"scale=1e\+308 gives the teacher a token"):
+                add_teacher(make_toy(), teacher_seed=seed, scale=1e308)
