@@ -410,6 +410,9 @@ def estimator_moments(toy, per_seq_estimate):
     check_toy(toy, keys=("p_sampler", "true_grad"))
     target = np.asarray(toy["true_grad"])
     estimate = np.asarray(per_seq_estimate)
+    if toy["p_sampler"].ndim != 1 or toy["p_sampler"].shape[0] == 0:
+        raise ValueError("toy['p_sampler'] must be a non-empty (M,) array of probabilities, got "
+                         f"shape {toy['p_sampler'].shape}")
     expected_shape = (toy["p_sampler"].shape[0],) + target.shape
     if estimate.shape != expected_shape:
         raise ValueError(

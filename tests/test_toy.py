@@ -232,3 +232,10 @@ def test_relative_moments_of_a_huge_gradient_are_exact_not_nan():
     tiny = estimator_moments(dict(toy, true_grad=toy["true_grad"] * 2.0**-700),
                              estimate * 2.0**-700)
     assert tiny["rel_bias"] == pytest.approx(small["rel_bias"], rel=1e-12)
+
+
+def test_moments_of_a_toy_with_no_response_name_the_argument():
+    toy = dict(make_toy(T=2, V=2))
+    toy["p_sampler"] = toy["p_sampler"][:0]
+    with pytest.raises(ValueError, match=r"toy\['p_sampler'\] must be a non-empty \(M,\) array"):
+        estimator_moments(toy, np.zeros((0, 2, 2)))
