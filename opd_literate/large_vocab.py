@@ -209,6 +209,15 @@ class _ChunkedDivergence(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
+def _check_bias(name, bias, V):
+    """An optional LM-head bias: None, or a floating (V,) tensor."""
+    if bias is None:
+        return
+    check_float_tensor(name, bias, 1)
+    if bias.shape[0] != V:
+        raise ValueError(f"{name} must have shape ({V},), got {tuple(bias.shape)}")
+
+
 def _check_inputs(student_hidden, student_weight, student_bias, mask, teacher_logits,
                   teacher_hidden, teacher_weight, teacher_bias, chunk_size):
     """Validate the arguments; return the indices of the masked-in rows."""
@@ -224,11 +233,7 @@ def _check_inputs(student_hidden, student_weight, student_bias, mask, teacher_lo
     if V == 0:
         raise ValueError("student_weight must have at least one row (V >= 1), got shape "
                          f"{tuple(student_weight.shape)}")
-    if student_bias is not None:
-        check_float_tensor("student_bias", student_bias, 1)
-        if student_bias.shape[0] != V:
-            raise ValueError(f"student_bias must have shape ({V},), got "
-                             f"{tuple(student_bias.shape)}")
+    _check_bias("student_bias", student_bias, V)
     if (teacher_logits is None) == (teacher_hidden is None and teacher_weight is None):
         raise ValueError("give the teacher either as teacher_logits (N, V) or as teacher_hidden "
                          "(N, H_T) with teacher_weight (V, H_T), not both and not neither")
@@ -250,11 +255,7 @@ def _check_inputs(student_hidden, student_weight, student_bias, mask, teacher_lo
         if tuple(teacher_weight.shape) != (V, teacher_hidden.shape[1]):
             raise ValueError(f"teacher_weight must have shape (V, H_T) = "
                              f"{(V, teacher_hidden.shape[1])}, got {tuple(teacher_weight.shape)}")
-        if teacher_bias is not None:
-            check_float_tensor("teacher_bias", teacher_bias, 1)
-            if teacher_bias.shape[0] != V:
-                raise ValueError(f"teacher_bias must have shape ({V},), got "
-                                 f"{tuple(teacher_bias.shape)}")
+        _check_bias("teacher_bias", teacher_bias, V)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     mask = check_mask(mask, "student_hidden[:, 0]", (N,))
