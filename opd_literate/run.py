@@ -505,7 +505,8 @@ def eval_steps(config):
 
 def _first_hit(samples, accuracy, target):
     """Samples at the first evaluation with accuracy >= target, or None."""
-    return next((n for n, a in zip(samples, accuracy) if a >= target), None)
+    index = _first_index(accuracy, target)
+    return None if index is None else samples[index]
 
 
 def _rank(search, config):
@@ -610,7 +611,7 @@ BOOTSTRAP = 10_000
 """Resamples of the percentile bootstrap over seeds."""
 
 
-def bootstrap_interval(values, statistic=None, level=0.95, resamples=BOOTSTRAP, seed=0):
+def bootstrap_interval(values, level=0.95, resamples=BOOTSTRAP, seed=0):
     r"""Percentile bootstrap interval of the mean of ``values`` (one per seed).
 
     Draws ``resamples`` samples of the seeds with replacement, computes the mean of each, and
@@ -627,11 +628,23 @@ def bootstrap_interval(values, statistic=None, level=0.95, resamples=BOOTSTRAP, 
     """
     import numpy as np
 
+    means = _resampled_means(values, np.random.default_rng(seed), resamples)
+    return _percentile_interval(means, level)
+
+
+def _resampled_means(values, rng, resamples):
+    """The means of ``resamples`` draws of the seeds' values, with replacement: (resamples,)."""
+    import numpy as np
+
     x = np.asarray(values, dtype=float)
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), (resamples, len(x)))].mean(axis=1)
+    return x[rng.integers(0, len(x), (resamples, len(x)))].mean(axis=1)
+
+
+def _percentile_interval(draws, level):
+    import numpy as np
+
     alpha = (1 - level) / 2
-    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+    return float(np.quantile(draws, alpha)), float(np.quantile(draws, 1 - alpha))
 
 
 def _ratio_interval(numerator, denominator, level=0.95, resamples=BOOTSTRAP, seed=0):
@@ -639,12 +652,11 @@ def _ratio_interval(numerator, denominator, level=0.95, resamples=BOOTSTRAP, see
     independently for the two methods."""
     import numpy as np
 
-    a, b = np.asarray(numerator, float), np.asarray(denominator, float)
     rng = np.random.default_rng(seed)
-    ratios = (a[rng.integers(0, len(a), (resamples, len(a)))].mean(1)
-              / b[rng.integers(0, len(b), (resamples, len(b)))].mean(1))
-    alpha = (1 - level) / 2
-    return float(np.quantile(ratios, alpha)), float(np.quantile(ratios, 1 - alpha))
+    # The numerator's draws first, then the denominator's, from one generator.
+    numerator_means = _resampled_means(numerator, rng, resamples)
+    return _percentile_interval(numerator_means / _resampled_means(denominator, rng, resamples),
+                                level)
 
 
 def headline(results):
@@ -685,6 +697,7 @@ def headline(results):
 
 
 def _first_index(accuracy, target):
+    """Index of the first evaluation with accuracy >= target, or None."""
     return next((i for i, a in enumerate(accuracy) if a >= target), None)
 
 
