@@ -312,3 +312,20 @@ def test_the_module_docstring_quotes_the_benchmark_figure():
     assert f"{per_token:.1f} MiB" in doc
     vectors = per_token * 2**20 / (151_936 * 4)  # float32 vocabulary vectors a token
     assert f"about {vectors:.1f} float32 vocabulary vectors" in doc
+
+
+def test_normalized_jsd_near_the_endpoints_keeps_float32_precision():
+    # At beta = 1e-6 the JSD is O(beta) and normalize divides by beta: summed as
+    # a (log a - log m) in float32 it lost about 0.4% (4.372 against 4.389).
+    from opd_literate.large_vocab import chunked_generalized_jsd
+    from opd_literate.opd import generalized_jsd
+
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(4, 8, generator=g), torch.randn(50, 8, generator=g)
+    teacher = 2 * torch.randn(4, 50, generator=g)
+    for beta in (1e-6, 1 - 1e-6):
+        chunked = chunked_generalized_jsd(h, W, torch.ones(4), teacher_logits=teacher, beta=beta,
+                                          normalize=True, chunk_size=3)
+        dense64 = generalized_jsd((h @ W.T).double()[None], teacher.double()[None],
+                                  torch.ones(1, 4), beta=beta, normalize=True)
+        assert chunked.item() == pytest.approx(dense64.item(), rel=1e-5)
