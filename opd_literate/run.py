@@ -35,8 +35,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import pathlib
+import signal
 import sys
 import tempfile
 import time
@@ -49,7 +51,7 @@ from . import tinylm as lm
 from .opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
 __all__ = ["DEFAULTS", "QUICK", "LONG", "METHODS", "CACHE_MODES", "GRADIENT_KEYS", "prepare",
-           "run_experiment", "train_teacher", "teacher_cache_path", "eval_steps", "BatchedAdam",
+           "run_experiment", "available_cpus", "train_teacher", "teacher_cache_path", "eval_steps", "BatchedAdam",
            "headline", "ratios", "bootstrap_interval", "format_headline", "gradient_agreement",
            "gradient_agreement_record", "write_plots", "main"]
 
@@ -377,11 +379,26 @@ def prepare(config, cache="read"):
     return train_pairs, test_pairs, val_pairs, teacher, cached, student_state
 
 
-def run_experiment(config, methods=METHODS, progress=True, cache="read", on_method=None):
+def available_cpus():
+    """The CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def run_experiment(config, methods=METHODS, progress=True, cache="read", on_method=None,
+                   workers=1):
     """Run every method; return the ``results.json`` dictionary.
 
-    Runs on one CPU thread (restored after): the matrices are small, and a second thread
-    costs more in synchronisation than it gains, several times more on a busy machine.
+    Every training process runs on one CPU thread (restored after): the matrices are small, and
+    a second thread costs more in synchronisation than it gains, several times more on a busy
+    machine. ``workers`` processes train the methods side by side instead (the CLI's
+    ``--workers``, by default one per CPU, at most one per method): the methods are
+    independent, so a second core is used without any synchronisation. The teacher and the
+    students' initial weights are prepared once, in this process, and sent to the workers;
+    each method's random streams depend on the configuration only, so the numbers are the same
+    for every ``workers`` (the ``seconds`` curves, measured times, are not).
 
     ``cache`` is one of [opd_literate.run.CACHE_MODES][]. ``on_method``, if given, is called
     after each method with the results so far (the same dictionary, holding the methods
@@ -393,15 +410,19 @@ def run_experiment(config, methods=METHODS, progress=True, cache="read", on_meth
     if unknown or repeated or not methods:
         raise ValueError(f"methods must be distinct names from {', '.join(METHODS)}; got "
                          f"{methods!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_methods(config, methods, progress, cache, on_method)
+        return _run_methods(config, methods, progress, cache, on_method,
+                            min(workers, len(methods)))
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_methods(config, methods, progress, cache, on_method):
+def _run_methods(config, methods, progress, cache, on_method, workers):
+    started = time.perf_counter()
     train_pairs, test_pairs, val_pairs, teacher, cached, student_state = prepare(config, cache)
     teacher_accuracy = lm.greedy_accuracy(teacher, test_pairs)
     teacher_val_accuracy = lm.greedy_accuracy(teacher, val_pairs)
@@ -409,27 +430,95 @@ def _run_methods(config, methods, progress, cache, on_method):
     bar = _progress(len(methods) * config["steps"], progress)
     val_target = config["target_fraction"] * teacher_val_accuracy
     results, search = {}, {}
+    # "run": how this run was executed, not what it computed (the numbers do not depend on it)
+    execution = {"workers": workers, "cpus": available_cpus(), "wall_seconds": None}
     summary = {"teacher_accuracy": teacher_accuracy,
                "teacher_val_accuracy": teacher_val_accuracy, "teacher_cached": cached,
-               "config": config, "methods": results, "lr_search": search}
+               "config": config, "methods": results, "lr_search": search, "run": execution}
+
+    def finish(method, runs):
+        search[method] = {str(lr): dict(
+            val_samples_to_target=[_first_hit(run["samples"], acc, val_target)
+                                   for acc in run["val_accuracy"]],
+            val_final_accuracy=[acc[-1] for acc in run["val_accuracy"]])
+            for lr, run in runs.items()}
+        best = min(runs, key=lambda lr: _rank(search[method][str(lr)], config))
+        record = runs[best]
+        del record["val_accuracy"]
+        results[method] = dict(record, lr=best)
+        if on_method is not None:
+            on_method(summary)
+
+    data = (student_state, teacher, train_pairs, test_pairs, val_pairs, config)
     try:
-        for method in methods:
-            runs = _train_one(method, student_state, teacher, train_pairs, test_pairs,
-                              val_pairs, config, bar)
-            search[method] = {str(lr): dict(
-                val_samples_to_target=[_first_hit(run["samples"], acc, val_target)
-                                       for acc in run["val_accuracy"]],
-                val_final_accuracy=[acc[-1] for acc in run["val_accuracy"]])
-                for lr, run in runs.items()}
-            best = min(runs, key=lambda lr: _rank(search[method][str(lr)], config))
-            record = runs[best]
-            del record["val_accuracy"]
-            results[method] = dict(record, lr=best)
-            if on_method is not None:
-                on_method(summary)
+        if workers == 1:
+            for method in methods:
+                finish(method, _train_one(method, *data, bar))
+        else:
+            for method, runs in _train_in_workers(methods, data, workers, bar):
+                finish(method, runs)
     finally:
         bar.close()
+    # the requested order, whichever method finished first
+    ordered = {method: results[method] for method in methods}
+    results.clear()
+    results.update(ordered)
+    search_ordered = {method: search[method] for method in methods}
+    search.clear()
+    search.update(search_ordered)
+    # from the start of prepare() (the teacher's training too, when it was not cached)
+    execution["wall_seconds"] = round(time.perf_counter() - started, 1)
     return summary
+
+
+class _SharedCounter:
+    """The progress "bar" of a worker process: adds its steps to a counter the parent reads."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def update(self, n):
+        with self.counter.get_lock():
+            self.counter.value += n
+
+
+_WORKER_COUNTER = None
+
+
+def _worker_start(counter):
+    """Each worker: one thread, and Ctrl-C left to the parent, which stops the workers."""
+    global _WORKER_COUNTER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    _WORKER_COUNTER = counter
+
+
+def _worker_train(method, data):
+    return _train_one(method, *data, _SharedCounter(_WORKER_COUNTER))
+
+
+def _train_in_workers(methods, data, workers, bar):
+    """Yield ``(method, runs)`` as each method finishes in a pool of ``workers`` processes.
+
+    The processes are started with ``spawn`` (a fresh interpreter: forking a process whose
+    torch thread pools have run is unsafe). On Ctrl-C, or any error, the ``with`` block
+    terminates the pool, so no worker outlives the run.
+    """
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("q", 0)
+    with context.Pool(workers, initializer=_worker_start, initargs=(counter,)) as pool:
+        pending = {method: pool.apply_async(_worker_train, (method, data))
+                   for method in methods}
+        shown = 0
+        while pending:
+            done = [method for method, result in pending.items() if result.ready()]
+            for method in done:
+                yield method, pending.pop(method).get()  # re-raises a worker's error
+            if pending and not done:
+                pending[next(iter(pending))].wait(0.2)
+            steps = counter.value
+            bar.update(steps - shown)
+            shown = steps
 
 
 def _train_one(method, student_state, teacher, train_pairs, test_pairs, val_pairs, config,
@@ -866,6 +955,11 @@ def build_parser():
     parser.add_argument("--no-cache", action="store_true",
                         help="retrain the teacher instead of loading it, and rewrite its cache "
                              "file (which also repairs a corrupt one)")
+    parser.add_argument("--workers", type=_positive_int, default=None,
+                        help="processes training the methods side by side, one thread each "
+                             "(default: one per CPU, at most one per method; here "
+                             f"{min(len(METHODS), available_cpus())}); the numbers do not "
+                             "depend on it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -925,8 +1019,9 @@ def main(argv=None):
     results_path = out_dir / "results.json"
     written = []
     try:
+        workers = args.workers or min(len(args.methods), available_cpus())
         results = run_experiment(config, args.methods, progress=not args.no_progress,
-                                 cache=cache, on_method=save_partial)
+                                 cache=cache, on_method=save_partial, workers=workers)
         _replace_atomically(results_path,
                             lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
         written.append(results_path)

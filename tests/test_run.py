@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -86,14 +87,19 @@ def test_quick_run_opd_students_learn(quick_results):
     assert run.headline(results)["opd_full_vocab"]["reached"] == run.QUICK["seeds"]
 
 
-def test_same_seed_same_numbers(tmp_path, monkeypatch):
+def test_same_seed_same_numbers_with_any_number_of_workers(tmp_path, monkeypatch):
+    """Twice, in this process and then in two worker processes: the same numbers, in the same
+    order (each method's random streams depend on the configuration only)."""
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
     config = dict(TINY, steps=4, eval_every=2, eval_prompts=100, student_pretrain_steps=20)
     first = run.run_experiment(config, ["opd_sampled", "rl"], progress=False)
-    second = run.run_experiment(config, ["opd_sampled", "rl"], progress=False)
+    second = run.run_experiment(config, ["opd_sampled", "rl"], progress=False, workers=2)
     assert second["teacher_cached"] and not first["teacher_cached"]
+    assert (first["run"]["workers"], second["run"]["workers"]) == (1, 2)
+    assert list(second["methods"]) == list(second["lr_search"]) == ["opd_sampled", "rl"]
+    assert first["lr_search"] == second["lr_search"]
     for method in ("opd_sampled", "rl"):
-        for key in ("samples", "accuracy", "reverse_kl"):
+        for key in ("samples", "accuracy", "reverse_kl", "lr"):
             assert first["methods"][method][key] == second["methods"][method][key]
     other = run.run_experiment(dict(config, seed=1), ["opd_sampled"], progress=False)
     assert other["methods"]["opd_sampled"]["reverse_kl"] != \
@@ -156,6 +162,7 @@ def _bad_out_cases(tmp_path):
     cases = [
         (["--steps", "-3"], "expected a positive integer, got -3"),
         (["--seeds", "0"], "argument --seeds: expected a positive integer, got 0"),
+        (["--workers", "0"], "argument --workers: expected a positive integer, got 0"),
         (["--quick", "--long"], "--quick and --long are two configurations; choose one"),
         (["--methods", "opd_sampled,dpo"], "unknown method 'dpo'"),
         (["--methods", "opd_sampled,rl,opd_sampled"], "method opd_sampled given more than once"),
@@ -181,6 +188,10 @@ def test_duplicate_methods_are_refused_by_the_library_too(tmp_path, monkeypatch)
     monkeypatch.setattr(run, "prepare", lambda *a: pytest.fail("prepared before checking"))
     with pytest.raises(ValueError, match="distinct names"):
         run.run_experiment(TINY, ["rl", "rl"])
+    for workers in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"workers must be a positive integer, got "
+                                             f"{re.escape(repr(workers))}"):
+            run.run_experiment(TINY, ["rl"], workers=workers)
 
 
 def test_out_is_created_and_written(tiny_cli, capsys):
@@ -204,7 +215,8 @@ def test_ctrl_c_keeps_finished_methods_and_exits_130(tiny_cli, monkeypatch, caps
 
     monkeypatch.setattr(run, "_train_one", train_one)
     out = tiny_cli / "out"
-    assert run.main(["--quick", "--out", str(out), "--no-progress"]) == 130
+    # one worker: the methods train in this process, where the patch applies
+    assert run.main(["--quick", "--workers", "1", "--out", str(out), "--no-progress"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("opd-experiment: interrupted; kept: ")
     assert f"teacher cache {run.teacher_cache_path(TINY)}" in err
@@ -238,7 +250,8 @@ def train_one(method, *args):
         os.kill(os.getpid(), signal.SIGINT)
     return real(method, *args)
 run._train_one = train_one
-sys.exit(run.main(["--quick", "--out", {str(tmp_path / "out")!r}, "--no-progress"]))
+sys.exit(run.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!r},
+                   "--no-progress"]))
 """
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -247,6 +260,42 @@ sys.exit(run.main(["--quick", "--out", {str(tmp_path / "out")!r}, "--no-progress
     assert result.stderr.count("\n") == 1
     assert "interrupted; kept: teacher cache " in result.stderr
     assert "finished methods opd_sampled in " in result.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigint_with_worker_processes_exits_130_and_leaves_no_worker(tmp_path):
+    """Ctrl-C while two worker processes train: the parent stops them (they ignore SIGINT and
+    are terminated with the pool), keeps the methods finished, and exits 130 in one line."""
+    token = f"opd-literate-test-{os.getpid()}-{id(tmp_path)}"
+    slow = dict(TINY, steps=400, eval_every=100)  # long enough to be interrupted mid-training
+    code = f"""
+import os, signal, sys
+from opd_literate import run
+run.QUICK = {slow!r}
+real = run._train_in_workers
+def train_in_workers(*args):
+    for finished in real(*args):
+        yield finished
+        os.kill(os.getpid(), signal.SIGINT)  # after the first method, the others still running
+run._train_in_workers = train_in_workers
+sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!r},
+                   "--no-progress"]))
+"""
+    env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"), OPD_TEST_TOKEN=token)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert re.search(r"interrupted; kept: teacher cache .*; finished methods [a-z_]+ in ",
+                     result.stderr), result.stderr
+    survivors = []
+    for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if token.encode() in environ.read_bytes():
+                survivors.append(environ.parent.name)
+        except OSError:  # gone, or not ours to read
+            pass
+    assert survivors == [], f"worker processes outlived the run: {survivors}"
 
 
 # ---------------------------------------------------------------------------------------------
