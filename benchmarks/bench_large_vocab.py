@@ -16,8 +16,13 @@ and one forward plus backward pass of the loss runs. Reported:
 
 The dense variant builds the student's ``(N, V)`` logits with autograd and the teacher's
 without, then calls [opd_literate.opd.full_vocab_reverse_kl][]. The chunked variant calls
-[opd_literate.large_vocab.chunked_reverse_kl][] on the same hidden states and heads. The last
-line reads ``chunked/dense: memory X, time Y``.
+[opd_literate.large_vocab.chunked_reverse_kl][] on the same hidden states and heads. Where the
+``trl`` extra is installed, a third variant, ``trl``, runs the loss that
+``trl.DistillationTrainer`` computes on the same inputs: ``_chunked_divergence_loss`` of
+``trl/trainer/distillation_trainer.py`` with ``beta=1.0`` (TRL's reverse KL), which calls
+TRL's ``ChunkedDivergenceFunction`` (``trl/kernels/chunked_divergence.py``; on a CPU, its
+torch fallback of the Triton kernels). Its line ``trl/dense: memory X, time Y`` comes before
+the last line, which reads ``chunked/dense: memory X, time Y``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,14 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk_size: i
             with torch.no_grad():
                 teacher_logits = F.linear(th, tW)  # (N, V)
             return full_vocab_reverse_kl(logits[None], teacher_logits[None], mask[None])
+        if variant == "trl":
+            from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+            # (B, K, H) hidden states and a (B, K) completion mask, as the trainer passes them;
+            # beta = 1 is TRL's reverse KL. Returns (loss, entropy sum, number of tokens).
+            loss, _, _ = _chunked_divergence_loss(h[None], th[None], W, tW, mask[None],
+                                                  beta=1.0)
+            return loss
         return chunked_reverse_kl(h, W, mask, teacher_hidden=th, teacher_weight=tW,
                                   chunk_size=chunk_size)
 
@@ -86,8 +99,14 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk_size: i
     loss.backward()
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM")
-    return {"variant": variant, "loss": loss.item(), "added_mib": (peak - before) / 1024,
-            "seconds": seconds, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    record = {"variant": variant, "loss": loss.item(), "added_mib": (peak - before) / 1024,
+              "seconds": seconds, "torch": torch.__version__,
+              "threads": torch.get_num_threads()}
+    if variant == "trl":
+        import trl
+
+        record["trl"] = trl.__version__
+    return record
 
 
 def main(argv=None) -> None:
@@ -95,7 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true", help=f"sizes {SMALL} instead of {FULL}")
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--child", choices=["dense", "chunked"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["dense", "chunked", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = SMALL if args.small else FULL
     if args.child:
@@ -105,6 +124,9 @@ def main(argv=None) -> None:
         return
 
     runs = {"dense": [], "chunked": []}
+    has_trl = importlib.util.find_spec("trl") is not None
+    if has_trl:
+        runs["trl"] = []
     load_before = os.getloadavg()[0]  # other work on the machine slows both variants
     for _ in range(args.repeats):
         for variant in runs:
@@ -113,9 +135,10 @@ def main(argv=None) -> None:
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             runs[variant].append(json.loads(out.strip().splitlines()[-1]))
     first = runs["dense"][0]
+    versions = f", trl {runs['trl'][0]['trl']}" if has_trl else ""
     print(f"bench_large_vocab: {sizes['tokens']:,} tokens, V = {sizes['vocab']:,}, "
           f"H = {sizes['hidden']:,}, float32, CPU ({platform.processor() or platform.machine()}),"
-          f" torch {first['torch']}, {first['threads']} threads, chunk_size {args.chunk_size}, "
+          f" torch {first['torch']}{versions}, {first['threads']} threads, chunk_size {args.chunk_size}, "
           f"best of {args.repeats}; load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print(f"{'variant':<10}{'loss':>12}{'added peak RSS (MiB)':>24}{'forward+backward (s)':>24}")
@@ -128,13 +151,12 @@ def main(argv=None) -> None:
     print("all runs (MiB, s): " + "; ".join(
         f"{r['variant']} {r['added_mib']:.1f}, {r['seconds']:.2f}"
         for pair in zip(*runs.values()) for r in pair))
-    if importlib.util.find_spec("trl") is None:
-        print("trl not installed: skipped")
-    else:
-        print("trl installed, but this benchmark has no TRL variant yet: skipped")
-    memory = best["chunked"]["added_mib"] / best["dense"]["added_mib"]
-    seconds = best["chunked"]["seconds"] / best["dense"]["seconds"]
-    print(f"chunked/dense: memory {memory:.3f}, time {seconds:.2f}")
+    if not has_trl:
+        print("trl not installed (the trl extra): its variant skipped")
+    for variant in ("trl", "chunked") if has_trl else ("chunked",):
+        memory = best[variant]["added_mib"] / best["dense"]["added_mib"]
+        seconds = best[variant]["seconds"] / best["dense"]["seconds"]
+        print(f"{variant}/dense: memory {memory:.3f}, time {seconds:.2f}")
 
 
 if __name__ == "__main__":

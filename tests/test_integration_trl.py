@@ -193,3 +193,49 @@ def test_gkd_loss_equals_trls_on_the_same_batch(page, beta):
     assert trl_loss > 0
     torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(grad, trl_grad, rtol=1e-4, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunked losses against TRL's (benchmarks/bench_large_vocab.py runs both side by side)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_chunked_losses_equal_the_trainers_chunked_loss(beta):
+    """``DistillationTrainer``'s memory-efficient loss (``_chunked_divergence_loss``, which runs
+    ``ChunkedDivergenceFunction``) and ``large_vocab``'s chunked loss, on the same hidden states
+    and heads with masked positions: same value and gradients, both against float64."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    import torch
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from opd_literate.large_vocab import chunked_generalized_jsd
+    from opd_literate.opd import generalized_jsd
+
+    g = torch.Generator().manual_seed(0)
+    B, K, H, Ht, V = 3, 7, 16, 24, 1000
+    h = torch.randn(B, K, H, generator=g).requires_grad_()
+    W = (0.3 * torch.randn(V, H, generator=g)).requires_grad_()
+    th, tW = torch.randn(B, K, Ht, generator=g), 0.3 * torch.randn(V, Ht, generator=g)
+    mask = (torch.rand(B, K, generator=g) < 0.7).float()
+    mask[0, 0] = 1.0
+
+    trl_loss, _, n_valid = _chunked_divergence_loss(h, th, W, tW, mask, beta=beta)
+    trl_grads = torch.autograd.grad(trl_loss, (h, W))
+    ours = chunked_generalized_jsd(h.reshape(-1, H), W, mask.reshape(-1), beta=beta,
+                                   teacher_hidden=th.reshape(-1, Ht), teacher_weight=tW,
+                                   chunk_size=5)
+    our_grads = torch.autograd.grad(ours, (h, W))
+    h64, W64 = h.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    exact = generalized_jsd((h64 @ W64.T), (th.double() @ tW.double().T), mask.double(),
+                            beta=beta)
+    exact_grads = torch.autograd.grad(exact, (h64, W64))
+
+    assert int(n_valid) == int(mask.sum())
+    assert abs(ours.item() - exact.item()) < 1e-5
+    assert abs(trl_loss.item() - exact.item()) < 1e-5
+    for name, mine, theirs, reference in zip("hW", our_grads, trl_grads, exact_grads):
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(mine.double(), reference, rtol=0, atol=1e-5 * scale,
+                                   msg=f"ours, d/d{name}")
+        torch.testing.assert_close(theirs.double(), reference, rtol=0, atol=1e-5 * scale,
+                                   msg=f"TRL, d/d{name}")
+        assert float(theirs[mask.reshape(B, K) == 0].abs().max() if name == "h" else 0) == 0.0
