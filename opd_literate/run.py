@@ -66,8 +66,8 @@ DEFAULTS = dict(
     student_hidden=128, student_layers=2, student_pretrain_steps=250, student_pretrain_batch=64,
     target_fraction=0.9,
 )
-"""The default experiment (about 240 s on 2 shared CPU cores with the teacher cached; the first
-run also trains the teacher).
+"""The default experiment (about 130 s on 2 CPU cores, two worker processes, with the teacher
+cached; the first run also trains the teacher).
 
 Each method is trained for every seed at every learning rate in ``lrs`` (``seeds`` times
 ``len(lrs)`` students, trained together as one batched model) and reported at the learning
@@ -77,8 +77,9 @@ reported on. The site's figures come from the committed results of this configur
 """
 QUICK = dict(DEFAULTS, seeds=3, steps=200, lrs=[1e-3], eval_every=25, val_prompts=300,
              eval_prompts=300, teacher_steps=250)
-"""``--quick``: the same pipeline, smaller, for the tests and smoke checks (about 14 s on
-2 CPU cores with the teacher cached); full-vocabulary OPD reaches its target on every seed."""
+"""``--quick``: the same pipeline, smaller, for the tests and smoke checks (about 11 s on
+2 CPU cores with the teacher cached, 16 s the first time); full-vocabulary OPD reaches its
+target on every seed."""
 
 
 LONG = dict(DEFAULTS, digits=3, steps=1200, teacher_steps=1200, student_pretrain_steps=600)
@@ -934,7 +935,7 @@ def build_parser():
     parser = _Parser(prog="opd-experiment", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="the smaller QUICK configuration, for tests and smoke checks (about "
-                             "14 s on 2 cores with the teacher cached)")
+                             "11 s on 2 cores with the teacher cached)")
     parser.add_argument("--long", action="store_true",
                         help="the second regime, LONG: three-digit operands (longer answers)")
     parser.add_argument("--out", default="runs/latest",

@@ -268,3 +268,24 @@ def test_mismatch_page_claims():
         at_m = [r for r in opd_rows if r["mismatch"] == m]
         worst = max(at_m, key=lambda r: r["rel_bias"])
         assert (worst["logp"], worst["weight"]) == ("sampler", "none"), m
+
+
+def test_stated_run_times_match_the_committed_runs(results):
+    """The Rerun paragraph's default-run time is the committed run's own record (``run``), and
+    the command's times include it: its start-up and plots only add a few seconds."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    execution = results["run"]
+    assert (execution["workers"], execution["cpus"]) == (2, 2)  # "two worker processes"
+    assert results["teacher_cached"]  # "with the teacher cached"
+    took = re.search(r"The default run took (\d+) s, of which (\d+) s in `run_experiment`", page)
+    command, inside = int(took[1]), int(took[2])
+    assert inside == round(execution["wall_seconds"])
+    assert 0 <= command - inside <= 10
+    raw = EXPERIMENT_PAGE.read_text()
+    default_line = next(line for line in raw[raw.index("## Rerun it"):].splitlines()
+                        if line.startswith("python -m opd_literate.run  "))
+    assert abs(int(_stated_times(default_line)[0]) - command) <= 5  # "about"
+    long = json.loads(RESULTS_LONG.read_text())
+    stated_long = int(re.search(r"The `--long` run took (\d+) s with its teacher cached", page)[1])
+    assert long["teacher_cached"] and long["run"]["workers"] == 2
+    assert 0 <= stated_long - long["run"]["wall_seconds"] <= 10
