@@ -5,7 +5,7 @@ The dense losses of [opd_literate.opd][] take ``(B, T, V)`` logits. For a real t
 holds several of them per token at once: the student's logits, their log-softmax, the
 probabilities, the teacher's logits and log-softmax, the product inside the sum, and in the
 backward pass the gradient of each. Measured by ``benchmarks/bench_large_vocab.py`` at 2,048
-tokens, the dense loss adds 13,660 MiB (6.7 MiB, about 11.5 float32 vocabulary vectors, a
+tokens, the dense loss adds 13,655 MiB (6.7 MiB, about 11.5 float32 vocabulary vectors, a
 token) on top of its inputs and the model.
 
 Everything a token needs is its own row: the KL at position $t$ depends on the logits of
@@ -399,10 +399,9 @@ def chunked_generalized_jsd(student_hidden, student_weight, mask, *, beta=0.5, n
 
     Examples
     --------
-    Two disjoint distributions are $\log 2$ apart at $\beta = 1/2$:
-
-    An impossible entry is a ``-inf`` in the bias (a ``-inf`` in the head weight would give
-    ``0 * inf`` in the gradient of the hidden state):
+    Two disjoint distributions are $\log 2$ apart at $\beta = 1/2$ (on its own support
+    each is twice the mixture). An impossible entry is a ``-inf`` in the bias (a ``-inf`` in
+    the head weight would give ``0 * inf`` in the gradient of the hidden state):
 
     >>> h = torch.tensor([[1.0]], requires_grad=True)
     >>> W = torch.zeros(2, 1)

@@ -295,6 +295,13 @@ def test_the_chapter_quotes_the_committed_benchmark_output():
     memory, time = re.fullmatch(r"chunked/dense: memory ([0-9.]+), time ([0-9.]+)", last).groups()
     # the prose quotes the same ratios
     assert f"memory ratio {memory}" in page and f"time ratio {time}" in page
+    trl = re.search(r"^trl/dense: memory ([0-9.]+), time ([0-9.]+)$", output, re.M)
+    assert trl, "the committed output has no TRL variant"
+    assert f"a memory ratio {trl[1]}" in page and f"(ratio {trl[2]})" in page
+    added = {m[1]: float(m[2]) for m in re.finditer(r"^(dense|chunked|trl)\s+\S+\s+([0-9.]+)",
+                                                    output, re.M)}
+    assert f"chunked loss adds {added['chunked'] / 1024:.2f} GiB" in " ".join(page.split())
+    assert f"TRL's chunked loss adds {added['trl'] / 1024:.1f} GiB" in page
 
 
 def test_the_module_docstring_quotes_the_benchmark_figure():
