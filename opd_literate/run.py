@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -494,7 +495,8 @@ def _worker_start(counter):
     _WORKER_COUNTER = counter
 
 
-def _worker_train(method, data):
+def _worker_train(method, payload):
+    data = torch.load(io.BytesIO(payload), weights_only=False)  # written by _train_in_workers
     return _train_one(method, *data, _SharedCounter(_WORKER_COUNTER))
 
 
@@ -507,8 +509,13 @@ def _train_in_workers(methods, data, workers, bar):
     """
     context = multiprocessing.get_context("spawn")
     counter = context.Value("q", 0)
+    # The tensors travel as bytes: pickled directly, torch would hand them over as shared
+    # memory through a helper thread, whose teardown on Ctrl-C prints tracebacks.
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    payload = buffer.getvalue()
     with context.Pool(workers, initializer=_worker_start, initargs=(counter,)) as pool:
-        pending = {method: pool.apply_async(_worker_train, (method, data))
+        pending = {method: pool.apply_async(_worker_train, (method, payload))
                    for method in methods}
         shown = 0
         while pending:

@@ -230,7 +230,11 @@ def test_stopping_the_grader_leaves_no_process_behind(tmp_path):
         sandboxes.mkdir()
         grader = subprocess.Popen([sys.executable, "-m", "opd_literate.handout", "grade",
                                    str(folder)], env=dict(os.environ, TMPDIR=str(sandboxes)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  # a background shell job's children start with SIGINT
+                                  # ignored; a user's Ctrl-C reaches a foreground grader
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                   signal.SIG_DFL))
         runs.append((stop, sandboxes, grader))
     for stop, sandboxes, grader in runs:
         deadline = time.monotonic() + 60

@@ -238,6 +238,15 @@ def test_ctrl_c_before_any_method_says_nothing_was_finished(tiny_cli, monkeypatc
     assert not run.teacher_cache_path(TINY).exists()
 
 
+def _sigint_as_in_a_terminal():
+    """In the child, before it starts: SIGINT back to its default. A job that a shell starts in
+    the background ignores SIGINT, and its children inherit that; these tests stand for a
+    foreground process, which the user's Ctrl-C reaches."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_in_a_real_process_exits_130_with_one_line(tmp_path):
     """The signal itself, in a child process: it interrupts itself during the second method."""
     code = f"""
@@ -255,7 +264,7 @@ sys.exit(run.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!
 """
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=env)
+                            timeout=120, env=env, preexec_fn=_sigint_as_in_a_terminal)
     assert result.returncode == 130, result.stderr
     assert result.stderr.count("\n") == 1
     assert "interrupted; kept: teacher cache " in result.stderr
@@ -283,7 +292,7 @@ sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!
 """
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"), OPD_TEST_TOKEN=token)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=env)
+                            timeout=120, env=env, preexec_fn=_sigint_as_in_a_terminal)
     assert result.returncode == 130, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert re.search(r"interrupted; kept: teacher cache .*; finished methods [a-z_]+ in ",
