@@ -29,3 +29,18 @@ def _stable_numerics(doctest_namespace):
     doctest_namespace["np"] = np
     doctest_namespace["torch"] = torch
     yield
+
+
+# The two longest test files (about 40 s each on 2 cores: the browser test, and the experiment's
+# end-to-end and Ctrl-C tests) go first, so that pytest-xdist, which hands out whole files in
+# collection order (--dist loadfile), starts them on different workers and fills both with the
+# short files after. Only the order changes; every test still runs.
+_LONG_FIRST = ("tests/test_site.py", "tests/test_run.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return _LONG_FIRST.index(path) if path in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order within each file is kept

@@ -138,7 +138,8 @@ def main(argv=None) -> None:
     versions = f", trl {runs['trl'][0]['trl']}" if has_trl else ""
     print(f"bench_large_vocab: {sizes['tokens']:,} tokens, V = {sizes['vocab']:,}, "
           f"H = {sizes['hidden']:,}, float32, CPU ({platform.processor() or platform.machine()}),"
-          f" torch {first['torch']}{versions}, {first['threads']} threads, chunk_size {args.chunk_size}, "
+          f" torch {first['torch']}{versions}, {first['threads']} threads, "
+          f"chunk_size {args.chunk_size}, "
           f"best of {args.repeats}; load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print(f"{'variant':<10}{'loss':>12}{'added peak RSS (MiB)':>24}{'forward+backward (s)':>24}")

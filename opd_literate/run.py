@@ -52,7 +52,8 @@ from . import tinylm as lm
 from .opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
 __all__ = ["DEFAULTS", "QUICK", "LONG", "METHODS", "CACHE_MODES", "GRADIENT_KEYS", "prepare",
-           "run_experiment", "available_cpus", "train_teacher", "teacher_cache_path", "eval_steps", "BatchedAdam",
+           "run_experiment", "available_cpus", "train_teacher", "teacher_cache_path",
+           "eval_steps", "BatchedAdam",
            "headline", "ratios", "bootstrap_interval", "format_headline", "gradient_agreement",
            "gradient_agreement_record", "write_plots", "main"]
 

@@ -32,7 +32,8 @@ def quick_results(tmp_path_factory, cache_dir):
     mp = pytest.MonkeyPatch()
     mp.setenv("OPD_LITERATE_CACHE", str(cache_dir))
     try:
-        assert run.main(["--quick", "--out", str(out), "--no-progress"]) == 0
+        # one process: the worker processes' path has tests of its own (same numbers, Ctrl-C)
+        assert run.main(["--quick", "--workers", "1", "--out", str(out), "--no-progress"]) == 0
     finally:
         mp.undo()
     return out, json.loads((out / "results.json").read_text())
@@ -273,10 +274,12 @@ sys.exit(run.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigint_with_worker_processes_exits_130_and_leaves_no_worker(tmp_path):
-    """Ctrl-C while two worker processes train: the parent stops them (they ignore SIGINT and
-    are terminated with the pool), keeps the methods finished, and exits 130 in one line."""
+    """Ctrl-C while two worker processes train, sent as a terminal sends it, to the process
+    group: the workers ignore it (no traceback from them), the parent stops them with the pool,
+    keeps the methods finished, and exits 130 in one line."""
     token = f"opd-literate-test-{os.getpid()}-{id(tmp_path)}"
-    slow = dict(TINY, steps=400, eval_every=100)  # long enough to be interrupted mid-training
+    # long enough that three methods are still to finish when the first has
+    slow = dict(TINY, steps=150, eval_every=50)
     code = f"""
 import os, signal, sys
 from opd_literate import run
@@ -285,14 +288,17 @@ real = run._train_in_workers
 def train_in_workers(*args):
     for finished in real(*args):
         yield finished
-        os.kill(os.getpid(), signal.SIGINT)  # after the first method, the others still running
+        # after the first method, the others still running: Ctrl-C in a terminal signals the
+        # whole process group, the workers too
+        os.killpg(os.getpgrp(), signal.SIGINT)
 run._train_in_workers = train_in_workers
 sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!r},
                    "--no-progress"]))
 """
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"), OPD_TEST_TOKEN=token)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=env, preexec_fn=_sigint_as_in_a_terminal)
+                            timeout=120, env=env, preexec_fn=_sigint_as_in_a_terminal,
+                            start_new_session=True)
     assert result.returncode == 130, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert re.search(r"interrupted; kept: teacher cache .*; finished methods [a-z_]+ in ",
