@@ -17,9 +17,10 @@ answer tokens already written (``<pad>`` where there are none), each embedded, p
 embedding of the answer position, concatenated and passed through an MLP to $V = 14$ logits.
 It is autoregressive (each answer token conditions on the previous ones) and small enough
 that a rollout of 64 answers by the experiment's student (sampling, then the teacher-forced
-pass with gradient) takes under 2 ms on one CPU thread (``benchmarks/bench_experiment.py``
-prints it). [opd_literate.tinylm.EnsembleLM][] runs many such students as one model. The
-teacher is a wider, well-trained copy; the student is narrower and briefly trained.
+pass with gradient) takes about 2 ms on one CPU thread (2.15 ms, the fastest of 200, on the
+project's 2-core machine; ``benchmarks/bench_experiment.py`` prints it).
+[opd_literate.tinylm.EnsembleLM][] runs many such students as one model. The teacher is a
+wider, well-trained copy; the student is narrower and briefly trained.
 
 **What the OPD functions take.** [opd_literate.tinylm.rollout][] samples answers and returns
 exactly the inputs of [opd_literate.opd.reverse_kl_rewards][],
