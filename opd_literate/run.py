@@ -33,16 +33,20 @@ that does best on the validation prompts; the headline is, per method, the mean 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import signal
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import uuid
 
 import filelock
@@ -52,7 +56,7 @@ from . import tinylm as lm
 from .opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
 __all__ = ["DEFAULTS", "QUICK", "LONG", "METHODS", "CACHE_MODES", "GRADIENT_KEYS", "prepare",
-           "run_experiment", "available_cpus", "train_teacher", "teacher_cache_path",
+           "run_experiment", "available_cpus", "WorkerError", "train_teacher", "teacher_cache_path",
            "eval_steps", "BatchedAdam",
            "headline", "ratios", "bootstrap_interval", "format_headline", "gradient_agreement",
            "gradient_agreement_record", "write_plots", "main"]
@@ -458,8 +462,9 @@ def _run_methods(config, methods, progress, cache, on_method, workers):
             for method in methods:
                 finish(method, _train_one(method, *data, bar))
         else:
-            for method, runs in _train_in_workers(methods, data, workers, bar):
-                finish(method, runs)
+            with contextlib.closing(_train_in_workers(methods, data, workers, bar)) as trained:
+                for method, runs in trained:
+                    finish(method, runs)
     finally:
         bar.close()
     # the requested order, whichever method finished first
@@ -474,39 +479,66 @@ def _run_methods(config, methods, progress, cache, on_method, workers):
     return summary
 
 
-class _SharedCounter:
-    """The progress "bar" of a worker process: adds its steps to a counter the parent reads."""
+class WorkerError(RuntimeError):
+    """A worker process failed: its method raised (the message holds the worker's traceback),
+    or the process died (killed, out of memory) before it sent its result."""
 
-    def __init__(self, counter):
-        self.counter = counter
+
+class _SharedCounter:
+    """The progress "bar" of a worker process: adds its steps to a counter the parent reads.
+
+    It also checks, every step, that the parent is alive: a worker whose parent was killed
+    (SIGKILL leaves it no time to stop its workers) exits instead of training on for nobody.
+    """
+
+    def __init__(self, counter, parent_pid):
+        self.counter, self.parent_pid = counter, parent_pid
 
     def update(self, n):
+        if os.getppid() != self.parent_pid:
+            os._exit(1)
         with self.counter.get_lock():
             self.counter.value += n
 
 
-_WORKER_COUNTER = None
-
-
-def _worker_start(counter):
-    """Each worker: one thread, and Ctrl-C left to the parent, which stops the workers."""
-    global _WORKER_COUNTER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _worker_main(connection, payload, counter, parent_pid):
+    """A worker process: receives method names, sends back ``(method, "ok", runs)``, until it
+    receives ``None``. An error is sent back as ``(method, "error", traceback)``."""
     torch.set_num_threads(1)
-    _WORKER_COUNTER = counter
-
-
-def _worker_train(method, payload):
     data = torch.load(io.BytesIO(payload), weights_only=False)  # written by _train_in_workers
-    return _train_one(method, *data, _SharedCounter(_WORKER_COUNTER))
+    bar = _SharedCounter(counter, parent_pid)
+    for method in iter(connection.recv, None):
+        try:
+            runs = _train_one(method, *data, bar)
+        except Exception:
+            connection.send((method, "error", traceback.format_exc()))
+            return
+        connection.send((method, "ok", runs))
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while the workers start: a child inherits the setting, so a worker
+    ignores Ctrl-C from its first instruction and leaves it to the parent, which stops it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set in the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _train_in_workers(methods, data, workers, bar):
-    """Yield ``(method, runs)`` as each method finishes in a pool of ``workers`` processes.
+    """Yield ``(method, runs)`` as each method finishes, trained by ``workers`` processes.
 
-    The processes are started with ``spawn`` (a fresh interpreter: forking a process whose
-    torch thread pools have run is unsafe). On Ctrl-C, or any error, the ``with`` block
-    terminates the pool, so no worker outlives the run.
+    Each worker is a fresh interpreter (``spawn``: forking a process whose torch thread pools
+    have run is unsafe) holding its own copy of ``data``, and trains one method at a time, the
+    next method waiting being sent to the first worker free. The parent waits on the workers'
+    connections and on their process sentinels together, so a worker that dies without
+    answering is noticed at once ([opd_literate.run.WorkerError][]). However the generator
+    ends (done, an error, Ctrl-C, closed early), its ``finally`` stops every worker.
     """
     context = multiprocessing.get_context("spawn")
     counter = context.Value("q", 0)
@@ -514,20 +546,63 @@ def _train_in_workers(methods, data, workers, bar):
     # memory through a helper thread, whose teardown on Ctrl-C prints tracebacks.
     buffer = io.BytesIO()
     torch.save(data, buffer)
-    payload = buffer.getvalue()
-    with context.Pool(workers, initializer=_worker_start, initargs=(counter,)) as pool:
-        pending = {method: pool.apply_async(_worker_train, (method, payload))
-                   for method in methods}
-        shown = 0
-        while pending:
-            done = [method for method, result in pending.items() if result.ready()]
-            for method in done:
-                yield method, pending.pop(method).get()  # re-raises a worker's error
-            if pending and not done:
-                pending[next(iter(pending))].wait(0.2)
+    pool, waiting, busy, shown = [], list(methods), {}, 0  # busy: connection -> (process, method)
+    try:
+        with _sigint_ignored():
+            for _ in range(workers):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=_worker_main, daemon=True,
+                    args=(theirs, buffer.getvalue(), counter, os.getpid()))
+                process.start()
+                theirs.close()
+                pool.append((process, ours))
+        for process, connection in pool[: len(waiting)]:
+            busy[connection] = (process, waiting.pop(0))
+            connection.send(busy[connection][1])
+        while busy:
+            ready = multiprocessing.connection.wait(
+                list(busy) + [process.sentinel for process, _ in busy.values()], timeout=0.2)
+            for connection in [c for c in list(busy) if c in ready]:
+                process, method = busy.pop(connection)
+                try:
+                    _, status, runs = connection.recv()
+                except EOFError:  # it died while sending
+                    raise WorkerError(_died(method, process)) from None
+                if status == "error":
+                    raise WorkerError(f"training {method} failed in its worker process "
+                                      f"(its traceback below)\n{runs}")
+                if waiting:
+                    busy[connection] = (process, waiting.pop(0))
+                    connection.send(busy[connection][1])
+                steps = counter.value
+                bar.update(steps - shown)
+                shown = steps
+                yield method, runs
+            for connection, (process, method) in busy.items():
+                if process.sentinel in ready and not connection.poll():
+                    raise WorkerError(_died(method, process))
             steps = counter.value
             bar.update(steps - shown)
             shown = steps
+        for _, connection in pool:
+            connection.send(None)  # done: the workers return
+    finally:
+        for process, connection in pool:
+            connection.close()
+            if process.is_alive() and process.exitcode is None:
+                process.join(timeout=0 if busy or waiting else 5)
+            if process.is_alive():
+                process.terminate()
+            process.join()
+
+
+def _died(method, process):
+    process.join(timeout=5)
+    return (f"the worker process training {method} died (exit code {process.exitcode}) before "
+            "it sent its result (one that dies as it starts is often a script that runs the "
+            "experiment with workers > 1 outside `if __name__ == \"__main__\":`; each worker "
+            "imports the script again)")
 
 
 def _train_one(method, student_state, teacher, train_pairs, test_pairs, val_pairs, config,
@@ -995,9 +1070,11 @@ def main(argv=None):
     """The command line (see ``--help``).
 
     Bad arguments, an ``--out`` that cannot be created or written, or a method named twice
-    exit with code 2 and one line on stderr, before any training. Ctrl-C exits with code 130
-    and one line saying what was kept: the teacher cache, and the methods finished so far,
-    saved in ``results.partial.json`` in ``--out`` after each method.
+    exit with code 2 and one line on stderr, before any training. Ctrl-C exits with code 130,
+    and SIGTERM with 143, after one line saying what was kept: the teacher cache, and the
+    methods finished so far, saved in ``results.partial.json`` in ``--out`` after each method;
+    either stops the worker processes first. A worker process that fails exits with code 1: a
+    line saying which method and what was kept, then the worker's traceback, if it sent one.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1027,6 +1104,23 @@ def main(argv=None):
 
     results_path = out_dir / "results.json"
     written = []
+
+    def kept():
+        teacher = teacher_cache_path(config)
+        if written:
+            methods = f"every method in {results_path} (the plots were not written)"
+        elif finished:
+            methods = f"finished methods {', '.join(finished)} in {partial}"
+        else:
+            methods = "no finished method"
+        teacher_text = f"teacher cache {teacher}" if teacher.exists() else "no teacher cache"
+        return f"kept: {teacher_text}; {methods}"
+
+    def terminated(number, frame):
+        raise KeyboardInterrupt(signal.SIGTERM)  # the same clean-up as Ctrl-C
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if on_main_thread else None
     try:
         workers = args.workers or min(len(args.methods), available_cpus())
         results = run_experiment(config, args.methods, progress=not args.no_progress,
@@ -1036,17 +1130,20 @@ def main(argv=None):
         written.append(results_path)
         partial.unlink(missing_ok=True)  # superseded by results.json
         write_plots(results, out_dir)
-    except KeyboardInterrupt:
-        teacher = teacher_cache_path(config)
-        if written:
-            methods = f"every method in {results_path} (the plots were not written)"
-        elif finished:
-            methods = f"finished methods {', '.join(finished)} in {partial}"
-        else:
-            methods = "no finished method"
-        teacher_text = f"teacher cache {teacher}" if teacher.exists() else "no teacher cache"
-        print(f"opd-experiment: interrupted; kept: {teacher_text}; {methods}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        number = stop.args[0] if stop.args else signal.SIGINT
+        what = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
+        print(f"opd-experiment: {what}; {kept()}", file=sys.stderr)
+        return 128 + number
+    except WorkerError as error:
+        # the worker's traceback is for a bug report; the first line says what happened
+        print(f"opd-experiment: error: {str(error).splitlines()[0]}; {kept()}", file=sys.stderr)
+        for line in str(error).splitlines()[1:]:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(format_headline(results))
     print(f"\nwrote {results_path}, accuracy.png, reverse_kl.png")
     return 0

@@ -273,10 +273,14 @@ sys.exit(run.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigint_with_worker_processes_exits_130_and_leaves_no_worker(tmp_path):
-    """Ctrl-C while two worker processes train, sent as a terminal sends it, to the process
-    group: the workers ignore it (no traceback from them), the parent stops them with the pool,
-    keeps the methods finished, and exits 130 in one line."""
+@pytest.mark.parametrize("stop", ["ctrl-c", "kill"])
+def test_stopping_the_cli_with_worker_processes_leaves_no_worker(tmp_path, stop):
+    """While two worker processes train: Ctrl-C, sent as a terminal sends it, to the process
+    group (the workers ignore it: no traceback from them), or ``kill``, SIGTERM to the parent
+    alone. The parent stops the workers, keeps the methods finished, and exits 130 or 143 with
+    one line."""
+    send = ("os.killpg(os.getpgrp(), signal.SIGINT)" if stop == "ctrl-c"
+            else "os.kill(os.getpid(), signal.SIGTERM)")
     token = f"opd-literate-test-{os.getpid()}-{id(tmp_path)}"
     # long enough that three methods are still to finish when the first has
     slow = dict(TINY, steps=150, eval_every=50)
@@ -288,9 +292,7 @@ real = run._train_in_workers
 def train_in_workers(*args):
     for finished in real(*args):
         yield finished
-        # after the first method, the others still running: Ctrl-C in a terminal signals the
-        # whole process group, the workers too
-        os.killpg(os.getpgrp(), signal.SIGINT)
+        {send}  # after the first method, the others still running
 run._train_in_workers = train_in_workers
 sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!r},
                    "--no-progress"]))
@@ -299,10 +301,11 @@ sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, env=env, preexec_fn=_sigint_as_in_a_terminal,
                             start_new_session=True)
-    assert result.returncode == 130, result.stderr
+    assert result.returncode == {"ctrl-c": 130, "kill": 143}[stop], result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
-    assert re.search(r"interrupted; kept: teacher cache .*; finished methods [a-z_]+ in ",
-                     result.stderr), result.stderr
+    what = {"ctrl-c": "interrupted", "kill": r"terminated \(SIGTERM\)"}[stop]
+    assert re.search(rf"^opd-experiment: {what}; kept: teacher cache .*; finished methods "
+                     r"[a-z_]+ in ", result.stderr), result.stderr
     survivors = []
     for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -311,6 +314,55 @@ sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!
         except OSError:  # gone, or not ours to read
             pass
     assert survivors == [], f"worker processes outlived the run: {survivors}"
+
+
+def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path, monkeypatch):
+    """SIGKILL to a worker (as the out-of-memory killer sends it) after the first method: a
+    WorkerError naming the method and the exit code, not a wait for ever; no worker is left."""
+    import multiprocessing
+    import signal
+
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
+    config = dict(TINY, steps=150, eval_every=50)
+
+    def kill_a_worker(results):
+        victim = multiprocessing.active_children()[0]
+        os.kill(victim.pid, signal.SIGKILL)
+
+    with pytest.raises(run.WorkerError, match=r"the worker process training [a-z_]+ died "
+                                              r"\(exit code -9\) before it sent its result"):
+        run.run_experiment(config, progress=False, workers=2, on_method=kill_a_worker)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_method_that_fails_in_a_worker_exits_1_with_its_traceback(tiny_cli, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setattr(run, "QUICK", dict(TINY, lrs=["not a number"]))
+    code = run.main(["--quick", "--workers", "2", "--out", str(tiny_cli / "out"),
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    first, *rest = err.splitlines()
+    assert re.fullmatch(r"opd-experiment: error: training [a-z_]+ failed in its worker process "
+                        r"\(its traceback below\); kept: teacher cache .*; no finished method",
+                        first), first
+    assert rest[0] == "  Traceback (most recent call last):" and "BatchedAdam" in err
+
+
+def test_results_keep_the_requested_order_whichever_method_finishes_first(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
+
+    def last_first(methods, data, workers, bar):  # the workers, finishing in reverse order
+        for method in reversed(methods):
+            yield method, run._train_one(method, *data, bar)
+
+    monkeypatch.setattr(run, "_train_in_workers", last_first)
+    seen = []
+    results = run.run_experiment(TINY, ["opd_sampled", "sft", "rl"], progress=False, workers=2,
+                                 on_method=lambda r: seen.append(list(r["methods"])))
+    assert seen == [["rl"], ["rl", "sft"], ["rl", "sft", "opd_sampled"]]  # as they finished
+    assert list(results["methods"]) == list(results["lr_search"]) == ["opd_sampled", "sft", "rl"]
 
 
 # ---------------------------------------------------------------------------------------------
