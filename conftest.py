@@ -33,8 +33,8 @@ def _stable_numerics(doctest_namespace):
 
 # The two longest test files (about 40 s each on 2 cores: the browser test, and the experiment's
 # end-to-end and Ctrl-C tests) go first, so that pytest-xdist, which hands out whole files in
-# collection order (--dist loadfile), starts them on different workers and fills both with the
-# short files after. Only the order changes; every test still runs.
+# collection order (--dist loadfile with --no-loadscope-reorder, in pyproject.toml), starts them
+# on different workers and fills both with the short files after. Only the order changes.
 _LONG_FIRST = ("tests/test_site.py", "tests/test_run.py")
 
 

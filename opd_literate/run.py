@@ -387,7 +387,9 @@ def prepare(config, cache="read"):
 
 
 def available_cpus():
-    """The CPUs this process may run on (its affinity mask where the platform has one)."""
+    """The CPUs this process may run on: its affinity mask where the platform has one, else
+    every CPU. A container's CPU quota (cgroups) is not read: where it is below this count,
+    pass ``--workers``."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows

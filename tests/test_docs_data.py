@@ -285,7 +285,14 @@ def test_stated_run_times_match_the_committed_runs(results):
     default_line = next(line for line in raw[raw.index("## Rerun it"):].splitlines()
                         if line.startswith("python -m opd_literate.run  "))
     assert abs(int(_stated_times(default_line)[0]) - command) <= 5  # "about"
+    quick, quick_first = map(int, re.search(
+        r"The `--quick` run took (\d+) s, and (\d+) s the first time", page).groups())
+    readme = " ".join((ROOT / "README.md").read_text().split())
     long = json.loads(RESULTS_LONG.read_text())
     stated_long = int(re.search(r"The `--long` run took (\d+) s with its teacher cached", page)[1])
+    # the README states the same figures
+    assert (f"the default run {command} s with the teacher cached; `--quick` {quick} s "
+            f"({quick_first} s the first time, which trains its teacher); `--long` "
+            f"{stated_long} s with its teacher cached") in readme
     assert long["teacher_cached"] and long["run"]["workers"] == 2
     assert 0 <= stated_long - long["run"]["wall_seconds"] <= 10

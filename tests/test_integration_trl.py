@@ -199,13 +199,19 @@ def test_gkd_loss_equals_trls_on_the_same_batch(page, beta):
 # The chunked losses against TRL's (benchmarks/bench_large_vocab.py runs both side by side)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_chunked_losses_equal_the_trainers_chunked_loss(beta):
+def test_chunked_losses_equal_the_trainers_chunked_loss(beta, monkeypatch):
     """``DistillationTrainer``'s memory-efficient loss (``_chunked_divergence_loss``, which runs
     ``ChunkedDivergenceFunction``) and ``large_vocab``'s chunked loss, on the same hidden states
-    and heads with masked positions: same value and gradients, both against float64."""
+    and heads with masked positions: same value and gradients, both against float64. TRL's
+    tiles are made small (8 tokens by 300 entries), so that its online log-sum-exp runs across
+    tiles in both directions, as it does at V = 151,936."""
     pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
     import torch
+    from trl.kernels import chunked_divergence
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    monkeypatch.setattr(chunked_divergence, "TOKEN_CHUNK_SIZE", 8)
+    monkeypatch.setattr(chunked_divergence, "VOCAB_CHUNK_SIZE", 300)
 
     from opd_literate.large_vocab import chunked_generalized_jsd
     from opd_literate.opd import generalized_jsd
@@ -239,3 +245,18 @@ def test_chunked_losses_equal_the_trainers_chunked_loss(beta):
         torch.testing.assert_close(theirs.double(), reference, rtol=0, atol=1e-5 * scale,
                                    msg=f"TRL, d/d{name}")
         assert float(theirs[mask.reshape(B, K) == 0].abs().max() if name == "h" else 0) == 0.0
+
+
+def test_the_large_vocab_page_states_trls_tile_sizes():
+    """docs/large_vocab.md: TRL's tiles and the buffer sizes derived from them, at the
+    benchmark's 2,048 tokens, V = 151,936 and our chunk of 128 rows."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    from trl.kernels import chunked_divergence
+
+    page = " ".join((ROOT / "docs" / "large_vocab.md").read_text().split())
+    tokens, vocab = chunked_divergence.TOKEN_CHUNK_SIZE, chunked_divergence.VOCAB_CHUNK_SIZE
+    assert f"its tiles are {tokens:,} tokens by {vocab:,} vocabulary entries" in page
+    tile_mib = min(2048, tokens) * vocab * 4 / 2**20  # float32
+    chunk_mib = 128 * 151_936 * 4 / 2**20
+    assert f"two {tile_mib:.0f} MiB buffers at 2,048 tokens" in page
+    assert f"our 128-token chunks of {chunk_mib:.0f} MiB" in page
