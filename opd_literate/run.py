@@ -560,8 +560,7 @@ def _train_in_workers(methods, data, workers, bar):
                 theirs.close()
                 pool.append((process, ours))
         for process, connection in pool[: len(waiting)]:
-            busy[connection] = (process, waiting.pop(0))
-            connection.send(busy[connection][1])
+            _assign(busy, connection, process, waiting.pop(0))
         while busy:
             ready = multiprocessing.connection.wait(
                 list(busy) + [process.sentinel for process, _ in busy.values()], timeout=0.2)
@@ -569,14 +568,13 @@ def _train_in_workers(methods, data, workers, bar):
                 process, method = busy.pop(connection)
                 try:
                     _, status, runs = connection.recv()
-                except EOFError:  # it died while sending
+                except (EOFError, OSError):  # it died: the pipe is closed, or reset
                     raise WorkerError(_died(method, process)) from None
                 if status == "error":
                     raise WorkerError(f"training {method} failed in its worker process "
                                       f"(its traceback below)\n{runs}")
                 if waiting:
-                    busy[connection] = (process, waiting.pop(0))
-                    connection.send(busy[connection][1])
+                    _assign(busy, connection, process, waiting.pop(0))
                 steps = counter.value
                 bar.update(steps - shown)
                 shown = steps
@@ -588,7 +586,8 @@ def _train_in_workers(methods, data, workers, bar):
             bar.update(steps - shown)
             shown = steps
         for _, connection in pool:
-            connection.send(None)  # done: the workers return
+            with contextlib.suppress(OSError):  # one that died after its last method
+                connection.send(None)  # done: the workers return
     finally:
         for process, connection in pool:
             connection.close()
@@ -597,6 +596,15 @@ def _train_in_workers(methods, data, workers, bar):
             if process.is_alive():
                 process.terminate()
             process.join()
+
+
+def _assign(busy, connection, process, method):
+    """Send ``method`` to an idle worker and mark it busy with it."""
+    busy[connection] = (process, method)
+    try:
+        connection.send(method)
+    except OSError:  # it died after its last result: its pipe is closed
+        raise WorkerError(_died(method, process)) from None
 
 
 def _died(method, process):
