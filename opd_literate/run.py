@@ -509,7 +509,13 @@ def _worker_main(connection, payload, counter, parent_pid):
     torch.set_num_threads(1)
     data = torch.load(io.BytesIO(payload), weights_only=False)  # written by _train_in_workers
     bar = _SharedCounter(counter, parent_pid)
-    for method in iter(connection.recv, None):
+    while True:
+        try:
+            method = connection.recv()
+        except (EOFError, OSError):  # the parent closed the pipe: it is stopping
+            return
+        if method is None:
+            return
         try:
             runs = _train_one(method, *data, bar)
         except Exception:
@@ -549,6 +555,7 @@ def _train_in_workers(methods, data, workers, bar):
     buffer = io.BytesIO()
     torch.save(data, buffer)
     pool, waiting, busy, shown = [], list(methods), {}, 0  # busy: connection -> (process, method)
+    completed = False
     try:
         with _sigint_ignored():
             for _ in range(workers):
@@ -588,14 +595,19 @@ def _train_in_workers(methods, data, workers, bar):
         for _, connection in pool:
             with contextlib.suppress(OSError):  # one that died after its last method
                 connection.send(None)  # done: the workers return
+        completed = True
     finally:
-        for process, connection in pool:
-            connection.close()
-            if process.is_alive() and process.exitcode is None:
-                process.join(timeout=0 if busy or waiting else 5)
-            if process.is_alive():
+        # Stopped early (an error, Ctrl-C): terminate first, so that no worker sees its pipe
+        # close and prints about it; done: let them return.
+        for process, _ in pool:
+            if not completed:
                 process.terminate()
-            process.join()
+        for process, connection in pool:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            connection.close()
 
 
 def _assign(busy, connection, process, method):

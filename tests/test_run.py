@@ -94,7 +94,23 @@ def test_same_seed_same_numbers_with_any_number_of_workers(tmp_path, monkeypatch
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
     config = dict(TINY, steps=4, eval_every=2, eval_prompts=100, student_pretrain_steps=20)
     first = run.run_experiment(config, ["opd_sampled", "rl"], progress=False)
-    second = run.run_experiment(config, ["opd_sampled", "rl"], progress=False, workers=2)
+    ignoring_sigint = []
+
+    def check_the_workers(results):
+        # Ctrl-C is the parent's to handle: each worker ignores SIGINT (bit 2 of SigIgn)
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            status = pathlib.Path(f"/proc/{child.pid}/status")
+            if status.exists():
+                mask = next(int(line.split()[1], 16) for line in status.read_text().splitlines()
+                            if line.startswith("SigIgn:"))
+                ignoring_sigint.append(bool(mask & (1 << (2 - 1))))
+
+    second = run.run_experiment(config, ["opd_sampled", "rl"], progress=False, workers=2,
+                                on_method=check_the_workers)
+    if sys.platform.startswith("linux"):
+        assert ignoring_sigint and all(ignoring_sigint), ignoring_sigint
     assert second["teacher_cached"] and not first["teacher_cached"]
     assert (first["run"]["workers"], second["run"]["workers"]) == (1, 2)
     assert list(second["methods"]) == list(second["lr_search"]) == ["opd_sampled", "rl"]
