@@ -72,7 +72,7 @@ DEFAULTS = dict(
     student_hidden=128, student_layers=2, student_pretrain_steps=250, student_pretrain_batch=64,
     target_fraction=0.9,
 )
-"""The default experiment (about 130 s on 2 CPU cores, two worker processes, with the teacher
+"""The default experiment (about 115 s on 2 CPU cores, two worker processes, with the teacher
 cached; the first run also trains the teacher).
 
 Each method is trained for every seed at every learning rate in ``lrs`` (``seeds`` times
