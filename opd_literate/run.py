@@ -483,36 +483,41 @@ def _run_methods(config, methods, progress, cache, on_method, workers):
 
 class WorkerError(RuntimeError):
     """A worker process failed: its method raised (the message holds the worker's traceback),
-    or the process died (killed, out of memory) before it sent its result."""
+    or the process died (killed, out of memory, or failed to start) before it answered."""
 
 
-class _SharedCounter:
-    """The progress "bar" of a worker process: adds its steps to a counter the parent reads.
+class _StepCounter:
+    """The progress "bar" of worker ``slot``: adds its steps to its own slot of an array the
+    parent sums. One writer a slot, so no lock: a worker killed mid-update (the out-of-memory
+    killer does not wait) cannot leave a lock held for the parent to wait on for ever.
 
     It also checks, every step, that the parent is alive: a worker whose parent was killed
     (SIGKILL leaves it no time to stop its workers) exits instead of training on for nobody.
     """
 
-    def __init__(self, counter, parent_pid):
-        self.counter, self.parent_pid = counter, parent_pid
+    def __init__(self, steps, slot, parent_pid):
+        self.steps, self.slot, self.parent_pid = steps, slot, parent_pid
 
     def update(self, n):
         if os.getppid() != self.parent_pid:
             os._exit(1)
-        with self.counter.get_lock():
-            self.counter.value += n
+        self.steps[self.slot] += n
 
 
-def _worker_main(connection, payload, counter, parent_pid):
-    """A worker process: receives method names, sends back ``(method, "ok", runs)``, until it
-    receives ``None``. An error is sent back as ``(method, "error", traceback)``."""
+def _worker_main(connection, steps, slot, parent_pid):
+    """A worker process: receives the data (``torch.save`` bytes), then method names; sends
+    back ``(method, "ok", runs)`` for each, until it receives ``None``. An error is sent back
+    as ``(method, "error", traceback)``. A closed pipe means the parent is stopping: return."""
     torch.set_num_threads(1)
-    data = torch.load(io.BytesIO(payload), weights_only=False)  # written by _train_in_workers
-    bar = _SharedCounter(counter, parent_pid)
+    try:
+        data = torch.load(io.BytesIO(connection.recv_bytes()), weights_only=False)
+    except (EOFError, OSError):
+        return
+    bar = _StepCounter(steps, slot, parent_pid)
     while True:
         try:
             method = connection.recv()
-        except (EOFError, OSError):  # the parent closed the pipe: it is stopping
+        except (EOFError, OSError):
             return
         if method is None:
             return
@@ -526,8 +531,9 @@ def _worker_main(connection, payload, counter, parent_pid):
 
 @contextlib.contextmanager
 def _sigint_ignored():
-    """SIGINT ignored while the workers start: a child inherits the setting, so a worker
-    ignores Ctrl-C from its first instruction and leaves it to the parent, which stops it."""
+    """SIGINT ignored while a worker is started: a child inherits the setting, so a worker
+    ignores Ctrl-C from its first instruction and leaves it to the parent, which stops it.
+    Held only for the ``start()`` call itself (the parent's Ctrl-C must not be lost)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set in the main thread
         return
@@ -535,21 +541,24 @@ def _sigint_ignored():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:  # None: a handler installed from C, which we cannot restore
+            signal.signal(signal.SIGINT, previous)
 
 
 def _train_in_workers(methods, data, workers, bar):
     """Yield ``(method, runs)`` as each method finishes, trained by ``workers`` processes.
 
     Each worker is a fresh interpreter (``spawn``: forking a process whose torch thread pools
-    have run is unsafe) holding its own copy of ``data``, and trains one method at a time, the
-    next method waiting being sent to the first worker free. The parent waits on the workers'
-    connections and on their process sentinels together, so a worker that dies without
-    answering is noticed at once ([opd_literate.run.WorkerError][]). However the generator
-    ends (done, an error, Ctrl-C, closed early), its ``finally`` stops every worker.
+    have run is unsafe) that receives its own copy of ``data`` through its pipe after it has
+    started, and trains one method at a time, the next method waiting being sent to the first
+    worker free. Nothing the parent does waits on a worker without also watching for its
+    death: it waits on the workers' connections and process sentinels together, and a send to
+    a dead worker fails at once; a worker that dies is a [opd_literate.run.WorkerError][].
+    However the generator ends (done, an error, Ctrl-C, closed early), its ``finally`` stops
+    every worker that was started.
     """
     context = multiprocessing.get_context("spawn")
-    counter = context.Value("q", 0)
+    steps = context.RawArray("q", workers)  # steps done, one slot a worker
     # The tensors travel as bytes: pickled directly, torch would hand them over as shared
     # memory through a helper thread, whose teardown on Ctrl-C prints tracebacks.
     buffer = io.BytesIO()
@@ -557,15 +566,19 @@ def _train_in_workers(methods, data, workers, bar):
     pool, waiting, busy, shown = [], list(methods), {}, 0  # busy: connection -> (process, method)
     completed = False
     try:
-        with _sigint_ignored():
-            for _ in range(workers):
-                ours, theirs = context.Pipe()
-                process = context.Process(
-                    target=_worker_main, daemon=True,
-                    args=(theirs, buffer.getvalue(), counter, os.getpid()))
+        for slot in range(workers):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker_main, daemon=True,
+                                      args=(theirs, steps, slot, os.getpid()))
+            pool.append((process, ours))
+            with _sigint_ignored():
                 process.start()
-                theirs.close()
-                pool.append((process, ours))
+            theirs.close()
+        for slot, (process, connection) in enumerate(pool):
+            try:
+                connection.send_bytes(buffer.getvalue())
+            except OSError:  # it died as it started
+                raise WorkerError(_died(f"worker process {slot}", process)) from None
         for process, connection in pool[: len(waiting)]:
             _assign(busy, connection, process, waiting.pop(0))
         while busy:
@@ -576,22 +589,21 @@ def _train_in_workers(methods, data, workers, bar):
                 try:
                     _, status, runs = connection.recv()
                 except (EOFError, OSError):  # it died: the pipe is closed, or reset
-                    raise WorkerError(_died(method, process)) from None
+                    raise WorkerError(_died(f"the worker process training {method}",
+                                            process)) from None
                 if status == "error":
                     raise WorkerError(f"training {method} failed in its worker process "
                                       f"(its traceback below)\n{runs}")
                 if waiting:
                     _assign(busy, connection, process, waiting.pop(0))
-                steps = counter.value
-                bar.update(steps - shown)
-                shown = steps
+                bar.update(sum(steps) - shown)
+                shown = sum(steps)
                 yield method, runs
             for connection, (process, method) in busy.items():
                 if process.sentinel in ready and not connection.poll():
-                    raise WorkerError(_died(method, process))
-            steps = counter.value
-            bar.update(steps - shown)
-            shown = steps
+                    raise WorkerError(_died(f"the worker process training {method}", process))
+            bar.update(sum(steps) - shown)
+            shown = sum(steps)
         for _, connection in pool:
             with contextlib.suppress(OSError):  # one that died after its last method
                 connection.send(None)  # done: the workers return
@@ -599,14 +611,16 @@ def _train_in_workers(methods, data, workers, bar):
     finally:
         # Stopped early (an error, Ctrl-C): terminate first, so that no worker sees its pipe
         # close and prints about it; done: let them return.
-        for process, _ in pool:
+        started = [process for process, _ in pool if process.pid is not None]
+        for process in started:
             if not completed:
                 process.terminate()
-        for process, connection in pool:
+        for process in started:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join()
+        for _, connection in pool:
             connection.close()
 
 
@@ -616,15 +630,14 @@ def _assign(busy, connection, process, method):
     try:
         connection.send(method)
     except OSError:  # it died after its last result: its pipe is closed
-        raise WorkerError(_died(method, process)) from None
+        raise WorkerError(_died(f"the worker process training {method}", process)) from None
 
 
-def _died(method, process):
+def _died(who, process):
     process.join(timeout=5)
-    return (f"the worker process training {method} died (exit code {process.exitcode}) before "
-            "it sent its result (one that dies as it starts is often a script that runs the "
-            "experiment with workers > 1 outside `if __name__ == \"__main__\":`; each worker "
-            "imports the script again)")
+    return (f"{who} died (exit code {process.exitcode}) before it answered (one that dies as "
+            "it starts is often a script that runs the experiment with workers > 1 outside "
+            "`if __name__ == \"__main__\":`; each worker imports the script again)")
 
 
 def _train_one(method, student_state, teacher, train_pairs, test_pairs, val_pairs, config,
@@ -1088,6 +1101,10 @@ def _check_out(parser, text):
     return out_dir
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it takes Ctrl-C's clean-up path."""
+
+
 def main(argv=None):
     """The command line (see ``--help``).
 
@@ -1097,6 +1114,8 @@ def main(argv=None):
     methods finished so far, saved in ``results.partial.json`` in ``--out`` after each method;
     either stops the worker processes first. A worker process that fails exits with code 1: a
     line saying which method and what was kept, then the worker's traceback, if it sent one.
+    Signals can only be handled in the main thread: called from another thread, ``main``
+    neither handles SIGTERM nor starts its workers with SIGINT ignored.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1139,7 +1158,7 @@ def main(argv=None):
         return f"kept: {teacher_text}; {methods}"
 
     def terminated(number, frame):
-        raise KeyboardInterrupt(signal.SIGTERM)  # the same clean-up as Ctrl-C
+        raise _Terminated  # the same clean-up as Ctrl-C
 
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminated) if on_main_thread else None
@@ -1153,7 +1172,7 @@ def main(argv=None):
         partial.unlink(missing_ok=True)  # superseded by results.json
         write_plots(results, out_dir)
     except KeyboardInterrupt as stop:
-        number = stop.args[0] if stop.args else signal.SIGINT
+        number = signal.SIGTERM if isinstance(stop, _Terminated) else signal.SIGINT
         what = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
         print(f"opd-experiment: {what}; {kept()}", file=sys.stderr)
         return 128 + number
@@ -1164,7 +1183,7 @@ def main(argv=None):
             print(f"  {line}", file=sys.stderr)
         return 1
     finally:
-        if on_main_thread:
+        if on_main_thread and previous is not None:  # None: set from C, cannot be restored
             signal.signal(signal.SIGTERM, previous)
     print(format_headline(results))
     print(f"\nwrote {results_path}, accuracy.png, reverse_kl.png")

@@ -332,22 +332,92 @@ sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!
     assert survivors == [], f"worker processes outlived the run: {survivors}"
 
 
+def _in_a_thread(function, timeout=90):
+    """``function()`` in a thread, so that a hang fails the test instead of hanging it."""
+    import threading
+
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = function()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"still running after {timeout} s: it hangs"
+    return outcome
+
+
 def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path, monkeypatch):
     """SIGKILL to a worker (as the out-of-memory killer sends it) after the first method: a
-    WorkerError naming the method and the exit code, not a wait for ever; no worker is left."""
+    WorkerError naming the method and the exit code, not a wait for ever; the other worker,
+    busy with another method, is terminated (exit code -15), not left to finish."""
     import multiprocessing
     import signal
 
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
     config = dict(TINY, steps=150, eval_every=50)
+    workers = []
 
     def kill_a_worker(results):
-        victim = multiprocessing.active_children()[0]
-        os.kill(victim.pid, signal.SIGKILL)
+        if not workers:  # the first method done (a second may finish before the death is seen)
+            workers.extend(multiprocessing.active_children())
+            os.kill(workers[0].pid, signal.SIGKILL)
 
-    with pytest.raises(run.WorkerError, match=r"the worker process training [a-z_]+ died "
-                                              r"\(exit code -9\) before it sent its result"):
-        run.run_experiment(config, progress=False, workers=2, on_method=kill_a_worker)
+    outcome = _in_a_thread(lambda: run.run_experiment(config, progress=False, workers=2,
+                                                      on_method=kill_a_worker))
+    assert isinstance(outcome.get("error"), run.WorkerError), outcome
+    assert re.search(r"the worker process training [a-z_]+ died \(exit code -9\) before it "
+                     r"answered", str(outcome["error"]))
+    assert sorted(w.exitcode for w in workers) == [-15, -9]
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_that_dies_as_it_starts_is_reported(tmp_path, monkeypatch):
+    """A worker that cannot start (here: its entry point exits at once, as a script without
+    ``if __name__ == "__main__":`` does) is a WorkerError, not a wait for ever."""
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(run, "_worker_main", os._exit)  # called with the pipe: exit code != 0
+    outcome = _in_a_thread(lambda: run.run_experiment(TINY, progress=False, workers=2))
+    assert isinstance(outcome.get("error"), run.WorkerError), outcome
+    assert re.search(r"worker process (0|training [a-z_]+) died \(exit code 1\)",
+                     str(outcome["error"])), outcome["error"]
+
+
+def test_a_script_without_a_main_guard_fails_with_the_hint_instead_of_hanging(tmp_path):
+    """The classic spawn mistake: each worker imports the script again, runs the experiment
+    at import, and dies while starting. The parent must say so, not wait for ever."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from opd_literate import run\n"
+                      f"run.run_experiment({TINY!r}, progress=False, workers=2)\n")
+    env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 1
+    assert re.search(r"opd_literate\.run\.WorkerError: (the )?worker process .*died \(exit "
+                     r"code 1\)", result.stderr), result.stderr
+    assert 'outside `if __name__ == "__main__":`' in result.stderr
+
+
+def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path, monkeypatch):
+    """In the process itself (a process exit would stop daemonic workers anyway): Ctrl-C
+    after the first method, while the other methods train, leaves no worker running."""
+    import multiprocessing
+
+    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
+    workers = []
+
+    def interrupt(results):
+        workers.extend(multiprocessing.active_children())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run.run_experiment(dict(TINY, steps=150, eval_every=50), progress=False, workers=2,
+                           on_method=interrupt)
+    assert len(workers) == 2 and all(w.exitcode is not None for w in workers)
     assert multiprocessing.active_children() == []
 
 
