@@ -376,17 +376,6 @@ def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path, monkeyp
     assert multiprocessing.active_children() == []
 
 
-def test_a_worker_that_dies_as_it_starts_is_reported(tmp_path, monkeypatch):
-    """A worker that cannot start (here: its entry point exits at once, as a script without
-    ``if __name__ == "__main__":`` does) is a WorkerError, not a wait for ever."""
-    monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
-    monkeypatch.setattr(run, "_worker_main", os._exit)  # called with the pipe: exit code != 0
-    outcome = _in_a_thread(lambda: run.run_experiment(TINY, progress=False, workers=2))
-    assert isinstance(outcome.get("error"), run.WorkerError), outcome
-    assert re.search(r"worker process (0|training [a-z_]+) died \(exit code 1\)",
-                     str(outcome["error"])), outcome["error"]
-
-
 def test_a_script_without_a_main_guard_fails_with_the_hint_instead_of_hanging(tmp_path):
     """The classic spawn mistake: each worker imports the script again, runs the experiment
     at import, and dies while starting. The parent must say so, not wait for ever."""
