@@ -469,13 +469,10 @@ def _run_methods(config, methods, progress, cache, on_method, workers):
                     finish(method, runs)
     finally:
         bar.close()
-    # the requested order, whichever method finished first
-    ordered = {method: results[method] for method in methods}
-    results.clear()
-    results.update(ordered)
-    search_ordered = {method: search[method] for method in methods}
-    search.clear()
-    search.update(search_ordered)
+    for table in (results, search):  # the requested order, whichever method finished first
+        ordered = {method: table[method] for method in methods}
+        table.clear()
+        table.update(ordered)  # in place: summary (and on_method's callers) hold these dicts
     # from the start of prepare() (the teacher's training too, when it was not cached)
     execution["wall_seconds"] = round(time.perf_counter() - started, 1)
     return summary
@@ -596,14 +593,13 @@ def _train_in_workers(methods, data, workers, bar):
                                       f"(its traceback below)\n{runs}")
                 if waiting:
                     _assign(busy, connection, process, waiting.pop(0))
-                bar.update(sum(steps) - shown)
-                shown = sum(steps)
                 yield method, runs
             for connection, (process, method) in busy.items():
                 if process.sentinel in ready and not connection.poll():
                     raise WorkerError(_died(f"the worker process training {method}", process))
-            bar.update(sum(steps) - shown)
-            shown = sum(steps)
+            done = sum(steps)  # every pass, the last one after the last method too
+            bar.update(done - shown)
+            shown = done
         for _, connection in pool:
             with contextlib.suppress(OSError):  # one that died after its last method
                 connection.send(None)  # done: the workers return
