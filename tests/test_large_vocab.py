@@ -298,14 +298,14 @@ def test_the_chapter_quotes_the_committed_benchmark_output():
     trl = re.search(r"^trl/dense: memory ([0-9.]+), time ([0-9.]+)$", output, re.M)
     assert trl, "the committed output has no TRL variant"
     assert f"a memory ratio {trl[1]}" in page and f"(ratio {trl[2]})" in page
+    joined = " ".join(page.split())  # the prose, its line breaks as spaces
     added = {m[1]: float(m[2]) for m in re.finditer(r"^(dense|chunked|trl)\s+\S+\s+([0-9.]+)",
                                                     output, re.M)}
-    assert f"chunked loss adds {added['chunked'] / 1024:.2f} GiB" in " ".join(page.split())
+    assert f"chunked loss adds {added['chunked'] / 1024:.2f} GiB" in joined
     assert f"TRL's chunked loss adds {added['trl'] / 1024:.1f} GiB" in page
     cpu = {m[1]: (m[2], m[3]) for m in re.finditer(r"(dense|chunked|trl) ([0-9.]+), ([0-9.]+)",
                                                    output.split("(user, system): ")[1]
                                                    .splitlines()[0])}
-    joined = " ".join(page.split())
     (dense_user, dense_system), (chunked_user, chunked_system) = cpu["dense"], cpu["chunked"]
     assert float(dense_system) > float(dense_user)  # "more of its time in the kernel"
     assert (f"{dense_system} s of system CPU time against {dense_user} s of user time in its "
