@@ -653,7 +653,8 @@ def _check_advantages(advantages, mask, dtype):
         b, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"advantages must be finite where mask is 1, got "
                          f"{advantages[b, t].item()!r} at position ({b}, {t})")
-    return torch.where(mask, advantages.detach().to(dtype), torch.zeros((), dtype=dtype))
+    zeros = torch.zeros((), dtype=dtype, device=advantages.device)
+    return torch.where(mask, advantages.detach().to(dtype), zeros)
 
 
 def _check_reduction(reduction):

@@ -163,12 +163,18 @@ class _ChunkedDivergence(torch.autograd.Function):
         if teacher_logits is None:
             t_weight_c = teacher_weight.detach().to(dtype)
             t_bias_c = None if teacher_bias is None else teacher_bias.detach().to(dtype)
-        grad_hidden = torch.zeros(hidden.shape, dtype=dtype) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype) if want_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=dtype) if want_bias else None
+        # Every buffer on the inputs' device: without it they are CPU tensors, and the first
+        # chunk on a GPU fails (an in-place add of a CUDA tensor into a CPU one).
+        device = hidden.device
+        grad_hidden = (torch.zeros(hidden.shape, dtype=dtype, device=device) if want_hidden
+                       else None)
+        grad_weight = (torch.zeros(weight.shape, dtype=dtype, device=device) if want_weight
+                       else None)
+        grad_bias = (torch.zeros(weight.shape[0], dtype=dtype, device=device) if want_bias
+                     else None)
         # token-mean normaliser N = max(1, number of masked-in positions)
         n_tokens = max(int(rows.numel()), 1)
-        total = torch.zeros((), dtype=dtype)
+        total = torch.zeros((), dtype=dtype, device=device)
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start:start + chunk_size]  # only masked-in rows are ever read
             h = hidden.detach()[idx].to(dtype)  # (c, H)

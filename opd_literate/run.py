@@ -103,8 +103,10 @@ def _cache_dir():
 def _split(config):
     """All operand pairs (10,000 with two digits), shuffled by the seed: (train pairs,
     held-out pairs)."""
+    # CPU by design: the experiment runs on the CPU
     numbers = torch.arange(10 ** config.get("digits", 2))
     pairs = torch.cartesian_prod(numbers, numbers)
+    # CPU by design: the experiment runs on the CPU
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(config["seed"]))
     held = config["held_out"]
     return pairs[order[held:]], pairs[order[:held]]
@@ -113,6 +115,7 @@ def _split(config):
 def _supervised(model, pairs, answers, steps, batch, lr, generator, label_smoothing=0.0):
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
+        # CPU by design: the experiment runs on the CPU
         idx = torch.randint(0, len(pairs), (batch,), generator=generator)
         loss = lm.supervised_loss(model, lm.make_prompts(pairs[idx], model.digits), answers[idx],
                                   label_smoothing)
@@ -201,6 +204,7 @@ def train_teacher(config, train_pairs, train_answers, cache="read"):
                             digits=config.get("digits", 2))
         _supervised(teacher, train_pairs, train_answers, config["teacher_steps"],
                     config["teacher_batch"], config["pretrain_lr"],
+                    # CPU by design: the experiment runs on the CPU
                     torch.Generator().manual_seed(config["seed"] + 1),
                     config["teacher_label_smoothing"])
         return teacher.eval()
@@ -293,7 +297,8 @@ class BatchedAdam:
 
     def __init__(self, params, lrs, betas=(0.9, 0.999), eps=1e-8):
         self.params = list(params)
-        self.lrs = torch.as_tensor(lrs, dtype=torch.float32)  # (M,)
+        # (M,), on the weights' device: the step multiplies them
+        self.lrs = torch.as_tensor(lrs, dtype=torch.float32, device=self.params[0].device)
         self.betas, self.eps, self.k = betas, eps, 0
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
@@ -330,8 +335,10 @@ def _pretrain_students(config, train_pairs, train_answers):
                                digits=config.get("digits", 2)))
     students = lm.EnsembleLM.from_models(inits)
     optimizer = BatchedAdam(students.parameters(), [config["pretrain_lr"]] * S)
+    # CPU by design: the experiment runs on the CPU
     generator = torch.Generator().manual_seed(_seed(config, 0, 3))
     for _ in range(config["student_pretrain_steps"]):
+        # CPU by design: the experiment runs on the CPU
         idx = torch.randint(0, len(train_pairs), (S, config["student_pretrain_batch"]),
                             generator=generator)
         prompts = lm.make_prompts(train_pairs[idx], students.digits)
@@ -358,6 +365,7 @@ def _evaluate(students, teacher, test_pairs, val_pairs, seed):
         answers = lm.answer_tokens(pairs, students.digits)
         accuracy[name] = (tokens == answers).all(-1).float().mean(-1)
     prompts = lm.make_prompts(test_pairs, students.digits).expand(M, -1, -1)
+    # CPU by design: the experiment runs on the CPU
     out = lm.rollout(students, prompts, torch.Generator().manual_seed(seed))
     _, teacher_logits = lm.score(teacher, prompts, out.tokens)
     kl = torch.stack([full_vocab_reverse_kl(out.logits[m], teacher_logits[m], out.mask[m])
@@ -657,8 +665,9 @@ def _train_one(method, student_state, teacher, train_pairs, test_pairs, val_pair
     # size, which a noisy estimator (sampled-token OPD, RL) turns into a random jump.
     warmup = max(config["warmup_steps"], 1)
     # Seed s draws the same prompt stream at every learning rate and in every method.
+    # CPU by design: the experiment runs on the CPU
     prompt_gen = torch.Generator().manual_seed(_seed(config, 0, 10))
-    sample_gen = torch.Generator().manual_seed(_seed(config, 0, 11))
+    sample_gen = torch.Generator().manual_seed(_seed(config, 0, 11))  # CPU by design (above)
     samples, elapsed, evaluated_after = [0], 0.0, set(eval_steps(config))
     curves = {k: [[] for _ in range(M)] for k in ("accuracy", "val_accuracy", "reverse_kl",
                                                   "seconds")}
@@ -676,6 +685,7 @@ def _train_one(method, student_state, teacher, train_pairs, test_pairs, val_pair
     log()
     for step in range(1, config["steps"] + 1):
         start = time.perf_counter()
+        # CPU by design: the experiment runs on the CPU
         idx = torch.randint(0, len(train_pairs), (S, config["batch_size"]), generator=prompt_gen)
         pairs = train_pairs[idx].repeat(len(lrs), 1, 1)  # (M, B, 2)
         loss, used = _step_loss(method, students, teacher, pairs, config, sample_gen)
@@ -740,6 +750,7 @@ def gradient_agreement(config, batch_sizes=(16, 64, 256), reference=4096, repeat
                             config["student_layers"], digits=config.get("digits", 2))
     student.load_state_dict(student_state)
     student = student.member(0)
+    # CPU by design: the experiment runs on the CPU
     generator = torch.Generator().manual_seed(config["seed"] + 20)
 
     def gradients(pairs):

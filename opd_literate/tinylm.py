@@ -201,7 +201,8 @@ class TinyLM(nn.Module):
         (the tokens already written), then ``<pad>``. Any leading dimensions (``(B,)``, or
         ``(M, B)`` for an [opd_literate.tinylm.EnsembleLM][])."""
         T = answers.shape[-1]  # the answer positions, MAX_ANSWER for two-digit operands
-        padding = torch.full((*prompts.shape[:-1], T - 1 - t), PAD, dtype=torch.long)
+        padding = torch.full((*prompts.shape[:-1], T - 1 - t), PAD, dtype=torch.long,
+                             device=prompts.device)
         return torch.cat([prompts, answers[..., :t], padding], dim=-1)
 
     def window(self, prompts, answers):
@@ -218,7 +219,7 @@ class TinyLM(nn.Module):
     def logits(self, prompts, answers):
         """Teacher-forced logits ``(..., T, V)`` of every answer position, in one batched call."""
         T = answers.shape[-1]
-        positions = torch.arange(T).expand(*prompts.shape[:-1], T)
+        positions = torch.arange(T, device=prompts.device).expand(*prompts.shape[:-1], T)
         return self(self.window(prompts, answers), positions)
 
 
@@ -269,14 +270,19 @@ class EnsembleLM(TinyLM):
         nn.Module.__init__(self)
         self.models, self.embed = models, embed
         self.digits, self.max_answer = digits, digits + 2
+        # The parameters are made on the CPU and moved by .to(device), like TinyLM's nn.Embedding
+        # and nn.Linear (the nn.Module convention).
+        # CPU by design: a parameter
         self.token_embedding = nn.Parameter(torch.zeros(models, V, embed))
+        # CPU by design: a parameter
         self.position_embedding = nn.Parameter(torch.zeros(models, self.max_answer, embed))
         widths = [(2 * digits + 2 + self.max_answer) * embed] + [hidden] * layers + [V]
         self.weights = nn.ParameterList(
-            [nn.Parameter(torch.zeros(models, n_in, n_out))
+            [nn.Parameter(torch.zeros(models, n_in, n_out))  # CPU by design: a parameter
              for n_in, n_out in zip(widths[:-1], widths[1:])])
         self.biases = nn.ParameterList(
-            [nn.Parameter(torch.zeros(models, n_out)) for n_out in widths[1:]])
+            [nn.Parameter(torch.zeros(models, n_out))  # CPU by design: a parameter
+             for n_out in widths[1:]])
 
     @classmethod
     def from_models(cls, models):
@@ -333,8 +339,8 @@ class EnsembleLM(TinyLM):
         table = torch.cat([token_rows.reshape(M, slots * V, -1), position_rows], dim=1)
         # Row of (model m, slot j, token v): m * rows_per_model + j * V + v; position t after.
         context = context.reshape(M, -1, slots)
-        model_offset = torch.arange(M).view(M, 1, 1) * rows_per_model
-        index = torch.cat([context + torch.arange(slots) * V + model_offset,
+        model_offset = torch.arange(M, device=context.device).view(M, 1, 1) * rows_per_model
+        index = torch.cat([context + torch.arange(slots, device=context.device) * V + model_offset,
                            position.reshape(M, -1, 1) + slots * V + model_offset], dim=-1)
         h = F.embedding_bag(index.reshape(-1, slots + 1), table.reshape(M * rows_per_model, -1),
                             mode="sum").view(M, index.shape[1], -1) + self.biases[0][:, None, :]
@@ -362,10 +368,11 @@ def sample_tokens(model, prompts, generator=None, greedy=False):
     ``prompts`` is ``(B, 6)``, or ``(M, B, 6)`` for an [opd_literate.tinylm.EnsembleLM][].
     """
     lead = prompts.shape[:-1]  # (B,) or (M, B)
-    tokens = torch.full((*lead, model.max_answer), PAD, dtype=torch.long)
+    tokens = torch.full((*lead, model.max_answer), PAD, dtype=torch.long, device=prompts.device)
     for t in range(model.max_answer):
         context = model.context_at(prompts, tokens, t)  # reads tokens[..., :t] only
-        logits = model(context, torch.full(lead, t, dtype=torch.long))  # (..., V)
+        position = torch.full(lead, t, dtype=torch.long, device=prompts.device)
+        logits = model(context, position)  # (..., V)
         if greedy:
             tokens[..., t] = logits.argmax(-1)
         else:

@@ -273,9 +273,11 @@ def zipf_pair(V=4096, exponent=1.1, temperature=1.0, noise=1.0, seed=0):
     exponent = check_finite_number("exponent", exponent, low=0.0)
     temperature = check_finite_number("temperature", temperature, positive=True)
     noise = check_finite_number("noise", noise, low=0.0)
+    # CPU by design: the study's data; the CPU generator draws the same noise on every machine
     g = torch.Generator().manual_seed(seed)
-    ranks = torch.arange(1, V + 1, dtype=torch.float64)
+    ranks = torch.arange(1, V + 1, dtype=torch.float64)  # CPU by design (the study's data)
     teacher = -exponent * ranks.log()
+    # CPU by design (the study's data)
     student = teacher + noise * torch.randn(V, generator=g, dtype=torch.float64)
     return student / temperature, teacher / temperature
 
@@ -373,6 +375,7 @@ def topk_bias_figure_data(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noise=1
     [1, 64]
     """
     if ks is None:
+        # CPU by design: the ks are plain ints
         # k from 1 to V / 2 (at k = V every approximation is the full KL), with the table's
         ks = {int(round(x)) for x in torch.logspace(0, math.log10(V / 2), 25).tolist()}
         ks = sorted(ks | {k for k in (1, 5, 20, 100, 500) if k < V})
