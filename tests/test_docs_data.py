@@ -3,9 +3,12 @@
 The site's experiment figures come from ``docs/data/experiment/results.json``, written by
 ``python -m opd_literate.run --out docs/data/experiment``, and the OPD chapter's
 gradient-agreement table from ``docs/data/experiment/gradient_agreement.json``, written by
-``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``. These tests
-fail when either file is stale (the defaults changed) or when a sentence of the docs no longer
-matches the numbers.
+``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``. The same
+commands rerun on other machines are committed under ``docs/data/experiment/reruns/NAME/``
+(``results.json``, ``long/results.json``, ``gradient_agreement.json`` and ``machine.json``), and
+the experiment page's claims are checked against the committed run and every rerun: a sentence
+that would be false on one of the machines fails. These tests fail when a file is stale (the
+defaults changed) or when a sentence of the docs no longer matches the numbers.
 """
 
 import json
@@ -36,6 +39,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/data/experiment/results.json"
 GRADIENT_AGREEMENT = ROOT / "docs/data/experiment/gradient_agreement.json"
 RESULTS_LONG = ROOT / "docs/data/experiment/long/results.json"
+RERUNS = ROOT / "docs/data/experiment/reruns"
+RERUN_NAMES = sorted(path.parent.name for path in RERUNS.glob("*/machine.json"))
+MACHINES = ["committed"] + RERUN_NAMES
 OPD_PAGE = ROOT / "docs/opd.md"
 EXPERIMENT_PAGE = ROOT / "docs/experiment.md"
 RUN_SOURCE = ROOT / "opd_literate/run.py"
@@ -44,6 +50,73 @@ RUN_SOURCE = ROOT / "opd_literate/run.py"
 @pytest.fixture(scope="module")
 def results():
     return json.loads(RESULTS.read_text())
+
+
+def _machine_files(name):
+    """The committed run's files, or a rerun's: default results, --long results, gradient
+    agreement."""
+    if name == "committed":
+        return RESULTS, RESULTS_LONG, GRADIENT_AGREEMENT
+    folder = RERUNS / name
+    return folder / "results.json", folder / "long/results.json", folder / "gradient_agreement.json"
+
+
+def _load_machine(name):
+    default, long, agreement = (json.loads(path.read_text()) for path in _machine_files(name))
+    return dict(name=name, results=default, long=long, gradient_agreement=agreement)
+
+
+@pytest.fixture(scope="module")
+def machines():
+    """Every machine's runs: the committed one first, then the reruns."""
+    return [_load_machine(name) for name in MACHINES]
+
+
+@pytest.fixture(scope="module", params=MACHINES)
+def machine(request):
+    return _load_machine(request.param)
+
+
+def test_the_reruns_are_there_and_describe_their_machine():
+    """At least the two reruns the page names (so no parametrization silently loses them), each
+    with its machine description, which the page's Three machines section quotes."""
+    assert len(RERUN_NAMES) >= 2
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    for name in RERUN_NAMES:
+        machine = json.loads((RERUNS / name / "machine.json").read_text())
+        for key in ("label", "cpu_model", "cpus", "simd_flags", "avx512", "ATEN_CPU_CAPABILITY",
+                    "torch_cpu_capability", "torch", "numpy", "python", "commands", "seconds"):
+            assert key in machine, (name, key)
+        assert machine["cpus"] == 2 and "a 2-core AMD EPYC" in page
+        assert machine["cpu_model"] == "AMD EPYC"
+        assert "avx2" in machine["simd_flags"] and machine["avx512"] is False
+        assert "with AVX2 and no AVX-512" in page
+        assert f"torch {machine['torch'].split('+')[0]} and numpy {machine['numpy']}" in page
+        if machine["ATEN_CPU_CAPABILITY"] is None:
+            assert machine["torch_cpu_capability"] == "AVX2"
+        else:
+            assert machine["ATEN_CPU_CAPABILITY"] == "default" == machine[
+                "torch_cpu_capability"].lower()
+            assert "`ATEN_CPU_CAPABILITY=default`" in page
+    capabilities = {json.loads((RERUNS / n / "machine.json").read_text())["torch_cpu_capability"]
+                    for n in RERUN_NAMES}
+    assert capabilities == {"AVX2", "DEFAULT"}  # "once as it is ... and once with ..."
+    assert "docs/data/experiment/reruns/" in page
+
+
+def test_reruns_use_the_current_configurations(machine):
+    """Every run, committed or rerun, is of the current default, long and gradient-agreement
+    configurations, with every method and every seed's curve."""
+    for results, config in ((machine["results"], DEFAULTS), (machine["long"], LONG)):
+        assert results["config"] == json.loads(json.dumps(config)), machine["name"]
+        assert set(results["methods"]) == set(METHODS)
+        n = len(eval_steps(config))
+        for record in results["methods"].values():
+            assert record["samples"] == [k * config["batch_size"] for k in eval_steps(config)]
+            assert all(len(record[key]) == config["seeds"] for key in ("accuracy", "reverse_kl"))
+            assert all(len(curve) == n for curve in record["accuracy"])
+    agreement = machine["gradient_agreement"]
+    assert agreement["config"] == json.loads(json.dumps({k: DEFAULTS[k] for k in GRADIENT_KEYS}))
 
 
 def test_committed_results_use_the_current_defaults(results):
@@ -68,10 +141,11 @@ def test_committed_long_results_use_the_current_long_config():
         assert all(len(record[key]) == LONG["seeds"] for key in ("accuracy", "reverse_kl"))
 
 
-def test_experiment_page_long_regime_claims(results):
-    """docs/experiment.md, "A second regime": every number and ordering it states."""
+def test_experiment_page_long_regime_claims(machine):
+    """docs/experiment.md, "A second regime": every number and ordering it states, on every
+    machine."""
     page = " ".join(EXPERIMENT_PAGE.read_text().split())
-    long = json.loads(RESULTS_LONG.read_text())
+    results, long = machine["results"], machine["long"]
     assert LONG["digits"] == 3 and LONG["teacher_steps"] == 1200
     assert LONG["student_pretrain_steps"] == 600 and LONG["steps"] == 1200
     assert "76,800 student samples (1,200 steps of 64)" in page
@@ -84,10 +158,12 @@ def test_experiment_page_long_regime_claims(results):
     reached = {m: row["reached"] for m, row in table.items()}
     assert reached == {"opd_full_vocab": 5, "opd_sampled": 2, "sft": 0, "rl": 0}
     assert "Sampled-token OPD reaches it on 2 of 5 seeds" in page
-    # "after 3.7 times the samples it needed with two digits"
+    # "after 3.7 to 3.8 times the samples it needed with two digits" (on the same machine)
     factor = table["opd_full_vocab"]["samples"]["mean"] / two["opd_full_vocab"]["samples"]["mean"]
-    assert "after 3.7 times the samples it needed with two digits" in page
-    assert round(factor, 1) == 3.7
+    stated = re.search(r"after ([\d.]+) to ([\d.]+) times the samples it needed with two digits",
+                       page)
+    assert float(stated[1]) <= round(factor, 1) <= float(stated[2]), machine["name"]
+    assert "As measured, on every machine: **only full-vocabulary OPD" in page
     found = ratios(long)
     assert found["sft"]["bound"] and found["rl"]["bound"]  # "lower bounds only"
     # "SFT, which reached the target on every seed with two digits, ends here at a final
@@ -96,17 +172,28 @@ def test_experiment_page_long_regime_claims(results):
     assert table["sft"]["final_accuracy"]["high"] < table["opd_full_vocab"]["final_accuracy"]["low"]
 
 
+def test_long_regime_range_is_the_machines_spread(machines):
+    """The stated range of full-vocabulary OPD's factor is the spread of the runs, no wider."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    stated = re.search(r"after ([\d.]+) to ([\d.]+) times the samples it needed with two digits",
+                       page)
+    factors = [round(headline(m["long"])["opd_full_vocab"]["samples"]["mean"]
+                     / headline(m["results"])["opd_full_vocab"]["samples"]["mean"], 1)
+               for m in machines]
+    assert (min(factors), max(factors)) == (float(stated[1]), float(stated[2]))
+
+
 def test_committed_gradient_agreement_uses_the_current_defaults():
     record = json.loads(GRADIENT_AGREEMENT.read_text())
     assert record["config"] == json.loads(json.dumps({k: DEFAULTS[k] for k in GRADIENT_KEYS}))
     assert set(record["cosine"]) == {"opd_sampled", "opd_full_vocab"}
 
 
-def test_opd_page_gradient_agreement_claims():
+def test_opd_page_gradient_agreement_claims(machine):
     """docs/opd.md and docs/experiment.md: the full-vocabulary gradient points closer to the
     expected gradient than the sampled-token one at every batch size, by the stated factor at
-    the experiment's batch size."""
-    record = json.loads(GRADIENT_AGREEMENT.read_text())
+    the experiment's batch size, on every machine."""
+    record = machine["gradient_agreement"]
     full, sampled = record["cosine"]["opd_full_vocab"], record["cosine"]["opd_sampled"]
     assert all(full[str(B)] > sampled[str(B)] for B in record["batch_sizes"])
     page = " ".join(EXPERIMENT_PAGE.read_text().split())
@@ -120,13 +207,42 @@ def test_opd_page_gradient_agreement_claims():
     assert "averaged over 4 batches" in opd and record["repeats"] == 4
 
 
+def test_gradient_agreement_agrees_across_machines(machines):
+    """docs/experiment.md: "on every machine; the cosines agree to three decimals"."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    assert "(on every machine; the cosines agree to three decimals)" in page
+    first = machines[0]["gradient_agreement"]["cosine"]
+    for other in machines[1:]:
+        for method, row in other["gradient_agreement"]["cosine"].items():
+            for size, cosine in row.items():
+                assert abs(cosine - first[method][size]) < 5e-4, (other["name"], method)
+
+
 def _interval(stat):
     return stat["low"], stat["high"]
 
 
-def test_experiment_page_claims(results):
-    """docs/experiment.md and index.md: every number and ordering the page states."""
+def _stated(page, pattern):
+    """The numbers a sentence of the page states, found by ``pattern``, as floats."""
+    found = re.search(pattern, page)
+    assert found, pattern
+    return [float(x) for x in found.groups()]
+
+
+RL_RATIO = (r"after ([\d.]+) to ([\d.]+) times the samples of full-vocabulary OPD on average, "
+            r"depending on the machine, each with an interval inside ([\d.]+) to ([\d.]+):")
+RL_BOUND = r"the ratio is a lower bound \(at least ([\d.]+) on that machine\)"
+RL_REACHED = r"RL reaches the target on (\d) or (\d) of the 5 seeds, depending on the machine"
+SAMPLED_RATIO = (r"Over sampled-token OPD the ratio of the means is ([\d.]+) to ([\d.]+) "
+                 r"depending on the machine, with intervals whose lower ends lie at about 1 "
+                 r"\(from ([\d.]+) to ([\d.]+)\), on one side of 1 or the other")
+
+
+def test_experiment_page_claims(machine):
+    """docs/experiment.md: every number and ordering of *What it says*, on every machine (the
+    committed run and each rerun)."""
     page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    results, name = machine["results"], machine["name"]
     # "Setup": the numbers the page states about the configuration.
     for key, value in dict(seeds=5, steps=1800, batch_size=64, group=4, warmup_steps=30,
                            eval_every=25, eval_dense_until=300, eval_every_late=100,
@@ -143,35 +259,54 @@ def test_experiment_page_claims(results):
     assert round(sum(starts) / len(starts), 1) == 0.7
     assert (round(100 * min(starts)), round(100 * max(starts))) == (61, 76)
     # "Full-vocabulary OPD reaches the target first ... seed by seed first or tied with every
-    # other method on all five seeds"
-    assert all(row["reached"] == row["seeds"] == 5 for row in table.values())
-    means = {m: row["samples"]["mean"] for m, row in table.items()}
-    assert min(means, key=means.get) == "opd_full_vocab"
-    full = table["opd_full_vocab"]["samples"]["per_seed"]
+    # other method on all five seeds"; every method but RL reaches it on every seed
+    low_rl, high_rl = _stated(page, RL_REACHED)
     for method, row in table.items():
-        assert all(f <= o for f, o in zip(full, row["samples"]["per_seed"])), method
-    # the ratios and their intervals, as stated
+        if method == "rl":
+            assert low_rl <= row["reached"] <= high_rl == row["seeds"], name
+        else:
+            assert row["reached"] == row["seeds"] == 5, (name, method)
+    means = {m: row["samples"]["mean"] for m, row in table.items() if row["samples"]}
+    assert min(means, key=means.get) == "opd_full_vocab"
+    budget = DEFAULTS["steps"] * DEFAULTS["batch_size"]
+
+    def per_seed(method):  # a seed that never reaches the target: after the budget
+        return [budget + 1 if v is None else v for v in table[method]["samples_per_seed"]]
+
+    full = per_seed("opd_full_vocab")
+    for method in table:
+        assert all(f <= o for f, o in zip(full, per_seed(method))), (name, method)
     found = ratios(results)
-    assert not any(r["bound"] for r in found.values())  # every ratio measured, none a bound
-    for other, text in (("sft", "(3.5 times the samples, interval 2.0 to 8.9)"),
-                        ("opd_sampled", "ratio of the means is 2.8, but with an interval from "
-                                        "0.9 to 7.8"),
-                        ("rl", "after 8.3 times the samples of full-vocabulary OPD on average "
-                               "(interval 4.1 to 21.5)")):
-        r = found[other]
-        assert text in page, other
-        numbers = [float(x) for x in re.findall(r"\d+\.\d", text)]
-        assert numbers == [round(r["mean"], 1), round(r["low"], 1), round(r["high"], 1)], other
-    assert found["sft"]["low"] > 1 and found["rl"]["low"] > 1  # "its lead ... is clear"
-    assert found["opd_sampled"]["low"] < 1 < found["opd_sampled"]["high"]  # "do not settle it"
+    # "Its lead over SFT (3.5 times the samples, interval 2.0 to 8.9, on every machine)"
+    assert "SFT (3.5 times the samples, interval 2.0 to 8.9, on every machine)" in page
+    sft = found["sft"]
+    assert not sft["bound"]
+    assert [round(sft[k], 1) for k in ("mean", "low", "high")] == [3.5, 2.0, 8.9], name
+    assert sft["low"] > 1 and found["rl"]["low"] > 1  # "its lead ... is clear"
+    # "Over sampled-token OPD the ratio of the means is 2.5 to 2.8 ..., with intervals whose
+    # lower ends lie at about 1 (from 0.9 to 1.1)"
+    mean_low, mean_high, low_low, low_high = _stated(page, SAMPLED_RATIO)
+    sampled = found["opd_sampled"]
+    assert not sampled["bound"] and sampled["high"] > 1
+    assert mean_low <= round(sampled["mean"], 1) <= mean_high, name
+    assert low_low <= round(sampled["low"], 1) <= low_high, name
     # "ends with the lowest reverse KL, its interval below every other method's"
     kl = {m: row["final_reverse_kl"] for m, row in table.items()}
     assert all(kl["opd_full_vocab"]["high"] < kl[m]["low"] for m in kl if m != "opd_full_vocab")
-    # RL "gets there last ... on every seed"
-    rl = table["rl"]["samples"]["per_seed"]
-    for method, row in table.items():
+    # RL "gets there last: on every seed (or never, within the budget)"
+    rl = per_seed("rl")
+    for method in table:
         if method != "rl":
-            assert all(o < r for o, r in zip(row["samples"]["per_seed"], rl)), method
+            assert all(o < r for o, r in zip(per_seed(method), rl)), (name, method)
+    # "after 8.3 to 9.7 times the samples ..., each with an interval inside 4.0 to 24.9"; "where
+    # a seed misses it ... the ratio is a lower bound (at least 8.5 on that machine)"
+    low, high, interval_low, interval_high = _stated(page, RL_RATIO)
+    r = found["rl"]
+    assert low <= round(r["mean"], 1) <= high, name
+    assert interval_low <= round(r["low"], 1) and round(r["high"], 1) <= interval_high, name
+    assert r["bound"] == (table["rl"]["reached"] < table["rl"]["seeds"])
+    if r["bound"]:
+        assert round(r["mean"], 1) == _stated(page, RL_BOUND)[0], name
     # "At the larger learning rate RL collapses: every seed ends below 60% accuracy on the
     # validation prompts", below where the students start (61% to 76% on the test prompts)
     larger = str(max(DEFAULTS["lrs"]))
@@ -185,11 +320,123 @@ def test_experiment_page_claims(results):
     assert kl["sft"]["mean"] > kl["opd_full_vocab"]["mean"]
     # "its greedy accuracy on the test prompts is 1.000"
     assert f"{results['teacher_accuracy']:.3f}" == "1.000"
-    # index.md: "RL with a 0/1 reward gets there last, after about 8 times as many samples"
+
+
+def test_experiment_page_ranges_are_the_machines_spread(machines):
+    """The ranges *What it says* states are the spread of the committed run and the reruns:
+    each end is one machine's figure (a range wider than the runs would hide a change), RL's
+    seeds at the target span the stated counts, and the lower ends of the sampled-token
+    ratio's intervals lie on both sides of 1 ("on one side of 1 or the other")."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    found = [ratios(m["results"]) for m in machines]
+    rl = [r["rl"] for r in found]
+    low, high, interval_low, interval_high = _stated(page, RL_RATIO)
+    assert (min(round(r["mean"], 1) for r in rl), max(round(r["mean"], 1) for r in rl)) == (
+        low, high)
+    assert min(round(r["low"], 1) for r in rl) == interval_low
+    assert max(round(r["high"], 1) for r in rl) == interval_high
+    reached = {headline(m["results"])["rl"]["reached"] for m in machines}
+    assert reached == set(_stated(page, RL_REACHED))  # "on 4 or 5 of the 5 seeds"
+    sampled = [r["opd_sampled"] for r in found]
+    mean_low, mean_high, low_low, low_high = _stated(page, SAMPLED_RATIO)
+    assert (min(round(r["mean"], 1) for r in sampled),
+            max(round(r["mean"], 1) for r in sampled)) == (mean_low, mean_high)
+    assert (min(round(r["low"], 1) for r in sampled),
+            max(round(r["low"], 1) for r in sampled)) == (low_low, low_high)
+    assert min(r["low"] for r in sampled) < 1 < max(r["low"] for r in sampled)
+
+
+def test_index_headline_claims(results):
+    """docs/index.md: "RL with a 0/1 reward gets there last, after about 8 times as many
+    samples", in the committed run."""
+    table, found = headline(results), ratios(results)
+    means = {m: row["samples"]["mean"] for m, row in table.items()}
     index = " ".join((ROOT / "docs/index.md").read_text().split())
     assert "gets there last, after about 8 times as many samples" in index
     assert round(found["rl"]["mean"]) == 8 and "5 seeds each" in index
     assert max(means, key=means.get) == "rl"
+
+
+@pytest.mark.xfail(strict=True, reason="docs/index.md states RL's ratio as 'about 8 times', "
+                   "the committed run's 8.3; the reruns give at least 8.5 (AVX2, one seed short "
+                   "of the target) and 9.7 (ATEN_CPU_CAPABILITY=default)")
+def test_index_headline_holds_on_every_machine(machines):
+    """docs/index.md's "after about 8 times as many samples" on every machine: false on the
+    reruns. Strict: once the index page no longer says it (or the data move so that it holds),
+    this passes and fails the run, to be replaced by a check of the new sentence."""
+    index = " ".join((ROOT / "docs/index.md").read_text().split())
+    if "gets there last, after about 8 times as many samples" in index:
+        for m in machines:
+            r = ratios(m["results"])["rl"]
+            assert not r["bound"] and round(r["mean"]) == 8, m["name"]
+
+
+def _largest_difference(machines, regime, method, key="accuracy"):
+    """The largest difference of a method's curves (``key``) of any rerun from the committed
+    run's, at any seed and evaluation point."""
+    committed = np.array(machines[0][regime]["methods"][method][key])
+    return max(float(np.abs(np.array(m[regime]["methods"][method][key]) - committed).max())
+               for m in machines[1:])
+
+
+def test_three_machines_section_claims(machines):
+    """docs/experiment.md, "Three machines, one study": what repeats across the machines and
+    what moves, by how much."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    section = page[page.index("## Three machines, one study"):page.index("## Rerun it")]
+    committed = machines[0]
+    # "the teachers' accuracies (1.000 and 0.996)"
+    assert "the teachers' accuracies (1.000 and 0.996)" in section
+    for m in machines:
+        assert f"{m['results']['teacher_accuracy']:.3f}" == "1.000", m["name"]
+        assert f"{m['long']['teacher_accuracy']:.3f}" == "0.996", m["name"]
+    # "the students' starting accuracies with two digits (with three, within 0.002)"
+    assert "starting accuracies with two digits (with three, within 0.002)" in section
+    long_moved = 0.0
+    for m in machines:
+        for method in METHODS:
+            starts = [c[0] for c in m["results"]["methods"][method]["accuracy"]]
+            assert starts == [c[0] for c in committed["results"]["methods"][method]["accuracy"]]
+            long_starts = np.array([c[0] for c in m["long"]["methods"][method]["accuracy"]])
+            reference = [c[0] for c in committed["long"]["methods"][method]["accuracy"]]
+            long_moved = max(long_moved, float(np.abs(long_starts - reference).max()))
+    assert 0 < long_moved and round(long_moved, 3) <= 0.002
+    # "full-vocabulary OPD's accuracy curves with two digits, at its chosen learning rate, bit
+    # for bit (its reverse KLs by less than 0.0001)"
+    assert ("at its chosen learning rate, bit for bit (its reverse KLs by less than 0.0001)"
+            in section)
+    for m in machines[1:]:
+        record = m["results"]["methods"]["opd_full_vocab"]
+        assert record["lr"] == committed["results"]["methods"]["opd_full_vocab"]["lr"]
+        assert record["accuracy"] == committed["results"]["methods"]["opd_full_vocab"]["accuracy"]
+    assert 0 < _largest_difference(machines, "results", "opd_full_vocab", "reverse_kl") < 1e-4
+    # "SFT's samples to the target on every seed"
+    assert "SFT's samples to the target on every seed" in section
+    for m in machines:
+        assert (headline(m["results"])["sft"]["samples_per_seed"]
+                == headline(committed["results"])["sft"]["samples_per_seed"]), m["name"]
+    # "every other method's curves differ from step 50 or 75 on"
+    assert "every other method's curves differ from step 50 or 75 on" in section
+    first_steps = set()
+    for m in machines[1:]:
+        for method in ("opd_sampled", "sft", "rl"):
+            ours = np.array(m["results"]["methods"][method]["accuracy"])
+            theirs = np.array(committed["results"]["methods"][method]["accuracy"])
+            differs = (ours != theirs).any(0)
+            assert differs.any(), (m["name"], method)
+            first = int(np.argmax(differs))
+            first_steps.add(committed["results"]["methods"][method]["samples"][first]
+                            // DEFAULTS["batch_size"])
+    assert first_steps == {50, 75}
+    # "SFT's stay within 0.006 ...: sampled-token OPD by up to 0.096 and RL by up to 0.196"
+    for method, text in (("sft", "SFT's stay within {:.3f} of the committed run's"),
+                         ("opd_sampled", "sampled-token OPD by up to {:.3f}"),
+                         ("rl", "RL by up to {:.3f}")):
+        assert text.format(_largest_difference(machines, "results", method)) in section, method
+    # "With three digits every method moves, full-vocabulary OPD by up to 0.014"
+    assert all(_largest_difference(machines, "long", method) > 0 for method in METHODS)
+    assert ("With three digits every method moves, full-vocabulary OPD by up to "
+            f"{_largest_difference(machines, 'long', 'opd_full_vocab'):.3f}") in section
 
 
 def test_experiment_page_setup_claims():
@@ -296,3 +543,26 @@ def test_stated_run_times_match_the_committed_runs(results):
             f"{stated_long} s with its teacher cached") in readme
     assert long["teacher_cached"] and long["run"]["workers"] == 2
     assert 0 <= stated_long - long["run"]["wall_seconds"] <= 10
+
+
+def test_stated_rerun_times_match_the_reruns():
+    """The Rerun paragraph's times on the EPYC: each is the rerun's own record, the command's
+    time from ``time`` (machine.json) and the time in ``run_experiment`` (results.json)."""
+    page = " ".join(EXPERIMENT_PAGE.read_text().split())
+    for name in RERUN_NAMES:
+        machine = json.loads((RERUNS / name / "machine.json").read_text())
+        default, long, _ = (json.loads(p.read_text()) for p in _machine_files(name))
+        assert default["teacher_cached"] and long["teacher_cached"]
+        assert default["run"]["workers"] == default["run"]["cpus"] == 2
+        seconds = machine["seconds"]
+        assert seconds["default"] - 10 <= default["run"]["wall_seconds"] <= seconds["default"]
+        assert seconds["long"] - 10 <= long["run"]["wall_seconds"] <= seconds["long"]
+        if machine["ATEN_CPU_CAPABILITY"] is None:
+            text = (f"the default run took {round(seconds['default'])} s, of which "
+                    f"{round(default['run']['wall_seconds'])} s in `run_experiment`, and the "
+                    f"`--long` run {round(seconds['long'])} s")
+        else:
+            text = (f"with `ATEN_CPU_CAPABILITY=default`, {round(seconds['default'])} s "
+                    f"({round(default['run']['wall_seconds'])} s in `run_experiment`) and "
+                    f"{round(seconds['long'])} s")
+        assert text in page, name

@@ -5,8 +5,9 @@ only when its content changed, so ``mkdocs serve`` does not rebuild in a loop. T
 include the tables with ``--8<-- "generated/NAME.md"`` and show the figures as images.
 
 The experiment's numbers come from ``docs/data/experiment/results.json``, written by the
-documented command ``python -m opd_literate.run --out docs/data/experiment`` (237 s measured
-on the shared 2-core machine, too long for a docs build), and the OPD chapter's
+documented command ``python -m opd_literate.run --out docs/data/experiment`` (115 s on the
+2-core machine that wrote it, too long for a docs build), its reruns on other machines from
+``docs/data/experiment/reruns/*/``, and the OPD chapter's
 gradient-agreement table from
 ``docs/data/experiment/gradient_agreement.json``, written by
 ``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``;
@@ -33,6 +34,10 @@ OUT = DOCS / "generated"
 EXPERIMENT = DOCS / "data" / "experiment" / "results.json"
 GRADIENT_AGREEMENT = DOCS / "data" / "experiment" / "gradient_agreement.json"
 EXPERIMENT_LONG = DOCS / "data" / "experiment" / "long" / "results.json"
+# Reruns of the same commands on other machines: one folder each, with its machine.json, its
+# results.json (default run), long/results.json (--long) and gradient_agreement.json.
+EXPERIMENT_RERUNS = DOCS / "data" / "experiment" / "reruns"
+COMMITTED_MACHINE = "committed: 2 cores, AVX-512"
 
 
 def _write(name: str, data) -> None:
@@ -288,6 +293,60 @@ def _experiment():
         for path in write_plots(long, tmp):
             _write(f"experiment_long_{path.name}", path.read_bytes())
     _write("experiment_long_headline.md", format_headline(long) + "\n")
+    # The same study on every machine: the committed run and each rerun, side by side.
+    _write("experiment_machines.md", _machines_table("results.json", results) + "\n")
+    _write("experiment_long_machines.md", _machines_table("long/results.json", long) + "\n")
+
+
+def experiment_reruns():
+    """``[(folder, machine)]``: the committed reruns, each with its machine.json, in the order
+    machine.json gives (then by folder name)."""
+    reruns = [(path.parent, json.loads(path.read_text()))
+              for path in EXPERIMENT_RERUNS.glob("*/machine.json")]
+    return sorted(reruns, key=lambda rerun: (rerun[1].get("order", 0), rerun[0].name))
+
+
+def _machines_table(name, committed):
+    """One column a machine: seeds at the target and samples to it per method, the ratios to
+    full-vocabulary OPD, and how far each method's accuracy curves moved from the committed
+    run's (the largest difference at any seed and evaluation point)."""
+    from opd_literate.run import headline, ratios
+
+    runs = [(COMMITTED_MACHINE, committed)] + [
+        (machine["label"], json.loads((folder / name).read_text()))
+        for folder, machine in experiment_reruns()]
+    tables = [headline(results) for _, results in runs]
+    found = [ratios(results) for _, results in runs]
+    lines = ["| | " + " | ".join(label for label, _ in runs) + " |",
+             "| --- | " + " | ".join("---:" for _ in runs) + " |"]
+    for method in committed["methods"]:
+        cells = []
+        for table in tables:
+            row = table[method]
+            samples = ("" if row["samples"] is None else
+                       f", {row['samples']['mean']:,.0f} [{row['samples']['low']:,.0f}, "
+                       f"{row['samples']['high']:,.0f}]")
+            cells.append(f"{row['reached']}/{row['seeds']}{samples}")
+        lines.append(f"| {method}: seeds at target, samples to it | " + " | ".join(cells) + " |")
+    for other in found[0]:
+        cells = []
+        for ratio in found:
+            r = ratio[other]
+            cells.append(("at least " if r["bound"] else "")
+                         + f"{r['mean']:.1f}x [{r['low']:.1f}, {r['high']:.1f}]")
+        lines.append(f"| {other} / opd_full_vocab, samples | " + " | ".join(cells) + " |")
+    for method, record in committed["methods"].items():
+        cells = ["(reference)"]
+        for _, results in runs[1:]:
+            other = results["methods"][method]["accuracy"]
+            if other == record["accuracy"]:
+                cells.append("0, bit for bit")
+                continue
+            difference = np.abs(np.array(other) - np.array(record["accuracy"])).max()
+            cells.append(f"{float(difference):.3f}")
+        lines.append(f"| {method}: largest accuracy difference from the committed run | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _gradient_agreement():
