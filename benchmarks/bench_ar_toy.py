@@ -8,15 +8,15 @@ Run: ``python benchmarks/bench_ar_toy.py``.
 
 import time
 
-from opd_literate.estimators import comparison_table, length_sweep
-from opd_literate.opd_mismatch import (
+from opd_literate.mismatch.estimators import comparison_table, length_sweep
+from opd_literate.mismatch.opd_mismatch import (
     OPD_RECIPES,
     PREFIX_RECIPES,
     add_teacher,
     opd_mismatch_table,
     reduction_table,
 )
-from opd_literate.toy import ar_num_responses, ar_toy_nbytes, make_ar_toy, make_toy
+from opd_literate.mismatch.toy import ar_num_responses, ar_toy_nbytes, make_ar_toy, make_toy
 
 SIZE = dict(T=5, V=3)
 

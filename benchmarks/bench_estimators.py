@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from opd_literate.estimators import REGISTRY, comparison_table
-from opd_literate.toy import make_toy, toy_nbytes
+from opd_literate.mismatch.estimators import REGISTRY, comparison_table
+from opd_literate.mismatch.toy import make_toy, toy_nbytes
 
 NAMES = ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_rs"]
 

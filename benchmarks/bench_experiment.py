@@ -4,8 +4,9 @@ Run: ``python benchmarks/bench_experiment.py``. For each method of the experimen
 the training of the default run's ``M = seeds * len(lrs)`` students two ways, on one CPU
 thread as the experiment runs:
 
-* **batched**: one [opd_literate.tinylm.EnsembleLM][] of ``M`` models, one loss (the sum of
-  the models' losses), one [opd_literate.run.BatchedAdam][] step;
+* **batched**: one [opd_literate.experiment.tinylm.EnsembleLM][] of ``M`` models, one loss (the sum
+  of
+  the models' losses), one [opd_literate.experiment.run.BatchedAdam][] step;
 * **loop**: ``M`` separate TinyLMs, each with its own ``torch.optim.Adam``, stepped one after
   another (what the experiment did before it was batched).
 
@@ -13,8 +14,8 @@ Each is warmed up (``warmup`` steps, not timed), then timed over ``steps`` steps
 times; it prints the median of the repeats as model-steps per second (one model-step is one
 update of one of the ``M`` students), so the two columns count the same work. It also prints
 the milliseconds of one rollout of a batch (sampling, then the teacher-forced pass with
-gradient) for one student, the figure stated in ``opd_literate.tinylm``. Other processes slow
-it down: note the machine's load (``uptime``) beside the figures.
+gradient) for one student, the figure stated in ``opd_literate.experiment.tinylm``. Other processes
+slow it down: note the machine's load (``uptime``) beside the figures.
 """
 
 import statistics
@@ -22,8 +23,15 @@ import time
 
 import torch
 
-from opd_literate import tinylm as lm
-from opd_literate.run import DEFAULTS, METHODS, BatchedAdam, _split, _step_loss, train_teacher
+from opd_literate.experiment import tinylm as lm
+from opd_literate.experiment.run import (
+    DEFAULTS,
+    METHODS,
+    BatchedAdam,
+    _split,
+    _step_loss,
+    train_teacher,
+)
 
 
 def _best_ms(function, repeats=200):

@@ -16,8 +16,8 @@ and one forward plus backward pass of the loss runs. Reported:
 
 The dense variant builds the student's ``(N, V)`` logits with autograd and the teacher's
 without, then calls [opd_literate.opd.full_vocab_reverse_kl][]. The chunked variant calls
-[opd_literate.large_vocab.chunked_reverse_kl][] on the same hidden states and heads. Where the
-``trl`` extra is installed, a third variant, ``trl``, runs the loss that
+[opd_literate.large_vocab.chunked.chunked_reverse_kl][] on the same hidden states and heads. Where
+the ``trl`` extra is installed, a third variant, ``trl``, runs the loss that
 ``trl.DistillationTrainer`` computes on the same inputs: ``_chunked_divergence_loss`` of
 ``trl/trainer/distillation_trainer.py`` with ``beta=1.0`` (TRL's reverse KL), which calls
 TRL's ``ChunkedDivergenceFunction`` (``trl/kernels/chunked_divergence.py``; on a CPU, its
@@ -61,7 +61,7 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, chunk_size: i
     import torch
     import torch.nn.functional as F
 
-    from opd_literate.large_vocab import chunked_reverse_kl
+    from opd_literate.large_vocab.chunked import chunked_reverse_kl
     from opd_literate.opd import full_vocab_reverse_kl
 
     def loss_fn(h, W, th, tW, mask):

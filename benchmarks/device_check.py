@@ -5,13 +5,13 @@ r"""The torch losses on an accelerator: values and gradients against float64, th
     python benchmarks/device_check.py --device cpu --quick # tiny sizes, seconds (the tests)
 
 **(a) The check.** Every public torch function of the loss modules ``opd_literate.opd``,
-``opd_literate.correction``, ``opd_literate.large_vocab`` and ``opd_literate.topk`` (their
-``__all__``; ``CASES`` below holds one case per function, several options of it at once) runs on
-the device in float32, bfloat16 and float16. The inputs are drawn in float64 on the CPU and
-rounded to the dtype; the reference is the same function on the CPU in float64 *on the rounded
-inputs*, so what is measured is the computation's own rounding on the device, not the rounding of
-the inputs. Compared: every output (tensors, and the floats of a metrics dict; bool and integer
-outputs exactly), and for each differentiable output $y$ the gradient of
+``opd_literate.mismatch.correction``, ``opd_literate.large_vocab.chunked`` and
+``opd_literate.large_vocab.topk`` (their ``__all__``; ``CASES`` below holds one case per function,
+several options of it at once) runs on the device in float32, bfloat16 and float16. The inputs are
+drawn in float64 on the CPU and rounded to the dtype; the reference is the same function on the CPU
+in float64 *on the rounded inputs*, so what is measured is the computation's own rounding on the
+device, not the rounding of the inputs. Compared: every output (tensors, and the floats of a metrics
+dict; bool and integer outputs exactly), and for each differentiable output $y$ the gradient of
 $\langle w, y \rangle$, with fixed random weights $w$, with respect to the floating inputs
 that carry one (one output at a time, so that each gradient is rounded to the input's dtype
 once). Every output and every gradient must lie on the device.
@@ -103,8 +103,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-MODULES = ("opd", "correction", "large_vocab", "topk")
-"""The loss modules of ``opd_literate`` whose public torch functions are checked."""
+MODULES = {"opd": "opd", "correction": "mismatch.correction", "large_vocab": "large_vocab.chunked",
+           "topk": "large_vocab.topk"}
+"""The loss modules of ``opd_literate`` whose public torch functions are checked: the short name
+that labels a row, and the module's path below the package."""
 
 CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -156,7 +158,7 @@ class Case:
     @property
     def function(self) -> Callable:
         module, name = self.name.split(".")
-        return getattr(importlib.import_module(f"opd_literate.{module}"), name)
+        return getattr(importlib.import_module(f"opd_literate.{MODULES[module]}"), name)
 
 
 def _mask(s, g):
@@ -362,7 +364,7 @@ def public_torch_functions() -> list[str]:
     """``"module.function"`` for every public function of ``MODULES`` (classes excluded)."""
     names = []
     for module in MODULES:
-        mod = importlib.import_module(f"opd_literate.{module}")
+        mod = importlib.import_module(f"opd_literate.{MODULES[module]}")
         names += [f"{module}.{n}" for n in mod.__all__ if inspect.isfunction(getattr(mod, n))]
     return names
 
@@ -529,7 +531,7 @@ def check_case(case, sizes, device, dtype, meta_default=False) -> Comparison:
 # ---------------------------------------------------------------------------------------------
 def _bench_variant(variant, device, tokens, vocab, hidden, chunk, repeats):
     """Added peak memory (MiB, CUDA only, else None) and best time (ms) of one variant."""
-    from opd_literate.large_vocab import chunked_reverse_kl
+    from opd_literate.large_vocab.chunked import chunked_reverse_kl
     from opd_literate.opd import full_vocab_reverse_kl
 
     def loss_fn(h, W, th, tW, mask):

@@ -40,7 +40,7 @@ Conventions shared by every function here:
 * Inputs are validated: a wrong shape, ndim or dtype, a mask value outside {0, 1}, a missing
   mask, or a bool or string where a number is expected, raises a ``ValueError`` or
   ``TypeError`` naming the argument. Nothing is broadcast silently.
-* bf16 and fp16 inputs are computed in float32 (see ``_checks.compute_dtype``) by every
+* bf16 and fp16 inputs are computed in float32 (see ``_numerics.compute_dtype``) by every
   function, and the result is float32; gradients flow back to the inputs in their own dtype
   (in fp16 a gradient above 65504 in magnitude overflows to ``inf`` on the way back).
 * Positions where ``mask == 0`` contribute exactly 0 to values *and* gradients, whatever the
@@ -77,7 +77,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import (
+from ._numerics import (
     check_finite_number,
     check_float_tensor,
     check_mask,

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opd_literate import estimators as E
-from opd_literate.estimators import REGISTRY, comparison_table, seq_is, token_is
-from opd_literate.toy import (
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.estimators import REGISTRY, comparison_table, seq_is, token_is
+from opd_literate.mismatch.toy import (
     AR_TOY_KEYS,
     MAX_TOY_BYTES,
     TOY_KEYS,

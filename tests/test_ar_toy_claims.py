@@ -4,8 +4,8 @@ with the settings of the docs hook (V = 3, T = 5, mismatch 0.3, 5 seeds for the 
 import numpy as np
 import pytest
 
-from opd_literate.estimators import REGISTRY, comparison_table, length_sweep
-from opd_literate.opd_mismatch import (
+from opd_literate.mismatch.estimators import REGISTRY, comparison_table, length_sweep
+from opd_literate.mismatch.opd_mismatch import (
     OPD_RECIPES,
     PREFIX_RECIPES,
     add_teacher,
@@ -14,7 +14,7 @@ from opd_literate.opd_mismatch import (
     opd_mismatch_table,
     reduction_table,
 )
-from opd_literate.toy import make_ar_toy, make_toy
+from opd_literate.mismatch.toy import make_ar_toy, make_toy
 
 SIZE = dict(T=5, V=3)
 
@@ -93,14 +93,14 @@ def test_the_reduction_table_statements():
 def test_angle_degrees_refuses_two_shapes():
     import pytest
 
-    from opd_literate.opd_mismatch import angle_degrees
+    from opd_literate.mismatch.opd_mismatch import angle_degrees
 
     with pytest.raises(ValueError, match=r"b must have the shape of a \(1,\), got \(3,\)"):
         angle_degrees([1.0], [1.0, 1.0, 1.0])
 
 
 def test_ar_num_responses_counts_by_hand():
-    from opd_literate.toy import ar_num_responses
+    from opd_literate.mismatch.toy import ar_num_responses
 
     # T = 2, V = 2 (token 1 is <eos>): "1", "00", "01" -> 3; T = 3, V = 3: the formula's
     # middle form, sum_{k <= T-2} (V-1)^k + (V-1)^(T-1) V = 1 + 2 + 4 * 3 = 15.

@@ -16,7 +16,7 @@ from test_opd_lengths import TOKEN_MEAN_ANGLE
 from test_opd_lengths import model as two_step_model
 
 from opd_literate import opd
-from opd_literate.opd_mismatch import (
+from opd_literate.mismatch.opd_mismatch import (
     OPD_RECIPES,
     PREFIX_RECIPES,
     REDUCTIONS,
@@ -27,7 +27,7 @@ from opd_literate.opd_mismatch import (
     opd_mismatch_table,
     reduction_table,
 )
-from opd_literate.toy import ar_toy_from_logits, estimator_moments, make_ar_toy, make_toy
+from opd_literate.mismatch.toy import ar_toy_from_logits, estimator_moments, make_ar_toy, make_toy
 
 
 def gathered(log_probs, toy):

@@ -1,4 +1,4 @@
-"""The copy-ready snippets of ``opd_literate.copy``: self-contained, ruff-clean, doctests pass.
+"""The snippets of ``opd_literate.course.lift``: self-contained, ruff-clean, doctests pass.
 
 Every public function of the copy-ready modules is written out as its snippet and run in a
 fresh interpreter that has numpy and torch but not this package (the editable install's finder
@@ -19,11 +19,11 @@ import textwrap
 
 import pytest
 
-from opd_literate import copy
-from opd_literate.copy import COPY_READY_MODULES, CopyError, public_functions, snippet
+from opd_literate.course import lift
+from opd_literate.course.lift import COPY_READY_MODULES, CopyError, public_functions, snippet
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-NUMPY_ONLY = {"toy", "estimators", "opd_mismatch"}
+NUMPY_ONLY = {"mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch"}
 
 # Run inside the fresh interpreter before anything is collected: no opd_literate anywhere.
 ISOLATING_CONFTEST = '''
@@ -87,7 +87,7 @@ def test_isolated():
 
 
 def _function_node(module: str, function: str) -> ast.FunctionDef:
-    tree = ast.parse((REPO / "opd_literate" / f"{module}.py").read_text())
+    tree = ast.parse(lift._module_path(module).read_text())
     return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
 
 
@@ -103,7 +103,7 @@ def _write_module_snippets(module: str, folder: pathlib.Path) -> list[str]:
         """))
     node_ids, names = [], []
     for function in public_functions(module):
-        name = f"snippet_{module}_{function}"
+        name = f"snippet_{module.replace('.', '_')}_{function}"
         (folder / f"{name}.py").write_text(snippet(f"{module}.{function}"))
         names.append(name)
         if ">>>" in (ast.get_docstring(_function_node(module, function)) or ""):
@@ -132,7 +132,8 @@ def test_snippets_run_alone_with_their_doctests(module, tmp_path):
 def test_snippets_are_ruff_clean(tmp_path):
     for module in COPY_READY_MODULES:
         for function in public_functions(module):
-            (tmp_path / f"{module}__{function}.py").write_text(snippet(f"{module}.{function}"))
+            name = f"{module.replace('.', '_')}__{function}.py"
+            (tmp_path / name).write_text(snippet(f"{module}.{function}"))
     result = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
          str(REPO / "pyproject.toml"), str(tmp_path)],
@@ -158,7 +159,7 @@ def test_every_definition_is_used_and_the_function_is_last(module):
     examples), and the function itself closes the part a reader needs."""
     for function in public_functions(module):
         code = snippet(f"{module}.{function}")
-        needed = code.split(copy._EXAMPLES_BANNER)[0]
+        needed = code.split(lift._EXAMPLES_BANNER)[0]
         definitions = _top_level(needed)
         assert list(definitions)[-1] == function
         for name, node in definitions.items():
@@ -170,14 +171,14 @@ def test_every_definition_is_used_and_the_function_is_last(module):
 
 def test_known_helpers_are_found():
     """Against a hand reading of the source: full_vocab_reverse_kl's helpers in opd and
-    _checks, and token_tis's helpers in estimators, toy and _checks."""
+    _numerics, and token_tis's helpers in estimators, toy and _numerics."""
     kl = _top_level(snippet("opd.full_vocab_reverse_kl"))
     for helper in ["_check_logits_pair", "_log_softmax_pair", "_kl_from_log_probs",
                    "_masked_token_mean", "check_float_tensor", "check_same_shape", "check_mask",
                    "compute_dtype", "check_finite_number"]:
         assert helper in kl, helper
     assert "aggregate_loss" not in kl and "REDUCTIONS" not in kl
-    tis = snippet("estimators.token_tis").split(copy._EXAMPLES_BANNER)
+    tis = snippet("mismatch.estimators.token_tis").split(lift._EXAMPLES_BANNER)
     needed = _top_level(tis[0])
     for helper in ["token_ratios", "_exp_ratio", "_MAX_LOG_RATIO", "_finish", "weighted_score",
                    "check_toy", "check_finite_number"]:
@@ -198,19 +199,19 @@ def test_numpy_snippets_do_not_import_torch():
 
 
 def test_cli_prints_the_snippet(capsys):
-    assert copy.main(["opd_literate.opd.full_vocab_reverse_kl"]) == 0
+    assert lift.main(["opd_literate.opd.full_vocab_reverse_kl"]) == 0
     assert capsys.readouterr().out == snippet("opd.full_vocab_reverse_kl")
 
 
 @pytest.mark.parametrize("qualname, message", [
     ("opd._select", "is private"),
     ("opd.no_such_function", "defines no 'no_such_function'"),
-    ("_checks.check_mask", "not a module with copy-ready functions"),
+    ("_numerics.check_mask", "not a module with copy-ready functions"),
     ("nomodule.f", "no module opd_literate.nomodule"),
     ("full_vocab_reverse_kl", "expected MODULE.NAME"),
 ])
 def test_cli_errors_are_one_line_rc_2(qualname, message, capsys):
-    assert copy.main([qualname]) == 2
+    assert lift.main([qualname]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()
@@ -220,9 +221,11 @@ def test_cli_errors_are_one_line_rc_2(qualname, message, capsys):
 
 
 def test_python_dash_m_entry_point():
-    result = subprocess.run([sys.executable, "-m", "opd_literate.copy", "toy.log_softmax"],
+    result = subprocess.run([sys.executable, "-m", "opd_literate.course.lift",
+                             "mismatch.toy.log_softmax"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert result.returncode == 0 and result.stdout == snippet("toy.log_softmax")
-    bad = subprocess.run([sys.executable, "-m", "opd_literate.copy", "toy._enumerate"],
+    assert result.returncode == 0 and result.stdout == snippet("mismatch.toy.log_softmax")
+    bad = subprocess.run([sys.executable, "-m", "opd_literate.course.lift",
+                          "mismatch.toy._enumerate"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1

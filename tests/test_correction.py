@@ -1,9 +1,9 @@
-"""opd_literate.correction against the numpy estimators, analytic gradients and verl's names.
+"""mismatch.correction against the numpy estimators, analytic gradients and verl's names.
 
-Every numpy estimator of ``opd_literate.estimators`` is reproduced on the enumerable toys turned
-into a ``(M, T)`` batch of all M responses: the weights of the torch module (``weights * keep``,
-or the gradient of a bypass loss divided by ``-A``) equal the estimator's weights. Equal means:
-the same tokens at 0, and the other values within 1e-13 relative, because torch's ``exp`` and
+Every numpy estimator of ``opd_literate.mismatch.estimators`` is reproduced on the enumerable toys
+turned into a ``(M, T)`` batch of all M responses: the weights of the torch module (``weights *
+keep``, or the gradient of a bypass loss divided by ``-A``) equal the estimator's weights. Equal
+means: the same tokens at 0, and the other values within 1e-13 relative, because torch's ``exp`` and
 ``sum`` round differently from numpy's (on float64 they differ in the last bit for about 5% of
 inputs; the weights here pass through one exp of a sum of at most 6 terms).
 """
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from opd_literate import correction as C
-from opd_literate import estimators as E
+from opd_literate.mismatch import correction as C
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
 from opd_literate.opd import REDUCTIONS, kl_estimator
-from opd_literate.toy import make_ar_toy, make_toy, response_mask
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" /
                       "verl_rollout_correction.json").read_text())

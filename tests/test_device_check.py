@@ -16,7 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.py"
-MODULES = ("opd", "correction", "large_vocab", "topk")
+MODULES = {"opd": "opd", "correction": "mismatch.correction", "large_vocab": "large_vocab.chunked",
+           "topk": "large_vocab.topk"}  # row label -> module below opd_literate
 # The public functions that take no tensor to place: the script lists each with a reason.
 NOT_RUN = {"topk.zipf_pair", "topk.topk_bias_figure_data", "topk.format_topk_bias_table",
            "topk.plot_topk_bias"}
@@ -37,7 +38,7 @@ def _public_functions():
     """Read here, not from the script: a function added to an ``__all__`` must get a row."""
     names = set()
     for module in MODULES:
-        mod = importlib.import_module(f"opd_literate.{module}")
+        mod = importlib.import_module(f"opd_literate.{MODULES[module]}")
         names |= {f"{module}.{n}" for n in mod.__all__ if inspect.isfunction(getattr(mod, n))}
     return names
 

@@ -1,9 +1,9 @@
 """The committed experiment results and the claims the docs pages make about the numbers.
 
 The site's experiment figures come from ``docs/data/experiment/results.json``, written by
-``python -m opd_literate.run --out docs/data/experiment``, and the OPD chapter's
+``python -m opd_literate.experiment --out docs/data/experiment``, and the OPD chapter's
 gradient-agreement table from ``docs/data/experiment/gradient_agreement.json``, written by
-``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``. The same
+``python -m opd_literate.experiment --gradient-agreement --out docs/data/experiment``. The same
 commands rerun on other machines are committed under ``docs/data/experiment/reruns/NAME/``
 (``results.json``, ``long/results.json``, ``gradient_agreement.json`` and ``machine.json``), and
 the experiment page's claims are checked against the committed run and every rerun: a sentence
@@ -19,9 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from opd_literate import estimators as E
-from opd_literate.opd_mismatch import opd_mismatch_table
-from opd_literate.run import (
+from opd_literate.experiment.run import (
     DEFAULTS,
     GRADIENT_KEYS,
     LONG,
@@ -32,8 +30,10 @@ from opd_literate.run import (
     headline,
     ratios,
 )
-from opd_literate.tinylm import V, answer_mask, answer_tokens
-from opd_literate.toy import make_toy
+from opd_literate.experiment.tinylm import V, answer_mask, answer_tokens
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.opd_mismatch import opd_mismatch_table
+from opd_literate.mismatch.toy import make_toy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/data/experiment/results.json"
@@ -44,7 +44,7 @@ RERUN_NAMES = sorted(path.parent.name for path in RERUNS.glob("*/machine.json"))
 MACHINES = ["committed"] + RERUN_NAMES
 OPD_PAGE = ROOT / "docs/opd.md"
 EXPERIMENT_PAGE = ROOT / "docs/experiment.md"
-RUN_SOURCE = ROOT / "opd_literate/run.py"
+RUN_SOURCE = ROOT / "opd_literate/experiment/run.py"
 
 
 @pytest.fixture(scope="module")
@@ -346,29 +346,24 @@ def test_experiment_page_ranges_are_the_machines_spread(machines):
     assert min(r["low"] for r in sampled) < 1 < max(r["low"] for r in sampled)
 
 
-def test_index_headline_claims(results):
-    """docs/index.md: "RL with a 0/1 reward gets there last, after about 8 times as many
-    samples", in the committed run."""
-    table, found = headline(results), ratios(results)
-    means = {m: row["samples"]["mean"] for m, row in table.items()}
+@pytest.mark.parametrize("machine", MACHINES)
+def test_index_headline_holds_on_every_machine(machines, machine):
+    """docs/index.md: full-vocabulary OPD first, "RL with a 0/1 reward gets there last, after 8
+    to 10 times as many samples (on each of the three machines measured; on one, an RL seed
+    misses the target within the budget, so there the ratio is a lower bound)"."""
     index = " ".join((ROOT / "docs/index.md").read_text().split())
-    assert "gets there last, after about 8 times as many samples" in index
-    assert round(found["rl"]["mean"]) == 8 and "5 seeds each" in index
-    assert max(means, key=means.get) == "rl"
-
-
-@pytest.mark.xfail(strict=True, reason="docs/index.md states RL's ratio as 'about 8 times', "
-                   "the committed run's 8.3; the reruns give at least 8.5 (AVX2, one seed short "
-                   "of the target) and 9.7 (ATEN_CPU_CAPABILITY=default)")
-def test_index_headline_holds_on_every_machine(machines):
-    """docs/index.md's "after about 8 times as many samples" on every machine: false on the
-    reruns. Strict: once the index page no longer says it (or the data move so that it holds),
-    this passes and fails the run, to be replaced by a check of the new sentence."""
-    index = " ".join((ROOT / "docs/index.md").read_text().split())
-    if "gets there last, after about 8 times as many samples" in index:
-        for m in machines:
-            r = ratios(m["results"])["rl"]
-            assert not r["bound"] and round(r["mean"]) == 8, m["name"]
+    assert "gets there last, after 8 to 10 times as many samples (on each of the three " in index
+    assert "5 seeds each" in index
+    assert len(machines) == 3
+    results = next(m for m in machines if m["name"] == machine)["results"]
+    # The ratios to full-vocabulary OPD; a method with a seed short of the target has a lower
+    # bound (the budget counted for the miss), which still orders it.
+    found = ratios(results)
+    assert all(r["mean"] > 1 for r in found.values()), found  # full-vocabulary OPD first
+    assert max(found, key=lambda m: found[m]["mean"]) == "rl", found  # RL last
+    assert 8 <= found["rl"]["mean"] <= 10, found["rl"]
+    bounded = [m["name"] for m in machines if ratios(m["results"])["rl"]["bound"]]
+    assert len(bounded) == 1, bounded  # "on one, an RL seed misses the target"
 
 
 def _largest_difference(machines, regime, method, key="accuracy"):
@@ -483,7 +478,7 @@ def test_run_times_are_stated_once_and_agree():
     page = EXPERIMENT_PAGE.read_text()
     rerun = page[page.index("## Rerun it"):]
     default_line = next(line for line in rerun.splitlines() if line.startswith(
-        "python -m opd_literate.run  "))
+        "python -m opd_literate.experiment  "))
     quick_line = next(line for line in rerun.splitlines() if "--quick" in line)
     default_times, quick_times = _stated_times(default_line), _stated_times(quick_line)
     assert default_times and quick_times
@@ -530,7 +525,7 @@ def test_stated_run_times_match_the_committed_runs(results):
     assert 0 <= command - inside <= 10
     raw = EXPERIMENT_PAGE.read_text()
     default_line = next(line for line in raw[raw.index("## Rerun it"):].splitlines()
-                        if line.startswith("python -m opd_literate.run  "))
+                        if line.startswith("python -m opd_literate.experiment  "))
     assert abs(int(_stated_times(default_line)[0]) - command) <= 5  # "about"
     quick, quick_first = map(int, re.search(
         r"The `--quick` run took (\d+) s, and (\d+) s the first time", page).groups())

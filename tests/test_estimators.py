@@ -1,14 +1,14 @@
 """The mismatch lab's tests: the eight estimators of the lab, exactly, on the enumerable toy.
 
-This file is also the test file of the generated lab handout (``opd_literate.handout``), where
-it imports from the lab folder; each test is marked with the task it checks and uses no other
+This file is also the test file of the generated lab handout (``opd_literate.course.handout``),
+where it imports from the lab folder; each test is marked with the task it checks and uses no other
 task's function. Expected values are computed here from the toy's arrays, independently.
 """
 
 import numpy as np
 import pytest
 
-from opd_literate.estimators import (
+from opd_literate.mismatch.estimators import (
     geo_rs,
     naive,
     seq_is,
@@ -18,7 +18,7 @@ from opd_literate.estimators import (
     token_mis,
     token_tis,
 )
-from opd_literate.toy import estimator_moments, make_toy, sample_from_sampler
+from opd_literate.mismatch.toy import estimator_moments, make_toy, sample_from_sampler
 
 SWEEP = [0.0, 0.1, 0.3, 0.6, 1.0, 1.5]
 

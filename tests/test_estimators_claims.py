@@ -8,9 +8,9 @@ a plus sign, a chi-square product formula stated without its condition.
 import numpy as np
 import pytest
 
-from opd_literate import estimators as E
-from opd_literate.opd_mismatch import opd_mismatch_table
-from opd_literate.toy import estimator_moments, log_softmax, make_toy, toy_from_logits
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.opd_mismatch import opd_mismatch_table
+from opd_literate.mismatch.toy import estimator_moments, log_softmax, make_toy, toy_from_logits
 
 
 def rhos(toy):

@@ -6,8 +6,8 @@ The eight lab estimators have their own test file, ``test_estimators.py`` (the l
 import numpy as np
 import pytest
 
-from opd_literate import estimators as E
-from opd_literate.toy import estimator_moments, make_toy, sample_from_sampler
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.toy import estimator_moments, make_toy, sample_from_sampler
 
 SWEEP = [0.0, 0.1, 0.3, 0.6, 1.0, 1.5]
 

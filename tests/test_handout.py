@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from opd_literate import handout
-from opd_literate.handout import (
+from opd_literate.course import handout
+from opd_literate.course.handout import (
     LABS,
     PACKAGE,
     MarkerError,
@@ -32,7 +32,7 @@ def _restore(lab_folder, keep):
     """Overwrite the student modules with versions whose tasks in ``keep`` are solved."""
     lab = LABS[json.loads((lab_folder / "lab.json").read_text())["lab"]]
     for module in lab.student_modules:
-        text, _ = strip_solutions((PACKAGE / f"{module}.py").read_text(), keep=keep)
+        text, _ = strip_solutions(handout._source(module).read_text(), keep=keep)
         (lab_folder / f"{module}.py").write_text(handout._flatten_imports(text))
 
 
@@ -74,13 +74,13 @@ def test_seed_tasks_of_the_opd_lab(labs):
     assert "full_vocab_reverse_kl" in tasks["3"]
     text = (labs / "opd" / "opd.py").read_text()
     assert "Exact reverse KL at every visited position" in text  # docstrings kept
-    assert "from _checks import" in text and "from ._checks" not in text
+    assert "from _numerics import" in text and "from .._numerics" not in text
 
 
 def test_no_solution_line_leaks(labs):
     """No code line of a solution region appears in the handout, unless the same line is also
     given code outside every region of the library (a shared ``return`` line, say)."""
-    sources = [p.read_text() for p in PACKAGE.glob("*.py")]
+    sources = [p.read_text() for p in PACKAGE.rglob("*.py")]
     given = set()
     for text in sources:
         student, _ = strip_solutions(text)
@@ -119,12 +119,12 @@ def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):
     grader supplies their reference versions at grading time, never in the student's folder.
     Written and graded by the command line, with its JSON report."""
     folder = tmp_path / "opd"
-    run = subprocess.run([sys.executable, "-m", "opd_literate.handout", str(folder), "--lab",
+    run = subprocess.run([sys.executable, "-m", "opd_literate.course", str(folder), "--lab",
                           "opd"], capture_output=True, text=True)
     assert run.returncode == 0 and (folder / "lab.json").exists()
     _restore(folder, keep={1})
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    graded = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade", str(folder),
+    graded = subprocess.run([sys.executable, "-m", "opd_literate.course", "grade", str(folder),
                              "--json", "-"], capture_output=True, text=True)
     assert graded.returncode == 0, graded.stderr
     report = json.loads(graded.stdout)["labs"][0]
@@ -142,7 +142,7 @@ def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):
 
 class TestBadInput:
     def test_unknown_lab(self, tmp_path):
-        run = subprocess.run([sys.executable, "-m", "opd_literate.handout", str(tmp_path / "x"),
+        run = subprocess.run([sys.executable, "-m", "opd_literate.course", str(tmp_path / "x"),
                               "--lab", "rlhf"], capture_output=True, text=True)
         assert run.returncode == 2 and "unknown lab 'rlhf'" in run.stderr
         assert run.stderr.count("\n") == 1
@@ -171,12 +171,12 @@ class TestBadInput:
     def test_grade_a_folder_that_is_not_a_lab(self, tmp_path):
         with pytest.raises(ValueError, match="is not a lab folder"):
             grade(tmp_path)
-        run = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade",
+        run = subprocess.run([sys.executable, "-m", "opd_literate.course", "grade",
                               str(tmp_path)], capture_output=True, text=True)
         assert run.returncode == 2 and "not a lab folder" in run.stderr
 
 
 def test_library_markers_are_balanced():
     """Every module of the package parses: the markers are well formed everywhere."""
-    for path in pathlib.Path(PACKAGE).glob("*.py"):
+    for path in pathlib.Path(PACKAGE).rglob("*.py"):
         strip_solutions(path.read_text(), str(path))

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from opd_literate import handout
-from opd_literate.handout import MARKER, write_lab
+from opd_literate.course import handout
+from opd_literate.course.handout import MARKER, write_lab
 
 
 def _tree(folder):
@@ -39,7 +39,7 @@ def user_folder(tmp_path):
 def test_force_in_the_current_folder_of_user_files_deletes_nothing(user_folder):
     """The reported command, as typed: ``handout . --lab opd --force`` inside a user's folder."""
     before = _tree(user_folder)
-    result = subprocess.run([sys.executable, "-m", "opd_literate.handout", ".", "--lab", "opd",
+    result = subprocess.run([sys.executable, "-m", "opd_literate.course", ".", "--lab", "opd",
                              "--force"], cwd=user_folder, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2

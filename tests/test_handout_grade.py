@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from opd_literate import handout
-from opd_literate.handout import PACKAGE, grade, strip_solutions, write_lab
+from opd_literate.course import handout
+from opd_literate.course.handout import PACKAGE, grade, strip_solutions, write_lab
 
 
 def _tree(folder):
@@ -25,7 +25,7 @@ def _tree(folder):
 def _student(lab_folder, module, stubs, keep=()):
     """Write the student module with the tasks in ``keep`` solved and the stub of each task in
     ``stubs`` replaced by the given lines (indented as a function body)."""
-    text, _ = strip_solutions((PACKAGE / f"{module}.py").read_text(), keep=set(keep))
+    text, _ = strip_solutions(handout._source(module).read_text(), keep=set(keep))
     text = handout._flatten_imports(text)
     for task, lines in stubs.items():
         stub = next(line for line in text.split("\n")
@@ -82,7 +82,7 @@ def gamed(tmp_path_factory):
             "    'ctypes': lambda: ctypes.CDLL(None),",
             "    'gc': lambda: gc.get_objects(),",
             "    'read the library': lambda: open(library + '/estimators.py').read(),",
-            "    'import the library': lambda: __import__('opd_literate.estimators')}",
+            "    'import the library': lambda: __import__('opd_literate.mismatch.estimators')}",
             "escaped = []",
             "for name, attempt in attempts.items():",
             "    try:",
@@ -204,7 +204,7 @@ def test_a_missing_module_is_reported_with_its_cause(fresh_mismatch, tmp_path):
     line = text.index("import numpy as np")
     text.insert(line + 1, "import scipy_is_not_installed_here")
     (folder / "estimators.py").write_text("\n".join(text))
-    result = subprocess.run([sys.executable, "-m", "opd_literate.handout", "grade", str(folder),
+    result = subprocess.run([sys.executable, "-m", "opd_literate.course", "grade", str(folder),
                              "--json", str(tmp_path / "grade.json")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -228,7 +228,7 @@ def test_stopping_the_grader_leaves_no_process_behind(tmp_path):
     for stop in (signal.SIGTERM, signal.SIGINT):
         sandboxes = tmp_path / f"tmp-{stop.name}"
         sandboxes.mkdir()
-        grader = subprocess.Popen([sys.executable, "-m", "opd_literate.handout", "grade",
+        grader = subprocess.Popen([sys.executable, "-m", "opd_literate.course", "grade",
                                    str(folder)], env=dict(os.environ, TMPDIR=str(sandboxes)),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   # a background shell job's children start with SIGINT

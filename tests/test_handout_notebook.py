@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from opd_literate.handout import LABS, grade, render_notebook, write_lab
+from opd_literate.course.handout import LABS, grade, render_notebook, write_lab
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook extra: pip install .[notebook]")
 

@@ -35,7 +35,7 @@ FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "verl_rollout_correction.jso
 # The verl table (no TRL needed)
 # ---------------------------------------------------------------------------------------------
 def _verl_table():
-    header = "| opd_literate.correction | verl option | verl default | default here |"
+    header = "| opd_literate.mismatch.correction | verl option | verl default | default here |"
     lines = PAGE[PAGE.index(header):].splitlines()[2:]
     rows = []
     for line in lines:
@@ -46,7 +46,7 @@ def _verl_table():
 
 
 def test_the_verl_table_names_real_options_with_their_defaults():
-    from opd_literate import correction
+    from opd_literate.mismatch import correction
 
     verl_defaults = {**FIXTURE["rollout_correction_yaml_defaults"], **FIXTURE["actor_defaults"]}
     rows = _verl_table()
@@ -213,7 +213,7 @@ def test_chunked_losses_equal_the_trainers_chunked_loss(beta, monkeypatch):
     monkeypatch.setattr(chunked_divergence, "TOKEN_CHUNK_SIZE", 8)
     monkeypatch.setattr(chunked_divergence, "VOCAB_CHUNK_SIZE", 300)
 
-    from opd_literate.large_vocab import chunked_generalized_jsd
+    from opd_literate.large_vocab.chunked import chunked_generalized_jsd
     from opd_literate.opd import generalized_jsd
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The chunked losses of ``opd_literate.large_vocab`` against the dense reference in ``opd.py``.
+"""The chunked losses of ``large_vocab.chunked`` against the dense reference in ``opd.py``.
 
 The reference is independent: the dense losses build the full ``(N, V)`` logits
 ``hidden @ weight.T + bias`` and let autograd differentiate ``opd.py``'s formulas, while the
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opd_literate import opd
-from opd_literate.large_vocab import (
+from opd_literate.large_vocab.chunked import (
     chunked_divergence,
     chunked_forward_kl,
     chunked_generalized_jsd,
@@ -317,12 +317,12 @@ def test_the_module_docstring_quotes_the_benchmark_figure():
     import pathlib
     import re
 
-    from opd_literate import large_vocab
+    from opd_literate.large_vocab import chunked
 
     root = pathlib.Path(__file__).resolve().parents[1]
     output = (root / "benchmarks" / "results" / "large_vocab.txt").read_text()
     dense_mib = float(re.search(r"^dense\s+\S+\s+([0-9.]+)", output, re.M).group(1))
-    doc = " ".join(large_vocab.__doc__.split())
+    doc = " ".join(chunked.__doc__.split())
     assert f"adds {dense_mib:,.0f} MiB" in doc
     per_token = dense_mib / 2048
     assert f"{per_token:.1f} MiB" in doc
@@ -333,7 +333,7 @@ def test_the_module_docstring_quotes_the_benchmark_figure():
 def test_normalized_jsd_near_the_endpoints_keeps_float32_precision():
     # At beta = 1e-6 the JSD is O(beta) and normalize divides by beta: summed as
     # a (log a - log m) in float32 it lost about 0.4% (4.372 against 4.389).
-    from opd_literate.large_vocab import chunked_generalized_jsd
+    from opd_literate.large_vocab.chunked import chunked_generalized_jsd
     from opd_literate.opd import generalized_jsd
 
     g = torch.Generator().manual_seed(0)

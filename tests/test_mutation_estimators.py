@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from opd_literate import estimators as E
-from opd_literate.estimators import (
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.estimators import (
     REGISTRY,
     comparison_table,
     estimator_weights,
@@ -20,7 +20,7 @@ from opd_literate.estimators import (
     mismatch_sweep,
     weighted_score,
 )
-from opd_literate.toy import (
+from opd_literate.mismatch.toy import (
     ar_toy_from_logits,
     estimator_moments,
     make_ar_toy,

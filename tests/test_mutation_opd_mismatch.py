@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from opd_literate.opd_mismatch import (
+from opd_literate.mismatch.opd_mismatch import (
     OPD_RECIPES,
     PREFIX_RECIPES,
     add_teacher,
@@ -20,7 +20,7 @@ from opd_literate.opd_mismatch import (
     opd_mismatch_table,
     reduction_table,
 )
-from opd_literate.toy import estimator_moments, make_ar_toy, make_toy
+from opd_literate.mismatch.toy import estimator_moments, make_ar_toy, make_toy
 
 
 def _log_softmax(z):

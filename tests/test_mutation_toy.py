@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from opd_literate import toy as toy_module
-from opd_literate.toy import (
+from opd_literate.mismatch import toy as toy_module
+from opd_literate.mismatch.toy import (
     ar_num_responses,
     ar_toy_from_logits,
     ar_toy_nbytes,

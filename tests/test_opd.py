@@ -1,8 +1,8 @@
 """The OPD lab's tests: Tasks 1-3 (``reverse_kl_rewards``, ``opd_pg_loss``,
 ``full_vocab_reverse_kl``) and the identity that connects them.
 
-This file is also the test file of the generated lab handout (``opd_literate.handout``), where
-it imports from the lab folder; each test is marked with the task(s) it checks. Every expected
+This file is also the test file of the generated lab handout (``opd_literate.course.handout``),
+where it imports from the lab folder; each test is marked with the task(s) it checks. Every expected
 value comes from an independent computation: a hand-derived formula, a different torch routine
 (``F.kl_div``), or an exact sum over the vocabulary.
 """

@@ -4,9 +4,14 @@ import numpy as np
 import pytest
 import torch
 
+from opd_literate.mismatch.opd_mismatch import (
+    OPD_RECIPES,
+    add_teacher,
+    opd_estimate,
+    opd_mismatch_table,
+)
+from opd_literate.mismatch.toy import estimator_moments, log_softmax, make_toy
 from opd_literate.opd import full_vocab_reverse_kl
-from opd_literate.opd_mismatch import OPD_RECIPES, add_teacher, opd_estimate, opd_mismatch_table
-from opd_literate.toy import estimator_moments, log_softmax, make_toy
 
 
 def test_kl_gradient_matches_torch_autograd_of_the_lab_loss():
@@ -89,8 +94,8 @@ def test_a_huge_teacher_scale_is_one_clear_error_for_every_seed():
     # before the refusal); every seed must give the same ValueError naming the scale.
     import warnings
 
-    from opd_literate.opd_mismatch import add_teacher
-    from opd_literate.toy import make_toy
+    from opd_literate.mismatch.opd_mismatch import add_teacher
+    from opd_literate.mismatch.toy import make_toy
 
     for seed in (1, 2, 3):
         with warnings.catch_warnings():

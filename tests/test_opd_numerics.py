@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opd_literate._checks import check_finite_number
+from opd_literate._numerics import check_finite_number
 from opd_literate.opd import (
     aggregate_loss,
     discounted_returns,
@@ -253,7 +253,7 @@ def test_bool_and_string_arguments_are_refused_by_name():
         discounted_returns(torch.zeros(1, 2), torch.ones(1, 2), "0.5")
     with pytest.raises(TypeError, match="normalize must be a bool"):
         generalized_jsd(z, z, torch.ones(1, 1), beta=0.5, normalize=1)
-    from opd_literate import estimators
+    from opd_literate.mismatch import estimators
 
     one = estimators.toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))
     with pytest.raises(TypeError, match="cap must be a real number, got bool True"):
@@ -267,7 +267,8 @@ def test_numbers_that_are_numbers_still_pass():
 
 
 def test_checks_module_does_not_load_torch():
-    code = ("import sys, opd_literate.estimators, opd_literate.toy, opd_literate._checks; "
+    code = ("import sys, opd_literate.mismatch.estimators, opd_literate.mismatch.toy, "
+            "opd_literate._numerics; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

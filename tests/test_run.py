@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from opd_literate import run
+from opd_literate.experiment import run
 
 # A configuration small enough to run the whole pipeline in well under a second: for the tests
 # of the CLI's plumbing (results, interruption, the cache), not of learning.
@@ -155,8 +155,8 @@ def test_help_states_the_real_defaults(capsys):
 
 
 def test_the_module_command_refuses_a_repeated_method():
-    """``python -m opd_literate.run``, as a user types it: rc 2 and one line, no traceback."""
-    result = subprocess.run([sys.executable, "-m", "opd_literate.run", "--methods", "rl,rl",
+    """``python -m opd_literate.experiment``, as a user types it: rc 2, one line, no traceback."""
+    result = subprocess.run([sys.executable, "-m", "opd_literate.experiment", "--methods", "rl,rl",
                              "--out", "/nonexistent-never-written"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
@@ -268,7 +268,7 @@ def test_sigint_in_a_real_process_exits_130_with_one_line(tmp_path):
     """The signal itself, in a child process: it interrupts itself during the second method."""
     code = f"""
 import os, signal, sys
-from opd_literate import run
+from opd_literate.experiment import run
 run.QUICK = {TINY!r}
 real = run._train_one
 def train_one(method, *args):
@@ -302,7 +302,7 @@ def test_stopping_the_cli_with_worker_processes_leaves_no_worker(tmp_path, stop)
     slow = dict(TINY, steps=150, eval_every=50)
     code = f"""
 import os, signal, sys
-from opd_literate import run
+from opd_literate.experiment import run
 run.QUICK = {slow!r}
 real = run._train_in_workers
 def train_in_workers(*args):
@@ -380,13 +380,14 @@ def test_a_script_without_a_main_guard_fails_with_the_hint_instead_of_hanging(tm
     """The classic spawn mistake: each worker imports the script again, runs the experiment
     at import, and dies while starting. The parent must say so, not wait for ever."""
     script = tmp_path / "no_guard.py"
-    script.write_text(f"from opd_literate import run\n"
+    script.write_text(f"from opd_literate.experiment import run\n"
                       f"run.run_experiment({TINY!r}, progress=False, workers=2)\n")
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 1
-    assert re.search(r"opd_literate\.run\.WorkerError: (the )?worker process .*died \(exit "
+    assert re.search(r"opd_literate\.experiment\.run\.WorkerError: (the )?worker process .*died "
+                     r"\(exit "
                      r"code 1\)", result.stderr), result.stderr
     assert 'outside `if __name__ == "__main__":`' in result.stderr
 

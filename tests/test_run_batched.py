@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from opd_literate import run
-from opd_literate import tinylm as lm
+from opd_literate.experiment import run
+from opd_literate.experiment import tinylm as lm
 from opd_literate.opd import full_vocab_reverse_kl
 
 TINY = dict(run.DEFAULTS, seeds=2, steps=2, batch_size=8, lrs=[1e-3, 3e-3], eval_every=1,

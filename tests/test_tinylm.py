@@ -4,7 +4,7 @@ from collections import Counter
 
 import torch
 
-from opd_literate import tinylm as lm
+from opd_literate.experiment import tinylm as lm
 from opd_literate.opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
 

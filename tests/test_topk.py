@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opd_literate import opd
-from opd_literate.topk import (
+from opd_literate.large_vocab.topk import (
     APPROXIMATIONS,
     DIRECTIONS,
     plot_topk_bias,

@@ -32,7 +32,7 @@ import types
 import numpy as np
 import pytest
 
-from opd_literate.toy import (
+from opd_literate.mismatch.toy import (
     MAX_MISMATCH,
     MAX_TOY_BYTES,
     estimator_moments,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Mutation testing of opd, toy, estimators and opd_mismatch with mutmut 3, configured by the
+# Mutation testing of opd and mismatch.{toy,estimators,opd_mismatch} with mutmut 3, configured by the
 # [tool.mutmut] table of pyproject.toml. A measurement run by hand (docs/mutation.md), not CI.
 #
 #   tools/mutation.sh                      # the four modules, one after the other
-#   tools/mutation.sh toy opd_mismatch     # only these
+#   tools/mutation.sh mismatch.toy         # only these (dotted below opd_literate)
 #   MUTMUT_CHILDREN=2 tools/mutation.sh    # two test processes at once
 #
 # One line per module: mutants, killed, survived, timeout, other, score = killed + timeout over
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 children="${MUTMUT_CHILDREN:-1}"
-if [ "$#" -gt 0 ]; then modules=("$@"); else modules=(opd_mismatch toy opd estimators); fi
+if [ "$#" -gt 0 ]; then modules=("$@"); else modules=(mismatch.opd_mismatch mismatch.toy opd mismatch.estimators); fi
 # mutmut forks its workers from a process that has imported torch: one OpenMP thread each, so
 # that no forked thread pool is reused and the workers do not fight over the cores.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -34,7 +34,7 @@ import sys
 from mutmut.stats import status_by_exit_code
 
 module, seconds = sys.argv[1], sys.argv[2]
-with open(f"mutants/opd_literate/{module}.py.meta") as f:
+with open(f"mutants/opd_literate/{module.replace('.', '/')}.py.meta") as f:
     exit_codes = json.load(f)["exit_code_by_key"].values()
 status = [status_by_exit_code[code] for code in exit_codes]
 killed, survived, timeout = (status.count(s) for s in ("killed", "survived", "timeout"))

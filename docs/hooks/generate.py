@@ -5,12 +5,12 @@ only when its content changed, so ``mkdocs serve`` does not rebuild in a loop. T
 include the tables with ``--8<-- "generated/NAME.md"`` and show the figures as images.
 
 The experiment's numbers come from ``docs/data/experiment/results.json``, written by the
-documented command ``python -m opd_literate.run --out docs/data/experiment`` (115 s on the
+documented command ``python -m opd_literate.experiment --out docs/data/experiment`` (115 s on the
 2-core machine that wrote it, too long for a docs build), its reruns on other machines from
 ``docs/data/experiment/reruns/*/``, and the OPD chapter's
 gradient-agreement table from
 ``docs/data/experiment/gradient_agreement.json``, written by
-``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``;
+``python -m opd_literate.experiment --gradient-agreement --out docs/data/experiment``;
 ``tests/test_docs_data.py`` checks that both match the current defaults.
 """
 
@@ -56,8 +56,8 @@ def _figure_bytes(fig) -> bytes:
 
 
 def _estimators():
-    from opd_literate.estimators import comparison_table, format_table, mismatch_sweep
-    from opd_literate.toy import make_toy
+    from opd_literate.mismatch.estimators import comparison_table, format_table, mismatch_sweep
+    from opd_literate.mismatch.toy import make_toy
 
     toy = make_toy()
     rows = comparison_table(toy, N=64)
@@ -104,7 +104,7 @@ def _estimators():
 
 
 def _opd_mismatch():
-    from opd_literate.opd_mismatch import opd_mismatch_table
+    from opd_literate.mismatch.opd_mismatch import opd_mismatch_table
 
     mismatches = [0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
     rows = opd_mismatch_table(mismatches)
@@ -131,8 +131,8 @@ AR_SIZE = dict(T=5, V=3)  # the autoregressive section's toys (V = 3, T up to 8)
 
 def _ar_estimators():
     """The estimator table on the AR toy beside the independent one (same T, V, mismatch)."""
-    from opd_literate.estimators import comparison_table
-    from opd_literate.toy import ar_num_responses, make_ar_toy, make_toy
+    from opd_literate.mismatch.estimators import comparison_table
+    from opd_literate.mismatch.toy import ar_num_responses, make_ar_toy, make_toy
 
     independent = comparison_table(make_toy(**AR_SIZE, mismatch=0.3), N=64)
     autoregressive = comparison_table(make_ar_toy(**AR_SIZE, mismatch=0.3), N=64)
@@ -150,7 +150,7 @@ def _ar_estimators():
 
 def _ar_opd():
     """OPD recipes on both toys at three mismatches: which stay exact with a prefix."""
-    from opd_literate.opd_mismatch import OPD_RECIPES, PREFIX_RECIPES, opd_mismatch_table
+    from opd_literate.mismatch.opd_mismatch import OPD_RECIPES, PREFIX_RECIPES, opd_mismatch_table
 
     mismatches = [0.1, 0.3, 1.0]
     recipes = OPD_RECIPES + PREFIX_RECIPES
@@ -176,7 +176,7 @@ AR_SWEEP_NAMES = ["token_is", "token_tis", "seq_is", "seq_tis"]
 
 def _ar_bias_against_length():
     """Relative bias of token- and sequence-level corrections against T, three toys."""
-    from opd_literate.estimators import length_sweep
+    from opd_literate.mismatch.estimators import length_sweep
 
     toys = {"autoregressive, <eos>": dict(autoregressive=True, eos=True),
             "autoregressive, fixed length": dict(autoregressive=True, eos=False),
@@ -202,8 +202,8 @@ def _ar_bias_against_length():
 
 def _ar_reductions():
     """Each loss reduction, gamma = 0 and 1, against the sequence KL gradient."""
-    from opd_literate.opd_mismatch import REDUCTIONS, add_teacher, reduction_table
-    from opd_literate.toy import make_ar_toy
+    from opd_literate.mismatch.opd_mismatch import REDUCTIONS, add_teacher, reduction_table
+    from opd_literate.mismatch.toy import make_ar_toy
 
     with_eos = reduction_table(add_teacher(make_ar_toy(**AR_SIZE)), batch_sizes=(1, 8))
     fixed = reduction_table(add_teacher(make_ar_toy(**AR_SIZE, eos=False)), gammas=(0.0, 1.0),
@@ -260,7 +260,7 @@ def _k_estimators():
 
 
 def _experiment():
-    from opd_literate.run import format_headline, write_plots
+    from opd_literate.experiment.run import format_headline, write_plots
 
     results = json.loads(EXPERIMENT.read_text())
     lrs = results["config"]["lrs"]
@@ -310,7 +310,7 @@ def _machines_table(name, committed):
     """One column a machine: seeds at the target and samples to it per method, the ratios to
     full-vocabulary OPD, and how far each method's accuracy curves moved from the committed
     run's (the largest difference at any seed and evaluation point)."""
-    from opd_literate.run import headline, ratios
+    from opd_literate.experiment.run import headline, ratios
 
     runs = [(COMMITTED_MACHINE, committed)] + [
         (machine["label"], json.loads((folder / name).read_text()))
@@ -362,7 +362,7 @@ def _gradient_agreement():
 
 
 def _handout():
-    from opd_literate.handout import PACKAGE, write_lab
+    from opd_literate.course.handout import PACKAGE, write_lab
 
     source = (PACKAGE / "opd.py").read_text()
     begin = source.index("    ### BEGIN SOLUTION Task 1")
@@ -390,7 +390,11 @@ def _handout():
 
 def _topk():
     """The top-k teacher study of the large-vocabulary chapter: its table and figure."""
-    from opd_literate.topk import format_topk_bias_table, plot_topk_bias, topk_bias_figure_data
+    from opd_literate.large_vocab.topk import (
+        format_topk_bias_table,
+        plot_topk_bias,
+        topk_bias_figure_data,
+    )
 
     data = topk_bias_figure_data()
     _write("topk_bias_table.md", format_topk_bias_table(data) + "\n")

@@ -3,9 +3,9 @@
 The API page of such a module is the single line ``::: opd_literate.MODULE``. This hook expands
 it, before mkdocstrings renders it, into the module (its docstring, constants and classes), then
 each public function as its own ``:::`` entry followed by a collapsed block holding the output of
-``opd-copy MODULE.FUNCTION`` (``opd_literate.copy.snippet``), computed from the current source
-on every build. The estimators page shows ``REGISTRY`` as a table built from the registry itself
-instead of the literal that defines it.
+``opd-copy MODULE.FUNCTION`` (``opd_literate.course.lift.snippet``), computed from the current
+source on every build. The estimators page shows ``REGISTRY`` as a table built from the registry
+itself instead of the literal that defines it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import textwrap
 
 from mkdocs.exceptions import PluginError
 
-from opd_literate import copy
+from opd_literate.course import lift
 
-PAGES = {f"api/{module}.md": module for module in copy.COPY_READY_MODULES}
+PAGES = {f"api/{module.split('.')[-1]}.md": module for module in lift.COPY_READY_MODULES}
 INDENT = " " * 4
 # Plain text, not "python": Pygments' spans on some 20,000 lines of snippets made the build
 # about 25 s slower (search indexing parses them all); the entry's source above is highlighted.
@@ -25,13 +25,13 @@ LANGUAGE = "text"
 
 
 def on_pre_build(config) -> None:
-    copy._parse.cache_clear()  # mkdocs serve: read the source again after an edit
+    lift._parse.cache_clear()  # mkdocs serve: read the source again after an edit
 
 
 def _members(module: str):
     """Public top-level names that mkdocstrings shows (a docstring), in source order:
     (functions, everything else)."""
-    body = ast.parse((copy.PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8")).body
+    body = ast.parse(lift._module_path(module).read_text(encoding="utf-8")).body
     functions, others = [], []
     for node, following in zip(body, body[1:] + [None]):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -62,8 +62,8 @@ def _directive(path: str, **options) -> str:
 
 
 def _snippet_block(module: str, function: str) -> str:
-    code = copy.snippet(f"{module}.{function}")
-    needed, _, examples = code.partition(copy._EXAMPLES_BANNER)
+    code = lift.snippet(f"{module}.{function}")
+    needed, _, examples = code.partition(lift._EXAMPLES_BANNER)
     needed_lines = len(needed.rstrip().splitlines())
     title = f"Copy this function ({needed_lines} lines with its imports and helpers"
     if examples:
@@ -85,13 +85,13 @@ def _snippet_block(module: str, function: str) -> str:
 
 def registry_table() -> str:
     """``REGISTRY`` as a Markdown table (name, thresholds and defaults, source, unbiased, level)."""
-    from opd_literate.estimators import REGISTRY
+    from opd_literate.mismatch.estimators import REGISTRY
 
     rows = ["| name | thresholds and defaults | source | unbiased | level |",
             "| --- | --- | --- | --- | --- |"]
     for name, spec in REGISTRY.items():
         defaults = ", ".join(f"`{key}={value:.6g}`" for key, value in spec.defaults.items())
-        link = f"[`{name}`][opd_literate.estimators.{spec.fn.__name__}]"
+        link = f"[`{name}`][opd_literate.mismatch.estimators.{spec.fn.__name__}]"
         rows.append(f"| {link} | {defaults or 'none'} | {spec.source} | "
                     f"{'yes' if spec.unbiased else 'no'} | {spec.reference} |")
     return "\n".join(rows)

@@ -1,8 +1,8 @@
 r"""Rollout correction on real ``(B, T)`` batches: the weights, rejections and losses of verl.
 
-[opd_literate.estimators][] defines every correction as a numpy function of the enumerable toy,
-where its exact bias and variance can be computed. This module is the same set of corrections in
-the form a trainer needs: torch functions of the ``(B, T)`` tensors that an RL framework holds
+[opd_literate.mismatch.estimators][] defines every correction as a numpy function of the enumerable
+toy, where its exact bias and variance can be computed. This module is the same set of corrections
+in the form a trainer needs: torch functions of the ``(B, T)`` tensors that an RL framework holds
 after a rollout.
 
 * ``trainer_logp``: $\log \pi_\theta(y_t \mid s_t)$, the trainer's log-probability of each
@@ -21,17 +21,17 @@ $$
 \rho_{\mathrm{geo}} = \exp\Big(\frac{1}{n_b} \sum_t \log \rho_t\Big).
 $$
 
-[opd_literate.correction.rollout_correction][] returns a ``Correction``: detached per-token
+[opd_literate.mismatch.correction.rollout_correction][] returns a ``Correction``: detached per-token
 ``weights`` (the importance weights, 0 on the padding), a boolean ``keep`` mask (the response
 mask less the rejected tokens) and ``metrics``, named as verl logs them. A trainer multiplies
 its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; on the toy,
 ``weights * keep`` is exactly the weight $w_t$ of the matching numpy estimator
 (``tests/test_correction.py`` checks all sixteen). The PPO-style losses of verl's *bypass mode*
 (the sampler's log-probabilities as the PPO anchor) are here as losses whose autograd gradient
-is the estimator: [opd_literate.correction.ppo_clip_loss][] (with verl's dual clip),
-[opd_literate.correction.cispo_loss][], [opd_literate.correction.gspo_loss][] and
-[opd_literate.correction.reinforce_loss][]. [opd_literate.correction.kl_penalty][] adds the
-straight-through ``"k1+"`` / ``"k3+"`` estimators.
+is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with verl's dual clip),
+[opd_literate.mismatch.correction.cispo_loss][], [opd_literate.mismatch.correction.gspo_loss][] and
+[opd_literate.mismatch.correction.reinforce_loss][]. [opd_literate.mismatch.correction.kl_penalty][]
+adds the straight-through ``"k1+"`` / ``"k3+"`` estimators.
 
 **Overflow.** Every ratio is the exponential of a log-ratio clamped to
 $[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
@@ -62,14 +62,14 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import (
+from .._numerics import (
     check_finite_number,
     check_float_tensor,
     check_mask,
     check_same_shape,
     compute_dtype,
 )
-from .opd import REDUCTIONS, aggregate_loss, kl_estimator
+from ..opd import REDUCTIONS, aggregate_loss, kl_estimator
 
 __all__ = [
     "VERL_COMMIT",
@@ -99,8 +99,9 @@ SAFETY_BOUND = 20.0
 r"""Log-ratios are clamped to $[-20, 20]$ before the exponential (verl's ``SAFETY_BOUND``)."""
 
 IS_LEVELS = ("token", "sequence", "geometric")
-"""The ratio of [opd_literate.correction.importance_weights][]: verl's ``rollout_is`` levels
-``"token"`` and ``"sequence"``, and the geometric mean (not a ``rollout_is`` level in verl)."""
+"""The ratio of [opd_literate.mismatch.correction.importance_weights][]: verl's ``rollout_is``
+levels ``"token"`` and ``"sequence"``, and the geometric mean (not a ``rollout_is`` level in
+verl)."""
 
 IS_MODES = ("truncate", "mask", "clamp")
 """What happens outside the band: cap the weight (verl's only mode), drop it, or clamp it."""
@@ -114,13 +115,13 @@ RS_OPTIONS = (
 """verl's ``rollout_rs`` criteria (``SUPPORTED_ROLLOUT_RS_OPTIONS`` at ``VERL_COMMIT``)."""
 
 KL_PENALTIES = ("k1", "k2", "k3", "k1+", "k3+")
-"""The estimators of [opd_literate.correction.kl_penalty][] (verl's ``kl_penalty`` names)."""
+"""The estimators of [opd_literate.mismatch.correction.kl_penalty][] (verl's ``kl_penalty``)."""
 
 _METRIC_PREFIX = "rollout_corr/"
 
 
 class Correction(NamedTuple):
-    """What [opd_literate.correction.rollout_correction][] returns."""
+    """What [opd_literate.mismatch.correction.rollout_correction][] returns."""
 
     weights: torch.Tensor
     """``(B, T)`` detached importance weights, 0 on the padding (1 on the tokens without IS)."""
@@ -251,9 +252,9 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     | ``mode``, ``lower`` | none: verl only truncates | ``"truncate"``, 0 | |
 
     verl's masked IS is its truncation combined with ``rollout_rs`` (see
-    [opd_literate.correction.rejection_mask][]); ``mode="mask"`` does both in one weight, as
-    [opd_literate.estimators.token_mis][] does. (verl's ``RolloutCorrectionConfig`` dataclass
-    defaults ``rollout_is`` to ``"sequence"``, its YAML to ``null``.)
+    [opd_literate.mismatch.correction.rejection_mask][]); ``mode="mask"`` does both in one weight,
+    as [opd_literate.mismatch.estimators.token_mis][] does. (verl's ``RolloutCorrectionConfig``
+    dataclass defaults ``rollout_is`` to ``"sequence"``, its YAML to ``null``.)
 
     Parameters
     ----------
@@ -511,10 +512,11 @@ def _fractions(prefix, rejected, mask, has_token):
 def veto_mask(trainer_logp, sampler_logp, mask, veto_threshold=1e-4):
     r"""The catastrophic-token veto: reject a whole response if any $\rho_t < \tau$.
 
-    verl's former ``rollout_token_veto_threshold`` (see [opd_literate.estimators.token_veto][]),
-    no longer an option at ``VERL_COMMIT``; its nearest criteria there are ``seq_max_k2`` and
-    ``seq_max_k3``, which are two-sided. The default $\tau = 10^{-4}$ is the value of the former
-    presets. Compared in log space: $\log \rho_t < \log \tau$.
+    verl's former ``rollout_token_veto_threshold`` (see
+    [opd_literate.mismatch.estimators.token_veto][]), no longer an option at ``VERL_COMMIT``; its
+    nearest criteria there are ``seq_max_k2`` and ``seq_max_k3``, which are two-sided. The default
+    $\tau = 10^{-4}$ is the value of the former presets. Compared in log space: $\log \rho_t < \log
+    \tau$.
 
     Returns
     -------
@@ -586,14 +588,14 @@ def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
     r"""Importance weights, rejection and diagnostics in one call, as verl's helper returns them.
 
     verl's ``compute_rollout_correction_and_rejection_mask``: the weights of
-    [opd_literate.correction.importance_weights][] (or 1 on every token when ``rollout_is`` is
-    None), the ``keep`` mask of [opd_literate.correction.rejection_mask][] (the mask itself
-    when ``rollout_rs`` is None), further reduced by [opd_literate.correction.veto_mask][] when
-    ``veto_threshold`` is set, and the metrics of all three and of
-    [opd_literate.correction.offpolicy_metrics][], each prefixed ``rollout_corr/`` as verl
-    logs them. The weights are not multiplied by ``keep``: a token's effective weight is
-    ``weights * keep``, and a trainer reduces its loss over ``keep`` (verl replaces its
-    ``response_mask`` by it).
+    [opd_literate.mismatch.correction.importance_weights][] (or 1 on every token when ``rollout_is``
+    is None), the ``keep`` mask of [opd_literate.mismatch.correction.rejection_mask][] (the mask
+    itself when ``rollout_rs`` is None), further reduced by
+    [opd_literate.mismatch.correction.veto_mask][] when ``veto_threshold`` is set, and the metrics
+    of all three and of [opd_literate.mismatch.correction.offpolicy_metrics][], each prefixed
+    ``rollout_corr/`` as verl logs them. The weights are not multiplied by ``keep``: a token's
+    effective weight is ``weights * keep``, and a trainer reduces its loss over ``keep`` (verl
+    replaces its ``response_mask`` by it).
 
     Presets: verl's ``decoupled_geo_rs_token_tis`` is ``rollout_is="token"`` with
     ``rollout_rs="seq_mean_k1"`` and ``rollout_rs_threshold="0.999_1.001"``; its
@@ -687,8 +689,8 @@ def ppo_clip_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
 
     reduced by ``reduction``. Its gradient with respect to $\log \pi_\theta(y_t)$ is
     $-A r_t$ where the unclipped term is active and 0 where a clipped constant is: the weight
-    $w_t = r_t$ of [opd_literate.estimators.ppo_clip_bypass][], zeroed where $A > 0,\ r_t > 1 +
-    \varepsilon_h$, where $A < 0,\ r_t < 1 - \varepsilon_l$ and where $A < 0,\ r_t > c$.
+    $w_t = r_t$ of [opd_literate.mismatch.estimators.ppo_clip_bypass][], zeroed where $A > 0,\ r_t >
+    1 + \varepsilon_h$, where $A < 0,\ r_t < 1 - \varepsilon_l$ and where $A < 0,\ r_t > c$.
 
     verl: ``bypass_mode: true`` with ``loss_type: ppo_clip`` calls
     ``compute_policy_loss_vanilla`` with ``old_log_prob = rollout_log_prob``. Its options are the
@@ -756,7 +758,7 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     1 + \varepsilon_h)\, A .
     $$
 
-    The weight of [opd_literate.estimators.cispo][] (whose defaults are the paper's
+    The weight of [opd_literate.mismatch.estimators.cispo][] (whose defaults are the paper's
     $\varepsilon_l = 1$, i.e. no floor, and this project's $\varepsilon_h = 4$). verl's
     ``loss_mode: cispo`` (``compute_policy_loss_cispo``) reads the actor's ``clip_ratio_low``
     and ``clip_ratio_high`` (0.2 each in ``ActorConfig``, the defaults here) and the same
@@ -813,7 +815,7 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     $$
 
     With ``reduction="sum"`` the gradient of each token is the weight of
-    [opd_literate.estimators.gspo][] times $-A$; verl reduces GSPO by
+    [opd_literate.mismatch.estimators.gspo][] times $-A$; verl reduces GSPO by
     ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (the default here too), which
     divides each response's gradient by its length, as the GSPO objective does. No dual clip.
     Defaults: the GSPO paper's $\varepsilon_l = 3 \cdot 10^{-4}$, $\varepsilon_h = 4 \cdot
@@ -859,8 +861,8 @@ def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="t
     \pi_\theta(y_t)$.
 
     Its gradient with respect to $\log \pi_\theta(y_t)$ is $-w_t A$: with the ``weights`` of
-    [opd_literate.correction.rollout_correction][] and ``mask = keep`` it is the estimate
-    $w_t A s_t$ of [opd_literate.estimators][]. verl's bypass mode with ``loss_type:
+    [opd_literate.mismatch.correction.rollout_correction][] and ``mask = keep`` it is the estimate
+    $w_t A s_t$ of [opd_literate.mismatch.estimators][]. verl's bypass mode with ``loss_type:
     reinforce`` (``compute_policy_loss_reinforce``; the actor's ``loss_agg_mode``, default
     ``"token-mean"``). ``weights=None`` is $w_t = 1$.
 

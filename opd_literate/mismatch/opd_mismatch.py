@@ -3,7 +3,7 @@ r"""The two labs meet: sampled-token OPD when the tokens come from a mismatched 
 Sampled-token OPD ([opd_literate.opd.opd_pg_loss][]) is a policy gradient, so it inherits the
 training-inference mismatch: the student's tokens are written by the inference engine $\mu$,
 while the gradient is wanted for the trainer's $\pi_\theta$. This module gives the toy of
-[opd_literate.toy.make_toy][] a teacher and computes, exactly, the bias of the OPD gradient
+[opd_literate.mismatch.toy.make_toy][] a teacher and computes, exactly, the bias of the OPD gradient
 under each recipe.
 
 The teacher draws each position independently, $\pi_T(y_t = v) = \mathrm{softmax}(\phi_t)_v$.
@@ -27,15 +27,15 @@ the OPD reward) and the score $s_t = e_{y_t} - \pi_t$. The recipes differ in two
   plain token ratio ($w_t = \rho_t$).
 
 Why ``logp="trainer", weight="token_is"`` is unbiased here, and only because the positions of
-the toy are independent (one of the results listed in [opd_literate.toy][] that need it): the
-estimate of row $t$ depends on $y_t$ alone, and under $\mu$ the marginal of $y_t$ is $\mu_t$,
+the toy are independent (one of the results listed in [opd_literate.mismatch.toy][] that need it):
+the estimate of row $t$ depends on $y_t$ alone, and under $\mu$ the marginal of $y_t$ is $\mu_t$,
 so $\mathbb{E}_\mu[\rho_t f(y_t)] = \mathbb{E}_{\pi_t}[f(y_t)]$, while the objective is a sum
 of per-position KLs. In an autoregressive model $\pi_t$ and $\mu_t$ depend on the prefix, which
 the sampler also chose: the token ratio then corrects the last token only, and the recipe is
 biased.
 
-**The autoregressive toy.** Everything here also runs on [opd_literate.toy.make_ar_toy][], with
-a teacher of the same kind, $\pi_T(y_t \mid y_{t-1}) = \mathrm{softmax}(\phi_{t, p})$. Two
+**The autoregressive toy.** Everything here also runs on [opd_literate.mismatch.toy.make_ar_toy][],
+with a teacher of the same kind, $\pi_T(y_t \mid y_{t-1}) = \mathrm{softmax}(\phi_{t, p})$. Two
 gradients then differ, and ``add_teacher`` returns both:
 
 * ``kl_grad``: the gradient of the **sequence** reverse KL
@@ -52,8 +52,8 @@ For ``make_toy`` they are equal. Under mismatch on the autoregressive toy, the t
 leaves the prefix distributed as $\mu$, so ``trainer`` + ``token_is`` is biased; the prefix
 ratio $\rho_{\le t} = \prod_{k \le t} \rho_k$ (``weight="prefix_is"``) makes the prefix and
 the token distributed as $\pi$ and is exact, as is the sequence ratio (``"seq_is"``), with
-more variance. [opd_literate.opd_mismatch.expected_reduced_gradient][] computes, exactly, the
-expected gradient of each loss reduction of [opd_literate.opd.aggregate_loss][] with a discount
+more variance. [opd_literate.mismatch.opd_mismatch.expected_reduced_gradient][] computes, exactly,
+the expected gradient of each loss reduction of [opd_literate.opd.aggregate_loss][] with a discount
 $\gamma$, against $\nabla \mathcal{K}$.
 """
 
@@ -63,7 +63,7 @@ import math
 
 import numpy as np
 
-from ._checks import check_finite_number
+from .._numerics import check_finite_number
 from .estimators import _exp_ratio, seq_is, token_ratios, token_tis
 from .toy import (
     check_toy,
@@ -86,7 +86,7 @@ OPD_RECIPES = (
     ("sampler", "token_tis"),
     ("trainer", "token_is"),
 )
-"""(logp, weight) pairs compared by [opd_literate.opd_mismatch.opd_mismatch_table][]."""
+"""(logp, weight) pairs compared by [opd_literate.mismatch.opd_mismatch.opd_mismatch_table][]."""
 
 PREFIX_RECIPES = (
     ("trainer", "prefix_is"),
@@ -107,7 +107,7 @@ def add_teacher(toy, teacher_seed=1, scale=1.0, phi=None):
 
     Adds ``phi`` $\sim \mathcal{N}(0, \text{scale}^2)$ drawn from ``default_rng(teacher_seed)``,
     of the shape of ``toy["theta"]`` (``(T, V)``, or ``(T, V + 1, V)`` for
-    [opd_literate.toy.make_ar_toy][], read like ``theta``), ``logp_teacher`` (M, T)
+    [opd_literate.mismatch.toy.make_ar_toy][], read like ``theta``), ``logp_teacher`` (M, T)
     $\log \pi_T(y_t \mid y_{t-1})$ (0 on the padding), ``kl`` (the sequence reverse KL
     $\mathcal{K}$), ``kl_grad`` $\nabla_\theta \mathcal{K}$ and ``kl_grad_per_state``
     $\mathbb{E}_\pi[\sum_t d_t s_t]$ (equal to ``kl_grad`` for ``make_toy``; see the module
@@ -199,7 +199,7 @@ def opd_estimate(toy, logp="trainer", weight="none", cap=2.0, gamma=0.0):
     Parameters
     ----------
     toy : dict
-        From [opd_literate.opd_mismatch.add_teacher][].
+        From [opd_literate.mismatch.opd_mismatch.add_teacher][].
     logp : {"trainer", "sampler"}
         Which student log-probability enters the reward.
     weight : {"none", "token_tis", "token_is", "prefix_is", "seq_is"}
@@ -277,8 +277,8 @@ def opd_mismatch_table(mismatches, T=6, V=4, seed=0, teacher_seed=1, cap=2.0, N=
     Parameters
     ----------
     autoregressive : bool
-        Build the toys with [opd_literate.toy.make_ar_toy][] (with ``eos``) instead of
-        [opd_literate.toy.make_toy][].
+        Build the toys with [opd_literate.mismatch.toy.make_ar_toy][] (with ``eos``) instead of
+        [opd_literate.mismatch.toy.make_toy][].
     recipes : sequence of (logp, weight)
         ``OPD_RECIPES`` by default; ``PREFIX_RECIPES`` adds the prefix and sequence ratios.
 
@@ -328,7 +328,7 @@ def expected_reduced_gradient(toy, gamma=0.0, reduction="token-mean", batch_size
     A batch holds $B$ responses drawn independently from the trainer $\pi$ (no mismatch, so
     that only the discount and the reduction matter). Response $b$ contributes
     $g_b = \sum_t G_{b,t}\, s_{b,t}$ (the gradient of $-\sum_t \mathrm{sg}(A_t) \log
-    \pi(y_t)$, see [opd_literate.opd_mismatch.opd_estimate][]), and the reduction divides:
+    \pi(y_t)$, see [opd_literate.mismatch.opd_mismatch.opd_estimate][]), and the reduction divides:
 
     * ``"sum"``: $\mathbb{E}[\sum_b g_b] = B\, \mathbb{E}[g]$;
     * ``"seq-mean-token-sum"``: $\mathbb{E}[g]$; ``"seq-mean-token-sum-norm"``:
@@ -347,7 +347,7 @@ def expected_reduced_gradient(toy, gamma=0.0, reduction="token-mean", batch_size
     Parameters
     ----------
     toy : dict
-        From [opd_literate.opd_mismatch.add_teacher][].
+        From [opd_literate.mismatch.opd_mismatch.add_teacher][].
     gamma : float
         Discount in $[0, 1]$.
     reduction : str
@@ -424,8 +424,8 @@ def reduction_table(toy, gammas=(0.0, 1.0), reductions=REDUCTIONS, batch_sizes=(
     r"""The bias of every (discount, reduction, batch size) against $\nabla \mathcal{K}$.
 
     Each row holds ``gamma``, ``reduction``, ``batch_size``, ``angle`` (degrees between the
-    expected gradient $\bar g$ of [opd_literate.opd_mismatch.expected_reduced_gradient][] and
-    $\nabla \mathcal{K}$), ``scale`` $c = \langle \bar g, \nabla \mathcal{K} \rangle /
+    expected gradient $\bar g$ of [opd_literate.mismatch.opd_mismatch.expected_reduced_gradient][]
+    and $\nabla \mathcal{K}$), ``scale`` $c = \langle \bar g, \nabla \mathcal{K} \rangle /
     \lVert \nabla \mathcal{K} \rVert^2$ and ``rel_bias`` $= \min_c \lVert \bar g / c -
     \nabla \mathcal{K} \rVert / \lVert \nabla \mathcal{K} \rVert = \sin(\text{angle})$: the
     relative bias that no learning rate can remove.

@@ -24,8 +24,8 @@ error, or without tests.
 
 Usage:
 
-    python -m opd_literate.handout OUTDIR --lab opd|mismatch|all [--format notebook] [--force]
-    python -m opd_literate.handout grade LABDIR [--json PATH] [--timeout SECONDS]
+    python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format notebook] [--force]
+    python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS]
 
 ``OUTDIR`` receives a ``.opd-handout`` marker that lists the files written and their SHA-256;
 ``--force`` replaces only such a folder, deletes only those files (refusing if one was changed
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 __all__ = ["LABS", "MARKER", "FORMATS", "STATUSES", "GRADE_TIMEOUT", "Lab", "MarkerError",
            "strip_solutions", "write_lab", "render_notebook", "grade", "format_grade", "main"]
 
-PACKAGE = pathlib.Path(__file__).resolve().parent
+PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parent
 
 BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION(?P<rest>.*)$")
@@ -57,8 +57,8 @@ END = re.compile(r"^\s*### END SOLUTION\s*$")
 TASK = re.compile(r"^\s*Task\s+(?P<task>\d+)\s*:\s*(?P<hint>\S.*)$")
 DEF = re.compile(r"^\s*def\s+(?P<name>\w+)\s*\(")
 # The package's relative imports become flat imports inside the lab folder.
-RELATIVE_IMPORT = re.compile(r"^from \.(?P<module>\w+) import ", re.M)
-PACKAGE_IMPORT = re.compile(r"^from opd_literate(?:\.(?P<module>\w+))? import ", re.M)
+RELATIVE_IMPORT = re.compile(r"^from \.+(?P<module>\w+) import ", re.M)
+PACKAGE_IMPORT = re.compile(r"^from opd_literate(?:\.\w+)*?(?:\.(?P<module>\w+))? import ", re.M)
 
 
 class MarkerError(ValueError):
@@ -82,7 +82,7 @@ LABS = {
         name="opd",
         title="On-policy distillation (OPD)",
         student_modules=("opd",),
-        given_modules=("_checks",),
+        given_modules=("_numerics",),
         tests=("tests/test_opd.py",),
         summary="Implement the three OPD losses: the per-token reward (Task 1), the "
                 "REINFORCE loss with discount 0 (Task 2) and the full-vocabulary reverse KL "
@@ -92,7 +92,7 @@ LABS = {
         name="mismatch",
         title="Training-inference mismatch: rollout-correction estimators",
         student_modules=("estimators",),
-        given_modules=("toy", "_checks"),
+        given_modules=("toy", "_numerics"),
         tests=("tests/test_estimators.py",),
         summary="Implement the weights of eight gradient estimators for a sampler that is not "
                 "the trainer, and check their exact bias on the enumerable toy.",
@@ -186,6 +186,17 @@ def _flatten_imports(text: str) -> str:
     return PACKAGE_IMPORT.sub(lambda m: f"from {m.group('module')} import ", text)
 
 
+def _source(module: str) -> pathlib.Path:
+    """The library file of a lab module named as the student's file (``estimators``), wherever
+    its chapter package keeps it (``opd_literate/mismatch/estimators.py``)."""
+    found = sorted(PACKAGE.rglob(f"{module}.py"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{module}.py: {len(found)} files of that name under {PACKAGE} "
+                                "(the handout needs a source checkout, pip install -e ., with "
+                                "one file a lab module)")
+    return found[0]
+
+
 def _read(path: pathlib.Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: the handout needs a source checkout "
@@ -215,7 +226,7 @@ python -m pytest --task 1   # only the tests of Task 1 (a test that also checks 
                             # task is skipped, and says which --task options run it)
 ```
 
-Your instructor grades the folder with `python -m opd_literate.handout grade <this folder>`,
+Your instructor grades the folder with `python -m opd_literate.course grade <this folder>`,
 with the instructor's own copy of the tests (changes to the tests, a `conftest.py` or a
 `pytest.ini` here do not count), one task at a time: where a test of your task also calls
 another task's function, the grader uses the reference version of that one, so each task is
@@ -334,14 +345,14 @@ def write_lab(lab_name: str, out_dir, force: bool = False,
               format: str = "files") -> list[pathlib.Path]:
     """Write the lab folder(s) for ``lab_name`` ("opd", "mismatch" or "all") under ``out_dir``.
 
-    ``all`` writes one sub-folder per lab. ``out_dir`` gets a [MARKER][opd_literate.handout.MARKER]
-    file listing every file written, with its SHA-256. An existing non-empty ``out_dir`` is
-    refused unless ``force``. ``force`` replaces only a real folder (not a symbolic link) that
-    holds this marker, and deletes only the files the marker lists; it refuses, before deleting
-    anything, when one of them was changed since, or when a file it would write exists and is
-    not one of them. Every other file stays. ``format="notebook"`` writes each lab's student
-    module as a Jupyter notebook ``<lab>.ipynb`` instead (see
-    [opd_literate.handout.render_notebook][]). Returns the lab folders written.
+    ``all`` writes one sub-folder per lab. ``out_dir`` gets a
+    [MARKER][opd_literate.course.handout.MARKER] file listing every file written, with its SHA-256.
+    An existing non-empty ``out_dir`` is refused unless ``force``. ``force`` replaces only a real
+    folder (not a symbolic link) that holds this marker, and deletes only the files the marker
+    lists; it refuses, before deleting anything, when one of them was changed since, or when a file
+    it would write exists and is not one of them. Every other file stays. ``format="notebook"``
+    writes each lab's student module as a Jupyter notebook ``<lab>.ipynb`` instead (see
+    [opd_literate.course.handout.render_notebook][]). Returns the lab folders written.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")
@@ -422,7 +433,7 @@ def render_notebook(lab: Lab, keep=frozenset()) -> dict:
     if len(lab.student_modules) != 1:
         raise ValueError(f"lab {lab.name!r}: a notebook holds one student module")
     module = lab.student_modules[0]
-    source = PACKAGE / f"{module}.py"
+    source = _source(module)
     text, tasks = strip_solutions(_read(source), str(source), keep=keep)
     text = _flatten_imports(text)
     task_of = {name: n for n, name in tasks}
@@ -474,7 +485,7 @@ def _tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
     """The tasks of a lab, ``[(number, function, module)]``, sorted, from the library source."""
     found = []
     for module in lab.student_modules:
-        source = PACKAGE / f"{module}.py"
+        source = _source(module)
         found += [(n, name, module) for n, name in strip_solutions(_read(source), str(source))[1]]
     return sorted(found)
 
@@ -483,14 +494,14 @@ def _render(lab: Lab, format: str = "files") -> dict[str, str]:
     """The files of one lab folder, ``{relative path: text}``, in the order they are written."""
     files, all_tasks = {}, []
     for module in lab.student_modules:
-        source = PACKAGE / f"{module}.py"
+        source = _source(module)
         student, tasks = strip_solutions(_read(source), str(source))
         if not tasks:
             raise MarkerError(f"{source}: a student module without any solution region")
         files[f"{module}.py"] = _flatten_imports(student)
         all_tasks += [(n, name, module) for n, name in tasks]
     for module in lab.given_modules:
-        source = PACKAGE / f"{module}.py"
+        source = _source(module)
         given, tasks = strip_solutions(_read(source), str(source))
         if tasks:
             raise MarkerError(f"{source}: given code must not hold solution regions")
@@ -526,12 +537,12 @@ GRADE_TIMEOUT = 60.0
 """Seconds each task's tests may run (``--timeout``); past it the task is *timed out*."""
 
 STATUSES = ("passed", "not implemented", "blocked", "failed", "timed out", "error", "no tests")
-"""Every status ``grade`` gives a task (see [opd_literate.handout.grade][])."""
+"""Every status ``grade`` gives a task (see [opd_literate.course.handout.grade][])."""
 
 # The harness runs in the sandbox as its own program (it never imports this package): the
 # grader writes it there, starts it, and reads its records from a pipe. Kept here, in one
 # string, so that the grader and its harness are one file; tests lint it as a file.
-HARNESS = r'''"""The grading harness of ``opd_literate.handout``, written into each grading sandbox.
+HARNESS = r'''"""The grading harness of ``opd_literate.course.handout``, written into each sandbox.
 
 The grader starts it in a fresh interpreter with a scrubbed environment, in its own process
 group, and writes the configuration to its standard input. It imports pytest and the lab's
@@ -1094,7 +1105,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
         (sandbox / "pytest.ini").write_text("[pytest]\nmarkers =\n    task(*numbers): the "
                                             "lab tasks a test checks\n")
         (sandbox / "harness.py").write_text(HARNESS)
-        references = {m: _flatten_imports(_read(PACKAGE / f"{m}.py"))
+        references = {m: _flatten_imports(_read(_source(m)))
                       for m in lab.student_modules}
         real = [str(p.resolve()) for p in (work, sandbox / "tmp", sandbox / "home")]
         config = dict(
@@ -1124,7 +1135,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
 
 
 def format_grade(result: dict) -> str:
-    """The result of [opd_literate.handout.grade][] as a Markdown table, the first line of
+    """The result of [opd_literate.course.handout.grade][] as a Markdown table, the first line of
     each failure, the files that differ from the handout, and a score line."""
     lines = [f"lab {result['lab']}", "", "| task | function | status | tests passed |",
              "| --- | --- | --- | ---: |"]

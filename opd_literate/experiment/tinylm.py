@@ -19,15 +19,15 @@ It is autoregressive (each answer token conditions on the previous ones) and sma
 that a rollout of 64 answers by the experiment's student (sampling, then the teacher-forced
 pass with gradient) takes about 2 ms on one CPU thread (2.15 ms, the fastest of 200, on the
 project's 2-core machine; ``benchmarks/bench_experiment.py`` prints it).
-[opd_literate.tinylm.EnsembleLM][] runs many such students as one model. The teacher is a
+[opd_literate.experiment.tinylm.EnsembleLM][] runs many such students as one model. The teacher is a
 wider, well-trained copy; the student is narrower and briefly trained.
 
-**What the OPD functions take.** [opd_literate.tinylm.rollout][] samples answers and returns
-exactly the inputs of [opd_literate.opd.reverse_kl_rewards][],
+**What the OPD functions take.** [opd_literate.experiment.tinylm.rollout][] samples answers and
+returns exactly the inputs of [opd_literate.opd.reverse_kl_rewards][],
 [opd_literate.opd.opd_pg_loss][] and [opd_literate.opd.full_vocab_reverse_kl][]: tokens
 ``(B, T)``, the student's log-probs ``(B, T)`` with gradient, its logits ``(B, T, V)`` with
 gradient, and the mask ``(B, T)`` (1 up to and including ``<eos>``, 0 after).
-[opd_literate.tinylm.score][] is the teacher pass over the student's tokens, without
+[opd_literate.experiment.tinylm.score][] is the teacher pass over the student's tokens, without
 gradient.
 """
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .opd import full_vocab_reverse_kl
+from ..opd import full_vocab_reverse_kl
 
 __all__ = [
     "VOCAB",
@@ -199,7 +199,7 @@ class TinyLM(nn.Module):
     def context_at(prompts, answers, t):
         """The context of answer position ``t``, ``(..., 9)``: the prompt, ``answers[..., :t]``
         (the tokens already written), then ``<pad>``. Any leading dimensions (``(B,)``, or
-        ``(M, B)`` for an [opd_literate.tinylm.EnsembleLM][])."""
+        ``(M, B)`` for an [opd_literate.experiment.tinylm.EnsembleLM][])."""
         T = answers.shape[-1]  # the answer positions, MAX_ANSWER for two-digit operands
         padding = torch.full((*prompts.shape[:-1], T - 1 - t), PAD, dtype=torch.long,
                              device=prompts.device)
@@ -239,15 +239,16 @@ class EnsembleLM(TinyLM):
     so the ``M`` models cost one call per layer instead of ``M``. No weight is shared: the
     gradient of $\sum_m \mathcal{L}_m$ with respect to model $m$'s weights is the gradient of
     $\mathcal{L}_m$ alone, and a per-element optimizer such as Adam trains each model exactly
-    as it would alone. [opd_literate.tinylm.sample_tokens][], [opd_literate.tinylm.rollout][]
-    and ``logits`` take ``(M, B, 6)`` prompts and return ``(M, B, ...)`` tensors.
+    as it would alone. [opd_literate.experiment.tinylm.sample_tokens][],
+    [opd_literate.experiment.tinylm.rollout][] and ``logits`` take ``(M, B, 6)`` prompts and return
+    ``(M, B, ...)`` tensors.
 
     Parameters
     ----------
     models : int
         ``M``, the number of models.
     hidden, layers, embed : int
-        As for [opd_literate.tinylm.TinyLM][].
+        As for [opd_literate.experiment.tinylm.TinyLM][].
 
     Examples
     --------
@@ -302,7 +303,7 @@ class EnsembleLM(TinyLM):
         return ensemble
 
     def member(self, m):
-        """Model ``m`` as a plain [opd_literate.tinylm.TinyLM][] (a copy of its weights)."""
+        """Model ``m`` as a plain [opd_literate.experiment.tinylm.TinyLM][] (copied weights)."""
         hidden, layers = self.weights[0].shape[2], len(self.weights) - 1
         model = TinyLM(hidden, layers, self.embed, self.digits)
         linears = [x for x in model.mlp if isinstance(x, nn.Linear)]
@@ -318,8 +319,8 @@ class EnsembleLM(TinyLM):
         """Logits ``(M, ..., V)`` for contexts ``(M, ..., 9)`` at positions ``(M, ...)``.
 
         A one-model ensemble takes contexts ``(..., 9)`` with any leading dimensions and
-        returns ``(..., V)``, as a [opd_literate.tinylm.TinyLM][] does (the frozen teacher of
-        the experiment runs this way).
+        returns ``(..., V)``, as a [opd_literate.experiment.tinylm.TinyLM][] does (the frozen
+        teacher of the experiment runs this way).
         """
         if self.models == 1 and (context.ndim < 3 or context.shape[0] != 1):
             return self(context[None], position[None])[0]
@@ -365,7 +366,8 @@ class Rollout:
 def sample_tokens(model, prompts, generator=None, greedy=False):
     """Sample (or greedily decode) answers without gradient: ``(tokens, mask)``, ``(..., T)``.
 
-    ``prompts`` is ``(B, 6)``, or ``(M, B, 6)`` for an [opd_literate.tinylm.EnsembleLM][].
+    ``prompts`` is ``(B, 6)``, or ``(M, B, 6)`` for an
+    [opd_literate.experiment.tinylm.EnsembleLM][].
     """
     lead = prompts.shape[:-1]  # (B,) or (M, B)
     tokens = torch.full((*lead, model.max_answer), PAD, dtype=torch.long, device=prompts.device)

@@ -30,14 +30,14 @@ $$
 $$
 
 Memory: the score array dominates, $M \cdot T \cdot V$ float64 values; all arrays together take
-$8 M (3T + 3 + TV)$ bytes ([opd_literate.toy.toy_nbytes][]). Some sizes: $(T, V) = (6, 4)$:
+$8 M (3T + 3 + TV)$ bytes ([opd_literate.mismatch.toy.toy_nbytes][]). Some sizes: $(T, V) = (6, 4)$:
 1.4 MiB; $(8, 4)$: 29.5 MiB; $(6, 8)$: 138 MiB; $(10, 4)$: 584 MiB; $(8, 6)$: 961 MiB;
 $(12, 4)$: 10.9 GiB. Each estimate array of ``estimators`` is as large as ``score`` again.
 ``make_toy`` refuses, before allocating anything, a toy whose arrays would exceed
 ``MAX_TOY_BYTES`` (2 GiB) and says how much it would take.
 
 **What holds only because the positions are independent.** The estimators of
-[opd_literate.estimators][] are defined for any sequence model, and the unbiasedness of the
+[opd_literate.mismatch.estimators][] are defined for any sequence model, and the unbiasedness of the
 sequence ratio ($\mathbb{E}_\mu[\rho f] = \mathbb{E}_\pi[f]$) holds for any. Three results on
 these pages use the independence of this toy and fail for an autoregressive model, where
 $\pi_t$ and $\mu_t$ depend on the sampled prefix:
@@ -46,20 +46,20 @@ $\pi_t$ and $\mu_t$ depend on the sampled prefix:
   for the second moment of the sequence ratio (with a prefix, the factors are conditional on
   it and their product is not the expectation of the product);
 * the exactness of the token ratio for a per-token objective
-  ([opd_literate.opd_mismatch][]): $\mathbb{E}_\mu[\rho_t f(y_t)] = \mathbb{E}_\pi[f(y_t)]$
+  ([opd_literate.mismatch.opd_mismatch][]): $\mathbb{E}_\mu[\rho_t f(y_t)] = \mathbb{E}_\pi[f(y_t)]$
   needs the marginal of $y_t$ under $\mu$ to be $\mu_t$, whatever the earlier tokens;
 * the score of a sequence as a sum of per-position rows, $\partial \log \pi(y) / \partial
   \theta_t = e_{y_t} - \pi_t$, on which ``true_grad`` and every estimate here are built.
 
 The numbers (how large each bias is) are those of this toy, not of a language model.
-[opd_literate.toy.make_ar_toy][] builds the autoregressive counterpart: there the product
+[opd_literate.mismatch.toy.make_ar_toy][] builds the autoregressive counterpart: there the product
 formula and the exactness of the token ratio fail (``tests/test_ar_toy*.py``), and the score of
 token $t$ is a row of the parameters $\theta_{t, p}$ of the state $p$ it was written in.
 
 The sampler's logits must stay finite with room to spare: ``make_toy`` accepts
 $|\epsilon| \le$ ``MAX_MISMATCH`` $= 10^6$ (at $10^{308}$ the logits $\epsilon b$ overflow to
 infinity and the probabilities become NaN). Long before that bound the importance ratios of
-[opd_literate.estimators][] overflow float64, which they report as a clear error: on the
+[opd_literate.mismatch.estimators][] overflow float64, which they report as a clear error: on the
 default toy (``T = 6, V = 4, seed = 0``) the sequence ratios do from $\epsilon \approx 38.2$ on,
 the per-token ratios from $\epsilon \approx 164.3$ on.
 """
@@ -71,7 +71,7 @@ import math
 
 import numpy as np
 
-from ._checks import check_finite_number
+from .._numerics import check_finite_number
 
 __all__ = [
     "MAX_TOY_BYTES",
@@ -544,9 +544,9 @@ def make_ar_toy(T=5, V=3, mismatch=0.3, seed=0, eos=True):
 
     (``true_grad``, shape ``(T, V + 1, V)``; the rows no response visits, such as
     $\theta_{0, p}$ for $p \ge 1$, get 0). Every estimator of
-    [opd_literate.estimators][] and [opd_literate.toy.estimator_moments][] accept this toy:
-    an estimate is ``(M, T, V + 1, V)``, and the per-token weight of row $t$ multiplies the
-    score of token $t$.
+    [opd_literate.mismatch.estimators][] and [opd_literate.mismatch.toy.estimator_moments][] accept
+    this toy: an estimate is ``(M, T, V + 1, V)``, and the per-token weight of row $t$ multiplies
+    the score of token $t$.
 
     The random draws are, in this order, from ``numpy.random.default_rng(seed)``:
     ``theta ~ Normal(0, 0.7)`` then ``b ~ Student-t(3)``, each of shape ``(T, V + 1, V)``. The

@@ -1,13 +1,14 @@
 r"""The OPD experiment: on-policy distillation against off-policy distillation and RL.
 
-``python -m opd_literate.run`` (or ``opd-experiment``) trains a strong teacher on two-digit
-addition ([opd_literate.tinylm][]), or loads it from a cache keyed by its configuration, makes
-``seeds`` weak students (each from its own initial weights, briefly trained), and then trains
+``python -m opd_literate.experiment`` (or ``opd-experiment``) trains a strong teacher on two-digit
+addition ([opd_literate.experiment.tinylm][]), or loads it from a cache keyed by its configuration,
+makes ``seeds`` weak students (each from its own initial weights, briefly trained), and then trains
 every student with every method at every learning rate of a common grid, with the same
 optimizer, the same stream of prompts per seed and the same number of samples per step
 (``batch_size``; RL answers the first ``batch_size / group`` prompts of each step, ``group``
 times each). The students of one method (seeds times learning rates) train together as one
-batched model ([opd_literate.tinylm.EnsembleLM][], [opd_literate.run.BatchedAdam][]).
+batched model ([opd_literate.experiment.tinylm.EnsembleLM][],
+[opd_literate.experiment.run.BatchedAdam][]).
 
 * ``opd_sampled``: sampled-token OPD. The student samples, the teacher scores the sampled
   tokens, and the loss is [opd_literate.opd.opd_pg_loss][] of
@@ -52,8 +53,8 @@ import uuid
 import filelock
 import torch
 
+from ..opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 from . import tinylm as lm
-from .opd import full_vocab_reverse_kl, opd_pg_loss, reverse_kl_rewards
 
 __all__ = ["DEFAULTS", "QUICK", "LONG", "METHODS", "CACHE_MODES", "GRADIENT_KEYS", "prepare",
            "run_experiment", "available_cpus", "WorkerError", "train_teacher", "teacher_cache_path",
@@ -126,7 +127,7 @@ def _supervised(model, pairs, answers, steps, batch, lr, generator, label_smooth
 
 
 CACHE_MODES = ("read", "refresh", "off")
-"""How [opd_literate.run.train_teacher][] uses its cache file.
+"""How [opd_literate.experiment.run.train_teacher][] uses its cache file.
 
 ``read`` loads a valid cached teacher, and trains and caches it when the file is missing or
 fails verification; ``refresh`` (the CLI's ``--no-cache``) always trains and rewrites the
@@ -189,9 +190,9 @@ def train_teacher(config, train_pairs, train_answers, cache="read"):
     """The teacher: a wide TinyLM trained by supervised learning; cached by configuration.
 
     Returns ``(teacher, loaded_from_cache)``. ``cache`` is one of
-    [opd_literate.run.CACHE_MODES][]. The cache file (see
-    [opd_literate.run.teacher_cache_path][]) holds the weights and their SHA-256; a file that
-    does not load or does not match its checksum is reported in one line on stderr and rebuilt.
+    [opd_literate.experiment.run.CACHE_MODES][]. The cache file (see
+    [opd_literate.experiment.run.teacher_cache_path][]) holds the weights and their SHA-256; a file
+    that does not load or does not match its checksum is reported in one line on stderr and rebuilt.
     A file lock beside it makes concurrent runs safe: the first trains and writes, the others
     wait and then load its file.
     """
@@ -241,9 +242,9 @@ def _per_model(batched, loss_fn, *tensors):
 def _step_loss(method, student, teacher, pairs, config, generator):
     """One update's loss and the number of samples it used (per model).
 
-    ``pairs`` is ``(B, 2)`` for a [opd_literate.tinylm.TinyLM][], or ``(M, B, 2)`` for an
-    [opd_literate.tinylm.EnsembleLM][] (one batch per model; the loss is then the sum of the
-    models' losses).
+    ``pairs`` is ``(B, 2)`` for a [opd_literate.experiment.tinylm.TinyLM][], or ``(M, B, 2)`` for an
+    [opd_literate.experiment.tinylm.EnsembleLM][] (one batch per model; the loss is then the sum of
+    the models' losses).
     """
     B, batched = config["batch_size"], pairs.ndim == 3
     if method == "rl":
@@ -379,9 +380,10 @@ def prepare(config, cache="read"):
     The 2,000 held-out pairs are split in two disjoint sets: the first ``val_prompts`` are the
     validation prompts (used only to choose each method's learning rate), the next
     ``eval_prompts`` the test prompts (every reported number). ``cache``: how the teacher's
-    cache file is used, one of [opd_literate.run.CACHE_MODES][].
+    cache file is used, one of [opd_literate.experiment.run.CACHE_MODES][].
     Returns ``(train_pairs, test_pairs, val_pairs, teacher, cached, student_state)``, the last
-    the stacked weights of the ``seeds`` students (an [opd_literate.tinylm.EnsembleLM][]).
+    the stacked weights of the ``seeds`` students (an
+    [opd_literate.experiment.tinylm.EnsembleLM][]).
     """
     torch.manual_seed(config["seed"])
     train_pairs, held_out = _split(config)
@@ -417,8 +419,8 @@ def run_experiment(config, methods=METHODS, progress=True, cache="read", on_meth
     each method's random streams depend on the configuration only, so the numbers are the same
     for every ``workers`` (the ``seconds`` curves, measured times, are not).
 
-    ``cache`` is one of [opd_literate.run.CACHE_MODES][]. ``on_method``, if given, is called
-    after each method with the results so far (the same dictionary, holding the methods
+    ``cache`` is one of [opd_literate.experiment.run.CACHE_MODES][]. ``on_method``, if given, is
+    called after each method with the results so far (the same dictionary, holding the methods
     finished): the CLI saves them, so that an interrupted run keeps its finished methods.
     """
     methods = list(methods)
@@ -558,9 +560,9 @@ def _train_in_workers(methods, data, workers, bar):
     started, and trains one method at a time, the next method waiting being sent to the first
     worker free. Nothing the parent does waits on a worker without also watching for its
     death: it waits on the workers' connections and process sentinels together, and a send to
-    a dead worker fails at once; a worker that dies is a [opd_literate.run.WorkerError][].
-    However the generator ends (done, an error, Ctrl-C, closed early), its ``finally`` stops
-    every worker that was started.
+    a dead worker fails at once; a worker that dies is a
+    [opd_literate.experiment.run.WorkerError][]. However the generator ends (done, an error, Ctrl-C,
+    closed early), its ``finally`` stops every worker that was started.
     """
     context = multiprocessing.get_context("spawn")
     steps = context.RawArray("q", workers)  # steps done, one slot a worker
@@ -787,17 +789,19 @@ def gradient_agreement(config, batch_sizes=(16, 64, 256), reference=4096, repeat
 
 GRADIENT_KEYS = _TEACHER_KEYS[:-1] + ("seeds", "student_hidden", "student_layers",
                                  "student_pretrain_steps", "student_pretrain_batch")
-"""The settings [opd_literate.run.gradient_agreement][] depends on: those of the teacher and of
+"""The settings [opd_literate.experiment.run.gradient_agreement][] depends on: those of the teacher
+and of
 the weak students."""
 
 
 def gradient_agreement_record(config, batch_sizes=(16, 64, 256), reference=4096, repeats=4):
-    """``gradient_agreement.json``: the table of [opd_literate.run.gradient_agreement][] with the
-    settings it was computed from (``config``, restricted to
-    [opd_literate.run.GRADIENT_KEYS][]) and its sizes.
+    """``gradient_agreement.json``: the table of
+    [opd_literate.experiment.run.gradient_agreement][] with the settings it was computed from
+    (``config``, restricted to [opd_literate.experiment.run.GRADIENT_KEYS][]) and its sizes.
 
-    Written by ``python -m opd_literate.run --gradient-agreement --out docs/data/experiment``;
-    the docs build reads it rather than computing it (half a minute on 2 cores).
+    Written by ``python -m opd_literate.experiment --gradient-agreement --out
+    docs/data/experiment``; the docs build reads it rather than computing it (half a minute on 2
+    cores).
     """
     table = gradient_agreement(config, batch_sizes, reference, repeats)
     return {"config": {k: config[k] for k in GRADIENT_KEYS},

@@ -60,8 +60,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_finite_number, check_float_tensor, check_mask, compute_dtype
-from .opd import _kl_to_mixture
+from .._numerics import check_finite_number, check_float_tensor, check_mask, compute_dtype
+from ..opd import _kl_to_mixture
 
 __all__ = [
     "DIVERGENCES",
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
-"""The divergences of [opd_literate.large_vocab.chunked_divergence][]."""
+"""The divergences of [opd_literate.large_vocab.chunked.chunked_divergence][]."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +360,7 @@ def chunked_reverse_kl(student_hidden, student_weight, mask, *, teacher_logits=N
     r"""Full-vocabulary reverse KL $\mathrm{KL}(\pi_\theta \,\|\, \pi_T)$, token-mean, in chunks.
 
     The chunked form of [opd_literate.opd.full_vocab_reverse_kl][]; see
-    [opd_literate.large_vocab.chunked_divergence][] for the arguments.
+    [opd_literate.large_vocab.chunked.chunked_divergence][] for the arguments.
 
     Examples
     --------
@@ -387,7 +387,7 @@ def chunked_forward_kl(student_hidden, student_weight, mask, *, teacher_logits=N
     r"""Full-vocabulary forward KL $\mathrm{KL}(\pi_T \,\|\, \pi_\theta)$, token-mean, in chunks.
 
     The chunked form of [opd_literate.opd.forward_kl][]; see
-    [opd_literate.large_vocab.chunked_divergence][] for the arguments and an example.
+    [opd_literate.large_vocab.chunked.chunked_divergence][] for the arguments and an example.
     """
     return chunked_divergence(student_hidden, student_weight, mask, teacher_logits=teacher_logits,
                               teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
@@ -401,7 +401,8 @@ def chunked_generalized_jsd(student_hidden, student_weight, mask, *, beta=0.5, n
     r"""Generalized JSD (GKD's loss), token-mean, in chunks.
 
     The chunked form of [opd_literate.opd.generalized_jsd][] (same $\beta$ convention:
-    0 is the forward KL, 1 the reverse KL); see [opd_literate.large_vocab.chunked_divergence][].
+    0 is the forward KL, 1 the reverse KL); see
+    [opd_literate.large_vocab.chunked.chunked_divergence][].
 
     Examples
     --------

@@ -2,12 +2,12 @@ r"""Rollout-correction estimators for a sampler that is not the trainer, with ex
 
 The rollouts come from the sampler $\mu$ (the inference engine), the gradient is wanted for the
 trainer $\pi = \pi_\theta$. Every estimator here returns, for each of the $M$ sequences of the
-toy of [opd_literate.toy.make_toy][], the ``(T, V)`` gradient estimate it would produce if the
-sampler had drawn that sequence: an ``(M, T, V)`` array that
-[opd_literate.toy.estimator_moments][] turns into an exact mean, bias and variance. They work
-unchanged on the autoregressive toy of [opd_literate.toy.make_ar_toy][], whose estimates are
-``(M, T, V + 1, V)`` (the parameters of token $t$ are the row of the token before it) and whose
-responses can end at ``<eos>``: there $T$ below is the length $n$ of the response, padded
+toy of [opd_literate.mismatch.toy.make_toy][], the ``(T, V)`` gradient estimate it would produce if
+the sampler had drawn that sequence: an ``(M, T, V)`` array that
+[opd_literate.mismatch.toy.estimator_moments][] turns into an exact mean, bias and variance. They
+work unchanged on the autoregressive toy of [opd_literate.mismatch.toy.make_ar_toy][], whose
+estimates are ``(M, T, V + 1, V)`` (the parameters of token $t$ are the row of the token before it)
+and whose responses can end at ``<eos>``: there $T$ below is the length $n$ of the response, padded
 positions have $\rho_t = 1$ and a score of 0, and the product $\rho = \prod_t \rho_t$ of
 conditional ratios $\pi(y_t \mid y_{<t}) / \mu(y_t \mid y_{<t})$ is still $\pi(y) / \mu(y)$.
 
@@ -29,9 +29,9 @@ $\mathbb{E}_\pi[s_t] = 0$). For any function $f$,
 $\mathbb{E}_\mu[\rho f(y)] = \sum_y \mu(y) \tfrac{\pi(y)}{\mu(y)} f(y) = \mathbb{E}_\pi[f(y)]$,
 so $w_t = \rho$ is unbiased, whatever the mismatch (for any sequence model, as long as $\mu > 0$
 wherever $\pi > 0$). Its variance is the price: $\rho$ is a product of $T$ ratios, and when the
-positions are independent, as in this toy (see [opd_literate.toy][] for what relies on that),
-its second moment is $\mathbb{E}_\mu[\rho^2] = \prod_t (1 + \chi^2(\pi_t \,\|\, \mu_t))$, which
-grows exponentially with the length. Every other estimator in this module gives up
+positions are independent, as in this toy (see [opd_literate.mismatch.toy][] for what relies on
+that), its second moment is $\mathbb{E}_\mu[\rho^2] = \prod_t (1 + \chi^2(\pi_t \,\|\, \mu_t))$,
+which grows exponentially with the length. Every other estimator in this module gives up
 unbiasedness to get less variance: per-token ratios (the right ratio for the last token but
 not for the prefix that led to it), truncation (cap the weight), masking and rejection (drop
 the sample), and geometric means (length-normalized ratios). The trade usually pays on this
@@ -44,8 +44,8 @@ The gradient of a clipped term is then $\rho_t A s_t$ where the clip is inactive
 is active.
 
 **The hand-made examples.** Each estimator's example uses a toy of one or two positions built
-with [opd_literate.toy.toy_from_logits][], where the ratios are round numbers: with the trainer
-uniform, $\pi_t = (0.5, 0.5)$, and the sampler at $\mu_t = (0.8, 0.2)$, the token ratios are
+with [opd_literate.mismatch.toy.toy_from_logits][], where the ratios are round numbers: with the
+trainer uniform, $\pi_t = (0.5, 0.5)$, and the sampler at $\mu_t = (0.8, 0.2)$, the token ratios are
 $\rho_t(0) = 0.625$ and $\rho_t(1) = 2.5$. Token 0 earns the reward, so with one position
 $R = (1, 0)$ for the two sequences; with two positions the sequences are
 $(0,0), (0,1), (1,0), (1,1)$ with $R = (1, 1, 1, 0)$ and $\rho = (0.390625, 1.5625, 1.5625,
@@ -54,10 +54,10 @@ against the formula, and each shows a threshold, cap or clip that changes a weig
 
 Each public estimator is ``name(toy, <thresholds>, baseline=0.0, *, return_weights=False)``;
 ``return_weights=True`` returns the ``(M, T)`` weights $w_t$ instead of the estimate, which is
-how the comparison counts truncated and masked tokens. [opd_literate.estimators.REGISTRY][]
+how the comparison counts truncated and masked tokens. [opd_literate.mismatch.estimators.REGISTRY][]
 lists them all with their defaults and sources, and
-[opd_literate.estimators.comparison_table][] and [opd_literate.estimators.mismatch_sweep][]
-build the exact comparison.
+[opd_literate.mismatch.estimators.comparison_table][] and
+[opd_literate.mismatch.estimators.mismatch_sweep][] build the exact comparison.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._checks import check_finite_number
+from .._numerics import check_finite_number
 from .toy import (
     ar_toy_from_logits,
     check_toy,
@@ -157,7 +157,7 @@ def geometric_ratio(toy):
     r"""Length-normalized sequence ratios $\rho_{\mathrm{geo}} = \rho^{1/T}$, shape ``(M,)``.
 
     $T$ is the length of the response ($n$, the tokens of its mask, for
-    [opd_literate.toy.make_ar_toy][]): the mean of $\log \rho_t$ over its tokens, as verl's
+    [opd_literate.mismatch.toy.make_ar_toy][]): the mean of $\log \rho_t$ over its tokens, as verl's
     ``seq_mean`` criteria take it. ``inf`` where $\rho_{\mathrm{geo}}$ overflows float64 (then
     outside every finite band).
 
@@ -176,13 +176,13 @@ def geometric_ratio(toy):
 def weighted_score(toy, weights, baseline=0.0):
     r"""The estimate $\hat g_{m,t} = w_{m,t}\, (R_m - b)\, s_{m,t}$, the shape of the score.
 
-    ``(M, T, V)`` for [opd_literate.toy.make_toy][], ``(M, T, V + 1, V)`` for
-    [opd_literate.toy.make_ar_toy][]: the weight of token $t$ multiplies its score.
+    ``(M, T, V)`` for [opd_literate.mismatch.toy.make_toy][], ``(M, T, V + 1, V)`` for
+    [opd_literate.mismatch.toy.make_ar_toy][]: the weight of token $t$ multiplies its score.
 
     Parameters
     ----------
     toy : dict
-        From [opd_literate.toy.make_toy][].
+        From [opd_literate.mismatch.toy.make_toy][].
     weights : numpy.ndarray
         ``(M, T)`` per-token weights, or ``(M,)`` for one weight per sequence.
     baseline : float
@@ -350,7 +350,7 @@ def token_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     Training* (2025); verl ``rollout_is: token`` with ``rollout_is_threshold`` (default 2.0).
     Upper truncation only: tokens the sampler under-samples ($\rho_t$ large) are capped, the
     others keep their ratio. Biased twice: the token ratio of
-    [token_is][opd_literate.estimators.token_is] and the truncation.
+    [token_is][opd_literate.mismatch.estimators.token_is] and the truncation.
 
     Parameters
     ----------
@@ -985,7 +985,7 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
     Parameters
     ----------
     toy : dict
-        From [opd_literate.toy.make_toy][].
+        From [opd_literate.mismatch.toy.make_toy][].
     names : list of str, optional
         Registered estimators; all by default.
     N : int
@@ -1067,8 +1067,8 @@ def length_sweep(lengths, names, mismatch=0.3, V=3, seeds=range(5), autoregressi
 
     For each seed one table of ``max(lengths)`` positions is drawn (``make_ar_toy`` or
     ``make_toy`` with that seed), and the toy of length $T$ uses its first $T$ positions
-    (built with [opd_literate.toy.ar_toy_from_logits][] or
-    [opd_literate.toy.toy_from_logits][]), so the toys of one seed are nested. The median
+    (built with [opd_literate.mismatch.toy.ar_toy_from_logits][] or
+    [opd_literate.mismatch.toy.toy_from_logits][]), so the toys of one seed are nested. The median
     over the seeds keeps a seed with a tiny $\lVert \nabla J \rVert$ from dominating.
 
     Returns

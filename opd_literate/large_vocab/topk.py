@@ -57,7 +57,7 @@ consistent with what was reported.
 **Gradients.** With respect to the student's logits $z$ (all $V$ of them), the true gradients
 are $p \odot (\log p - \log q - \mathrm{KL})$ (reverse) and $p - q$ (forward). The
 approximations differ from these by the exact amounts that
-[opd_literate.topk.topk_bias_table][] reports; for example the forward (c) has gradient
+[opd_literate.large_vocab.topk.topk_bias_table][] reports; for example the forward (c) has gradient
 $Q\,p - q\,\mathbb{1}_S$, which pushes every tail logit down in proportion to $p_v$ only.
 
 **What the frameworks do** (source read at the commits given; see the chapter for details):
@@ -71,7 +71,7 @@ megatron_kl_loss.py`` in ``verl-project/verl-recipe``) computes the forward (c).
 
 Computed in torch (autograd for the gradients), in float64 for the studies; half precision is
 computed in float32. Imports: torch (and matplotlib inside
-[opd_literate.topk.plot_topk_bias][] only).
+[opd_literate.large_vocab.topk.plot_topk_bias][] only).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_finite_number, check_float_tensor, compute_dtype
+from .._numerics import check_finite_number, check_float_tensor, compute_dtype
 
 __all__ = [
     "APPROXIMATIONS",
@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 APPROXIMATIONS = ("renormalize", "tail", "ignore")
-"""The top-k approximations (a), (b), (c) of [opd_literate.topk.topk_kl][]."""
+"""The top-k approximations (a), (b), (c) of [opd_literate.large_vocab.topk.topk_kl][]."""
 
 DIRECTIONS = ("reverse", "forward")
 r"""``"reverse"``: $\mathrm{KL}(p \,\|\, q)$ (student first, OPD's objective);
@@ -313,7 +313,7 @@ def topk_bias_table(ks, student_logits, teacher_logits):
     ks : iterable of int
         Values of $k$ in ``[1, V]``.
     student_logits, teacher_logits : torch.Tensor
-        ``(V,)`` floating (see [opd_literate.topk.zipf_pair][]).
+        ``(V,)`` floating (see [opd_literate.large_vocab.topk.zipf_pair][]).
 
     Returns
     -------

@@ -1,7 +1,7 @@
 r"""Copy-ready functions: one public function and everything it needs, as one block of code.
 
 An instructor who lifts [opd_literate.opd.full_vocab_reverse_kl][] into course material needs
-its private helpers, the argument checks of ``_checks`` they call, the module constants they
+its private helpers, the argument checks of ``_numerics`` they call, the module constants they
 read and the imports at the top. This module finds them from the source with ``ast`` (no
 hand-kept list, so a new helper is picked up the day it is written) and prints them in an order
 that runs: the imports, then every helper and constant the function uses, directly or through
@@ -14,8 +14,8 @@ only parsed), and a numpy function's snippet never imports torch.
 
 Command line::
 
-    python -m opd_literate.copy opd.full_vocab_reverse_kl        # or the console script
-    opd-copy opd_literate.estimators.token_tis
+    python -m opd_literate.course.lift opd.full_vocab_reverse_kl        # or the console script
+    opd-copy opd_literate.mismatch.estimators.token_tis
 
 The API pages show the same snippet under each function (``docs/hooks/snippets.py``).
 """
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 __all__ = ["CopyError", "COPY_READY_MODULES", "public_functions", "snippet", "main"]
 
 PACKAGE = "opd_literate"
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
-COPY_READY_MODULES = ("opd", "toy", "estimators", "opd_mismatch")
+COPY_READY_MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch")
 """The modules whose every public function has its snippet on its API page (and is tested)."""
 
 # Heads what only the docstring's examples use: a reader can cut the snippet here.
@@ -70,7 +70,8 @@ class _Module:
 
 
 def _module_path(module: str) -> pathlib.Path:
-    return PACKAGE_DIR / f"{module}.py"
+    """``mismatch.toy`` -> ``opd_literate/mismatch/toy.py``."""
+    return PACKAGE_DIR.joinpath(*module.split(".")).with_suffix(".py")
 
 
 @functools.cache  # cleared by the docs hook before each build (mkdocs serve)
@@ -87,13 +88,13 @@ def _parse(module: str) -> _Module:
         if isinstance(node, ast.If):  # `if TYPE_CHECKING:` imports: used in annotations only
             for inner in node.body:
                 if isinstance(inner, (ast.Import, ast.ImportFrom)):
-                    _record_import(inner, imports)
+                    _record_import(inner, imports, module)
             continue
         if isinstance(node, ast.ImportFrom) and node.module == "__future__":
             future = future or any(alias.name == "annotations" for alias in node.names)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            _record_import(node, imports)
+            _record_import(node, imports, module)
             continue
         names = _bound_names(node)
         if names == ["__all__"]:
@@ -128,7 +129,17 @@ def _bound_names(node) -> list[str]:
     return []
 
 
-def _record_import(node, imports: dict) -> None:
+def _absolute(module: str, node) -> str | None:
+    """The module, dotted below the package, that a relative import of ``module`` names:
+    ``from .toy`` in ``mismatch.estimators`` is ``mismatch.toy``, ``from .._numerics`` is
+    ``_numerics``; None above the package."""
+    parents = module.split(".")[:-1]
+    if node.level - 1 > len(parents) or not node.module:
+        return None
+    return ".".join(parents[:len(parents) - (node.level - 1)] + [node.module])
+
+
+def _record_import(node, imports: dict, module: str) -> None:
     if isinstance(node, ast.Import):
         for alias in node.names:
             # `import torch.nn.functional as F` binds F; `import torch.nn` binds torch
@@ -138,10 +149,11 @@ def _record_import(node, imports: dict) -> None:
     for alias in node.names:
         bound = alias.asname or alias.name
         if node.level:
-            if node.level != 1 or not node.module or alias.asname:
+            target = _absolute(module, node)
+            if target is None or alias.asname:
                 imports[bound] = ("unsupported", ast.unparse(node), None)
             else:
-                imports[bound] = ("package", node.module, alias.name)
+                imports[bound] = ("package", target, alias.name)
         else:
             imports[bound] = ("from", node.module, alias.name)
 
@@ -192,8 +204,8 @@ def _resolve(module: str, name: str):
     if kind is None:
         return None  # a builtin (or a name Python would not find either)
     if kind[0] == "package":
-        if kind[1] == "copy":
-            raise CopyError(f"{PACKAGE}.{module} imports from {PACKAGE}.copy itself")
+        if kind[1].startswith("course"):
+            raise CopyError(f"{PACKAGE}.{module} imports from the course tools")
         found = _resolve(kind[1], kind[2])
         if not isinstance(found, _Definition):
             return found
@@ -269,12 +281,12 @@ def _split_qualname(qualname: str) -> tuple[str, str]:
     parts = qualname.strip().split(".")
     if parts and parts[0] == PACKAGE:
         parts = parts[1:]
-    if len(parts) != 2 or not all(part.isidentifier() for part in parts):
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
         raise CopyError(
-            f"expected MODULE.NAME or {PACKAGE}.MODULE.NAME (e.g. opd.full_vocab_reverse_kl), "
-            f"got {qualname!r}"
+            f"expected MODULE.NAME or {PACKAGE}.MODULE.NAME (e.g. opd.full_vocab_reverse_kl, "
+            f"mismatch.toy.make_toy), got {qualname!r}"
         )
-    return parts[0], parts[1]
+    return ".".join(parts[:-1]), parts[-1]
 
 
 def snippet(qualname: str) -> str:
@@ -286,7 +298,7 @@ def snippet(qualname: str) -> str:
 
     Examples
     --------
-    ``kl_estimator`` reads one module constant and calls three helpers of ``_checks``:
+    ``kl_estimator`` reads one module constant and calls three helpers of ``_numerics``:
 
     >>> code = snippet("opd.kl_estimator")
     >>> [line.split("(")[0] for line in code.splitlines()
@@ -296,10 +308,13 @@ def snippet(qualname: str) -> str:
     >>> snippet("opd._select")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    opd_literate.copy.CopyError: opd_literate.opd._select is private: copy a public function ...
+    opd_literate.course.lift.CopyError: opd_literate.opd._select is private: copy a public function
+    ...
     """
     module, name = _split_qualname(qualname)
-    if module.startswith("_") or module in ("copy", "__init__", "__main__"):
+    if not _module_path(module).is_file():
+        raise CopyError(f"no module {PACKAGE}.{module}")
+    if module.split(".")[-1].startswith("_") or module.startswith("course"):
         raise CopyError(f"{PACKAGE}.{module} is not a module with copy-ready functions")
     if name.startswith("_"):
         raise CopyError(

@@ -1,0 +1,8 @@
+"""``python -m opd_literate.course``: write lab handouts, or grade them."""
+
+import sys
+
+from .handout import main
+
+if __name__ == "__main__":
+    sys.exit(main())
