@@ -218,70 +218,92 @@ CHAPTERS = {"", "opd", "mismatch", "experiment", "instructors"}
 DARK_PAGES = {"", "opd"}
 
 
+def _page_problems(browser, server, path, shots):
+    """Load one page in both palettes where asked; the list of what is wrong with it."""
+    problems = []
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors, outside = [], []
+    page.on("console", lambda m, e=errors: m.type == "error" and e.append(m.text))
+    page.on("pageerror", lambda exc, e=errors: e.append(str(exc)))
+
+    def watch(request, o=outside):
+        # Recorded, not intercepted: routing every request through Python doubled the test's
+        # time, and a request off the machine fails the test all the same.
+        host = urlparse(request.url).hostname
+        if not request.url.startswith(("data:", "blob:")) and host != "127.0.0.1":
+            o.append(request.url)
+
+    page.on("request", watch)
+    # "load" waits for the page's images and stylesheets; the web fonts then by their promise
+    # (networkidle would add half a second of quiet per page).
+    response = page.goto(f"{server}/{path}/" if path else f"{server}/", wait_until="load")
+    page.evaluate("document.fonts.ready.then(() => true)")
+    where = path or "home"
+    if response is None or response.status != 200:
+        problems.append(f"{where}: HTTP {response and response.status}")
+    broken = page.evaluate(_BROKEN_IMAGES)
+    tex = page.evaluate(_VISIBLE_TEXT_WITH_TEX)
+    boxes = page.evaluate(_MATH_BOXES)
+    sums = page.evaluate(_DISPLAY_SUM_LIMITS)
+    fonts = page.evaluate(_MATH_FONTS)
+    problems += [f"{where}: console error {e}" for e in errors]
+    problems += [f"{where}: request to {u}" for u in outside]
+    problems += [f"{where}: image not loaded {u}" for u in broken]
+    problems += [f"{where}: raw TeX in visible text {t!r}" for t in tex]
+    problems += [f"{where}: math box of zero size {b['tex']!r}" for b in boxes
+                 if b["width"] <= 0 or b["height"] <= 0]
+    problems += [f"{where}: math box {b['width']:.0f} px wide in a {b['column']:.0f} px "
+                 f"column {b['tex']!r}" for b in boxes if b["width"] > b["column"] + 0.5]
+    problems += [f"{where}: display limits beside the sign, not under it {s['tex']!r}"
+                 for s in sums if not s["below"]]
+    if path in MATH_PAGES and not boxes:
+        problems.append(f"{where}: no rendered math")
+    if path in MATH_PAGES and "MJXTEX" not in fonts:
+        problems.append(f"{where}: MathJax's TeX fonts not loaded (only {fonts})")
+    if path in SUM_PAGES and not sums:
+        problems.append(f"{where}: no display sum with limits found")
+    # Whole chapters; the top of the long API pages (a full-page shot of each is most of the
+    # test's time).
+    page.screenshot(path=str(shots / f"{where.replace('/', '_')}.png"),
+                    full_page=path in CHAPTERS)
+    page.close()
+    if path in DARK_PAGES:
+        # Dark mode: Material follows the system's colour scheme (the palette's media query).
+        dark = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme="dark")
+        seen = len(outside)  # the light page's requests are reported above
+        dark.on("request", watch)
+        dark.goto(f"{server}/{path}/" if path else f"{server}/", wait_until="load")
+        dark.evaluate("document.fonts.ready.then(() => true)")
+        if dark.evaluate("document.body.getAttribute('data-md-color-scheme')") != "slate":
+            problems.append(f"{where}: dark mode not applied")
+        dark.screenshot(path=str(shots / f"{where.replace('/', '_')}-dark.png"), full_page=True)
+        dark.close()
+        problems += [f"{where} (dark): request to {u}" for u in outside[seen:]]
+    return problems
+
+
+def _screenshots(site):
+    shots = site / "_screenshots"
+    shots.mkdir(exist_ok=True)
+    return shots
+
+
+def test_the_opd_chapter_loads_offline_with_rendered_math_in_both_palettes(site, server,
+                                                                           browser):
+    """The fast tier's browser check: one chapter, with display sums, in light and dark."""
+    assert "opd" in _pages(site) and {"opd"} <= MATH_PAGES & SUM_PAGES & DARK_PAGES
+    problems = _page_problems(browser, server, "opd", _screenshots(site))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
 def test_every_page_loads_offline_with_rendered_math(site, server, browser):
     pages = _pages(site)
     assert {"", "opd", "mismatch", "experiment", "instructors", "api/opd"} <= set(pages)
-    shots = site / "_screenshots"
-    shots.mkdir(exist_ok=True)
+    shots = _screenshots(site)
     problems = []
     for path in pages:
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors, outside = [], []
-        page.on("console", lambda m, e=errors: m.type == "error" and e.append(m.text))
-        page.on("pageerror", lambda exc, e=errors: e.append(str(exc)))
-
-        def watch(request, o=outside):
-            # Recorded, not intercepted: routing every request through Python doubled the
-            # test's time, and a request off the machine fails the test all the same.
-            host = urlparse(request.url).hostname
-            if not request.url.startswith(("data:", "blob:")) and host != "127.0.0.1":
-                o.append(request.url)
-
-        page.on("request", watch)
-        # "load" waits for the page's images and stylesheets; the web fonts then by their promise
-        # (networkidle would add half a second of quiet per page).
-        response = page.goto(f"{server}/{path}/" if path else f"{server}/", wait_until="load")
-        page.evaluate("document.fonts.ready.then(() => true)")
-        where = path or "home"
-        if response is None or response.status != 200:
-            problems.append(f"{where}: HTTP {response and response.status}")
-        broken = page.evaluate(_BROKEN_IMAGES)
-        tex = page.evaluate(_VISIBLE_TEXT_WITH_TEX)
-        boxes = page.evaluate(_MATH_BOXES)
-        sums = page.evaluate(_DISPLAY_SUM_LIMITS)
-        fonts = page.evaluate(_MATH_FONTS)
-        problems += [f"{where}: console error {e}" for e in errors]
-        problems += [f"{where}: request to {u}" for u in outside]
-        problems += [f"{where}: image not loaded {u}" for u in broken]
-        problems += [f"{where}: raw TeX in visible text {t!r}" for t in tex]
-        problems += [f"{where}: math box of zero size {b['tex']!r}" for b in boxes
-                     if b["width"] <= 0 or b["height"] <= 0]
-        problems += [f"{where}: math box {b['width']:.0f} px wide in a {b['column']:.0f} px "
-                     f"column {b['tex']!r}" for b in boxes if b["width"] > b["column"] + 0.5]
-        problems += [f"{where}: display limits beside the sign, not under it {s['tex']!r}"
-                     for s in sums if not s["below"]]
-        if path in MATH_PAGES and not boxes:
-            problems.append(f"{where}: no rendered math")
-        if path in MATH_PAGES and "MJXTEX" not in fonts:
-            problems.append(f"{where}: MathJax's TeX fonts not loaded (only {fonts})")
-        if path in SUM_PAGES and not sums:
-            problems.append(f"{where}: no display sum with limits found")
-        # Whole chapters; the top of the long API pages (a full-page shot of each is most of the
-        # test's time).
-        page.screenshot(path=str(shots / f"{where.replace('/', '_')}.png"),
-                        full_page=path in CHAPTERS)
-        page.close()
-        if path in DARK_PAGES:
-            # Dark mode: Material follows the system's colour scheme (the palette's media query).
-            dark = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme="dark")
-            dark.on("request", watch)
-            dark.goto(f"{server}/{path}/" if path else f"{server}/", wait_until="load")
-            dark.evaluate("document.fonts.ready.then(() => true)")
-            if dark.evaluate("document.body.getAttribute('data-md-color-scheme')") != "slate":
-                problems.append(f"{where}: dark mode not applied")
-            dark.screenshot(path=str(shots / f"{where.replace('/', '_')}-dark.png"),
-                            full_page=True)
-            dark.close()
+        problems += _page_problems(browser, server, path, shots)
     assert not problems, "\n".join(problems)
 
 
