@@ -9,16 +9,10 @@ import sys
 
 import pytest
 
-from opd_literate.course import handout
-from opd_literate.course.handout import (
-    LABS,
-    PACKAGE,
-    MarkerError,
-    grade,
-    solution_lines,
-    strip_solutions,
-    write_lab,
-)
+from opd_literate.course import labs as course_labs
+from opd_literate.course.grade import grade
+from opd_literate.course.labs import LABS, PACKAGE, write_lab
+from opd_literate.course.markers import MarkerError, solution_lines, strip_solutions
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +26,8 @@ def _restore(lab_folder, keep):
     """Overwrite the student modules with versions whose tasks in ``keep`` are solved."""
     lab = LABS[json.loads((lab_folder / "lab.json").read_text())["lab"]]
     for module in lab.student_modules:
-        text, _ = strip_solutions(handout._source(module).read_text(), keep=keep)
-        (lab_folder / f"{module}.py").write_text(handout._flatten_imports(text))
+        text, _ = strip_solutions(course_labs._source(module).read_text(), keep=keep)
+        (lab_folder / f"{module}.py").write_text(course_labs._flatten_imports(text))
 
 
 def test_layout_and_compilation(labs):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from opd_literate.course import handout
-from opd_literate.course.handout import MARKER, write_lab
+from opd_literate.course import cli
+from opd_literate.course.labs import MARKER, write_lab
 
 
 def _tree(folder):
@@ -20,7 +20,7 @@ def _tree(folder):
 def _refused(capsys, argv, fragment):
     """The CLI exits with code 2 and one line on stderr containing ``fragment``."""
     with pytest.raises(SystemExit) as stopped:
-        handout.main(argv)
+        cli.main(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == 2, err
     assert err.count("\n") == 1 and fragment in err, err
@@ -54,11 +54,11 @@ def test_force_replaces_a_handout_in_the_current_folder_and_keeps_other_files(
     folder = tmp_path / "lab"
     folder.mkdir()
     monkeypatch.chdir(folder)
-    assert handout.main([".", "--lab", "opd"]) == 0
+    assert cli.main([".", "--lab", "opd"]) == 0
     written = _tree(folder)
     (folder / "my_answers.txt").write_text("kept")
     (folder / "tests" / "test_mine.py").write_text("def test_mine():\n    pass\n")
-    assert handout.main([".", "--lab", "opd", "--force"]) == 0
+    assert cli.main([".", "--lab", "opd", "--force"]) == 0
     after = _tree(folder)
     assert after["my_answers.txt"] == b"kept"
     assert after["tests/test_mine.py"] == b"def test_mine():\n    pass\n"

@@ -13,8 +13,10 @@ import time
 
 import pytest
 
-from opd_literate.course import handout
-from opd_literate.course.handout import PACKAGE, grade, strip_solutions, write_lab
+from opd_literate.course import labs
+from opd_literate.course.grade import HARNESS_PATH, format_grade, grade
+from opd_literate.course.labs import PACKAGE, write_lab
+from opd_literate.course.markers import strip_solutions
 
 
 def _tree(folder):
@@ -25,8 +27,8 @@ def _tree(folder):
 def _student(lab_folder, module, stubs, keep=()):
     """Write the student module with the tasks in ``keep`` solved and the stub of each task in
     ``stubs`` replaced by the given lines (indented as a function body)."""
-    text, _ = strip_solutions(handout._source(module).read_text(), keep=set(keep))
-    text = handout._flatten_imports(text)
+    text, _ = strip_solutions(labs._source(module).read_text(), keep=set(keep))
+    text = labs._flatten_imports(text)
     for task, lines in stubs.items():
         stub = next(line for line in text.split("\n")
                     if f'raise NotImplementedError("Task {task}:' in line)
@@ -139,7 +141,7 @@ def test_the_instructor_tests_are_used_and_the_changes_reported(gamed):
     assert result["files"] == {"tests/test_estimators.py": "modified",
                                "conftest.py": "modified", "pytest.ini": "modified",
                                "extra/conftest.py": "ignored"}
-    assert "files that differ from the handout" in handout.format_grade(result)
+    assert "files that differ from the handout" in format_grade(result)
 
 
 def test_the_environment_is_scrubbed(gamed):
@@ -175,7 +177,7 @@ def test_a_wrong_task_fails_with_the_first_line_of_its_assertion(gamed):
     assert all(m.startswith("tests/test_estimators.py::test_geo_rs") for m in task["messages"])
     assert all("\n" not in m for m in task["messages"])
     assert any("AssertionError: Not equal to tolerance" in m for m in task["messages"])
-    report = handout.format_grade(gamed["result"])
+    report = format_grade(gamed["result"])
     assert "- Task 8: tests/test_estimators.py::test_geo_rs[0.999-1.001]: " in report
 
 
@@ -261,10 +263,24 @@ def _process_state(pid):
         return None
 
 
-def test_the_harness_passes_the_linter(tmp_path):
-    """The harness is kept as a string in handout.py; written out, it is ordinary code."""
-    (tmp_path / "harness.py").write_text(handout.HARNESS)
+def test_the_harness_passes_the_linter():
+    """The harness is a file of its own (``course/_harness.py``), linted as the sandbox runs it."""
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated",
                              "--line-length", "100", "--select", "E,F,W,B,I,UP",
-                             str(tmp_path / "harness.py")], capture_output=True, text=True)
+                             str(HARNESS_PATH)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_harness_needs_only_the_standard_library_and_pytest():
+    """It runs in the sandbox as ``harness.py``, where this package is neither importable nor
+    allowed: no relative import, no ``opd_literate``, nothing installed but pytest."""
+    import ast
+
+    imported = set()
+    for node in ast.walk(ast.parse(HARNESS_PATH.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import in the harness"
+            imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) == {"pytest"}

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from opd_literate.course.handout import LABS, grade, render_notebook, write_lab
+from opd_literate.course.grade import grade
+from opd_literate.course.labs import LABS, render_notebook, write_lab
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook extra: pip install .[notebook]")
 

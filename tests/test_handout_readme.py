@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from opd_literate.course import handout
-from opd_literate.course.handout import LABS, write_lab
+from opd_literate.course import grade
+from opd_literate.course.labs import LABS, write_lab
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +71,10 @@ def test_the_task_option_selects_the_tests_of_that_task(labs):
 def test_the_readme_names_every_grade_a_task_of_these_labs_can_get(labs):
     """``grade`` gives each task one of ``STATUSES`` (every status the source assigns is one of
     them); the README names all but "no tests", which no task of these labs can get."""
-    source = pathlib.Path(handout.__file__).read_text()
+    source = pathlib.Path(grade.__file__).read_text()
     assigned = set(re.findall(r'status = "([a-z ]+)"', source))
     assigned |= set(re.findall(r'status="([a-z ]+)"', source))
-    assert assigned == set(handout.STATUSES)
+    assert assigned == set(grade.STATUSES)
     text = " ".join((labs / "opd" / "README.md").read_text().split())
-    for status in set(handout.STATUSES) - {"no tests"}:
+    for status in set(grade.STATUSES) - {"no tests"}:
         assert status in text.split("reports each task as")[1], status

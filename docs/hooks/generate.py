@@ -362,7 +362,7 @@ def _gradient_agreement():
 
 
 def _handout():
-    from opd_literate.course.handout import PACKAGE, write_lab
+    from opd_literate.course.labs import PACKAGE, write_lab
 
     source = (PACKAGE / "opd.py").read_text()
     begin = source.index("    ### BEGIN SOLUTION Task 1")

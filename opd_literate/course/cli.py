@@ -1,0 +1,114 @@
+r"""Lab handouts and a grader, generated from the library itself (one source for both).
+
+The command line of the course tools (``opd-handout``, ``python -m opd_literate.course``)::
+
+    python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format notebook] [--force]
+    python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS]
+
+The first writes lab folders ([write_lab][opd_literate.course.labs.write_lab]); ``OUTDIR``
+receives a ``.opd-handout`` marker that lists the files written and their SHA-256, and
+``--force`` replaces only such a folder, deletes only those files (refusing if one was changed
+since) and keeps every other file. The second grades them
+([grade][opd_literate.course.grade.grade]) and prints
+[format_grade][opd_literate.course.grade.format_grade]'s report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from .grade import GRADE_TIMEOUT, format_grade, grade
+from .labs import FORMATS, MARKER, write_lab
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _grade_main(argv: list) -> int:
+    import signal
+
+    parser = _Parser(prog="opd-handout grade",
+                     description="Grade a lab folder with the instructor's tests, task by task.")
+    parser.add_argument("lab_dir", help="a folder written by opd-handout (or one holding such "
+                                        "folders)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the report as JSON to PATH ('-' for standard output)")
+    parser.add_argument("--timeout", type=float, default=GRADE_TIMEOUT,
+                        help=f"seconds each task's tests may run (default {GRADE_TIMEOUT:g})")
+    args = parser.parse_args(argv)
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    folder = pathlib.Path(args.lab_dir)
+    folders = ([folder] if (folder / "lab.json").exists()
+               else sorted(p.parent for p in folder.glob("*/lab.json")))
+    if not folders:
+        parser.error(f"{args.lab_dir!r} is not a lab folder (no lab.json)")
+
+    def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the harness group is killed
+        raise KeyboardInterrupt(number)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    reports = []
+    try:
+        for lab_folder in folders:
+            result = grade(lab_folder, timeout=args.timeout)
+            reports.append(dict(folder=str(lab_folder), **result))
+            if args.json != "-":
+                print(format_grade(result), flush=True)
+    except KeyboardInterrupt as interrupt:
+        number = interrupt.args[0] if interrupt.args else signal.SIGINT
+        print(f"opd-handout grade: stopped by {signal.Signals(number).name}; no process "
+              "left running", file=sys.stderr)
+        return 128 + int(number)
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        text = json.dumps(dict(labs=reports), indent=1) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            pathlib.Path(args.json).write_text(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    """The command line: ``OUTDIR --lab NAME [--force]`` writes, ``grade LABDIR`` grades.
+
+    Bad arguments (an unknown lab, a non-empty OUTDIR without ``--force``, ``--force`` on a
+    folder this tool did not write or on a symbolic link, an OUTDIR that cannot be written, a
+    folder without ``lab.json``) exit with code 2 and a one-line message.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grade"]:
+        return _grade_main(argv[1:])
+    parser = _Parser(prog="opd-handout", description=__doc__.split("\n\n")[0],
+                     epilog="To grade a folder: opd-handout grade LABDIR")
+    parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write the lab into")
+    parser.add_argument("--lab", default="all", help="opd, mismatch or all (default all)")
+    parser.add_argument("--format", default="files", choices=FORMATS,
+                        help="files (default): Python modules; notebook: the student module "
+                             "as a Jupyter notebook <lab>.ipynb")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a non-empty OUTDIR that this tool wrote (it deletes only "
+                             f"the unchanged files listed in OUTDIR/{MARKER})")
+    args = parser.parse_args(argv)
+    try:
+        folders = write_lab(args.lab, args.out_dir, force=args.force, format=args.format)
+    except (ValueError, OSError) as error:  # bad input, or a folder that cannot be written
+        parser.error(str(error))
+    for folder in folders:
+        print(f"wrote {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
