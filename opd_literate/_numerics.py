@@ -1,25 +1,68 @@
-"""Argument checks shared by the modules of ``opd_literate``.
+r"""The one home of what two chapters share: argument checks, constants and small numerics.
 
-Every public function validates its inputs with these helpers so that a wrong shape, dtype or
-value fails at the call with a message that names the argument, what it got and what was
-expected, instead of being silently broadcast into a wrong answer many lines later.
+**Argument checks.** Every public function validates its inputs with these helpers so that a
+wrong shape, dtype or value fails at the call with a message that names the argument, what it
+got and what was expected, instead of being silently broadcast into a wrong answer many lines
+later. A public function checks once and then calls private implementations that trust their
+inputs (as equinox's and numpy's internals do): a public function calling another public one
+would check the same mask again.
+
+**Numerics** that work on checked inputs: selection by a mask, the masked mean, the response
+lengths, the reductions of a per-token loss, the cancellation-free KL to a mixture (torch), and
+the exponential of a log-ratio that refuses to overflow (numpy).
+
+**Constants** read by several modules, defined here once: ``REDUCTIONS`` and ``VERL_COMMIT``.
+The modules that document them re-export them under the same name.
+
+The numpy-only modules import this file, so it imports no third-party package at import time:
+the torch helpers import torch inside the function, and the numpy helper takes numpy from its
+argument (``x.__array_namespace__()`` is the ``numpy`` module for a numpy array).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the numpy-only modules import this file: torch is loaded only when used
     import torch
 
 __all__ = [
+    "REDUCTIONS",
+    "VERL_COMMIT",
+    "MAX_LOG_RATIO",
     "check_float_tensor",
     "check_same_shape",
     "check_mask",
     "check_finite_number",
+    "check_band",
+    "check_reduction",
     "compute_dtype",
+    "select",
+    "masked_mean",
+    "lengths",
+    "aggregate",
+    "kl_to_mixture",
+    "exp_ratio",
 ]
+
+REDUCTIONS = (
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum"
+)
+"""The loss reductions of [opd_literate.opd.aggregate_loss][]: verl's four ``loss_agg_mode``
+names, and ``"sum"`` (not a verl mode)."""
+
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+"""The volcengine/verl commit read for every "verl" statement of the package."""
+
+MAX_LOG_RATIO = math.log(sys.float_info.max)
+"""709.78: ``exp`` of a larger log-ratio is ``inf`` in float64, and ``inf * 0`` is NaN."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
 
 
 def check_float_tensor(name: str, x, ndim: int | None) -> None:
@@ -98,6 +141,49 @@ def check_finite_number(name: str, value, low: float | None = None, high: float 
     return number
 
 
+def check_band(low, high, low_name: str = "low", high_name: str = "high", *,
+               cap: bool = False) -> tuple[float, float]:
+    r"""Return the band $[l, h]$ of a ratio as two floats, or raise naming the bad bound.
+
+    Two rules, each the one its callers have always had:
+
+    * ``cap=False`` (the numpy estimators' ``low`` and ``high``): ``low`` is checked first and
+      must be $\ge 0$ (ratios are), ``inf`` allowed; ``high`` is any real number or ``inf``.
+    * ``cap=True`` (correction's ``rollout_is_threshold`` and its ``lower``): the cap ``high``
+      is checked first and must be $> 0$, ``inf`` meaning no cap; ``low`` must be a finite
+      number $\ge 0$.
+
+    Either way ``low > high`` is a ``ValueError`` that gives both values.
+
+    Examples
+    --------
+    >>> check_band(0.5, 2)
+    (0.5, 2.0)
+    >>> check_band(0, math.inf, "lower", "rollout_is_threshold", cap=True)
+    (0.0, inf)
+    >>> check_band(3.0, 2.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: low must be <= high, got low=3.0 > high=2.0
+    """
+    if cap:
+        high = check_finite_number(high_name, high, positive=True, allow_inf=True)
+        low = check_finite_number(low_name, low, low=0.0)
+    else:
+        low = check_finite_number(low_name, low, low=0.0, allow_inf=True)  # ratios are >= 0
+        high = check_finite_number(high_name, high, allow_inf=True)
+    if low > high:
+        raise ValueError(f"{low_name} must be <= {high_name}, got {low_name}={low!r} > "
+                         f"{high_name}={high!r}")
+    return low, high
+
+
+def check_reduction(reduction) -> None:
+    """Raise unless ``reduction`` is one of ``REDUCTIONS``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The dtype to compute in: float32 for half-precision inputs, else the promoted dtype.
 
@@ -111,3 +197,116 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     if dtype in (torch.float16, torch.bfloat16):
         return torch.float32
     return dtype
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics on checked inputs: nothing below validates its arguments
+# ---------------------------------------------------------------------------------------------
+def select(mask: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """``values`` where the bool ``mask`` is True, exactly 0 elsewhere (None: ``values``).
+
+    A ``torch.where`` on both branches, never ``values * mask``: a masked-out ``-inf`` or NaN
+    times 0 is NaN, in the value and in the gradient.
+    """
+    import torch
+
+    if mask is None:
+        return values
+    return torch.where(mask, values, torch.zeros_like(values))
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(values over mask) / max(number of masked-in entries, 1); masked-out entries ignored.
+
+    Examples
+    --------
+    >>> import torch
+    >>> masked_mean(torch.tensor([1.0, 3.0, math.nan]), torch.tensor([True, True, False])).item()
+    2.0
+    """
+    return select(mask, values).sum() / mask.sum().clamp_min(1).to(values.dtype)
+
+
+def lengths(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Tokens per response of a (B, T) bool mask, (B,), at least 1 (an empty mean is 0, not 0/0)."""
+    return mask.sum(dim=1).clamp_min(1).to(dtype)
+
+
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The reductions of [opd_literate.opd.aggregate_loss][] (see there for the formulas), on a
+    checked (B, T) loss in its compute dtype and a bool mask."""
+    if reduction == "token-mean":
+        return masked_mean(per_token_loss, mask)
+    masked = select(mask, per_token_loss)
+    if reduction == "sum":
+        return masked.sum()
+    if reduction == "seq-mean-token-sum-norm":
+        # a constant normaliser: the padded length T (verl's default loss_scale_factor)
+        return masked.sum() / max(masked.shape[1], 1)
+    per_sequence = masked.sum(dim=1)  # (B,)
+    if reduction == "seq-mean-token-mean":
+        per_sequence = per_sequence / lengths(mask, masked.dtype)
+    return per_sequence.sum() / max(per_sequence.shape[0], 1)
+
+
+def kl_to_mixture(log_a: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
+    r"""$\mathrm{KL}(a \,\|\, m)$ over the last axis, in a form with no cancellation.
+
+    With $u_v = \log m_v - \log a_v$ and $\varphi(u) = e^u - 1 - u \ge 0$, and because
+    $\sum_v m_v = \sum_v a_v = 1$,
+
+    $$
+    \mathrm{KL}(a \,\|\, m) = \sum_{v:\, a_v > 0} a_v\, \varphi(u_v) + \sum_{v:\, a_v = 0} m_v .
+    $$
+
+    Every term is $\ge 0$. The plain $\sum_v a_v(\log a_v - \log m_v)$ sums terms of size
+    $|u_v|$ that cancel to $O(u^2)$, which a division by a small $\beta$ then magnifies; here
+    the first-order terms are gone before rounding. For $u \le 1$, $a\varphi(u)$ is computed as
+    $a\,(\mathrm{expm1}(u) - u)$; for $u > 1$ (where $e^u$ could overflow) as $m - a(1 + u)$.
+    Requires $m_v > 0$ wherever $a_v > 0$ (true for a mixture with a positive weight on $a$).
+    Used by the dense JSD of [opd_literate.opd.generalized_jsd_per_position][] and the chunked
+    one of [opd_literate.large_vocab.chunked.chunked_divergence][].
+    """
+    import torch
+
+    support = log_a > -math.inf
+    u = torch.where(support, log_m - torch.where(support, log_a, torch.zeros_like(log_a)),
+                    torch.zeros_like(log_a))
+    small = support & (u <= 1.0)
+    large = support & (u > 1.0)
+    a = torch.where(support, log_a, torch.zeros_like(log_a)).exp()
+    u_small = torch.where(small, u, torch.zeros_like(u))
+    u_large = torch.where(large, u, torch.ones_like(u))
+    m = torch.where(support | (log_m > -math.inf), log_m, torch.zeros_like(log_m)).exp()
+    terms = torch.where(small, a * (torch.expm1(u_small) - u_small), a.new_zeros(()))
+    terms = torch.where(large, m - a * (1.0 + u_large), terms)
+    # off a's support the term is m_v itself (0 where m_v = 0 too: a padded entry)
+    off_support = ~support & (log_m > -math.inf)
+    terms = torch.where(off_support, m, terms)
+    return terms.sum(dim=-1).clamp_min(0.0)
+
+
+def exp_ratio(log_ratio, level: str, toy: dict):
+    """``exp(log_ratio)`` for a numpy array of log importance ratios, or a ``ValueError`` where
+    a ratio would overflow float64 (``level`` and ``toy["mismatch"]`` name it in the message).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> exp_ratio(np.log([0.5, 2.0]), "per-token", {}).tolist()
+    [0.5, 2.0]
+    >>> exp_ratio(np.array([800.0]), "sequence", {"mismatch": 3.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: the sequence importance ratios overflow float64 (log ratio up to 800 > 709.8) ...
+    """
+    np = log_ratio.__array_namespace__()  # numpy, not imported here (see the module docstring)
+    largest = float(np.max(log_ratio)) if np.size(log_ratio) else 0.0
+    if largest > MAX_LOG_RATIO:
+        raise ValueError(
+            f"the {level} importance ratios overflow float64 (log ratio up to {largest:.0f} > "
+            f"{MAX_LOG_RATIO:.1f}) at mismatch={toy.get('mismatch')!r}: the sampler gives "
+            "some sequences a probability that underflows; use a smaller mismatch"
+        )
+    return np.exp(log_ratio)

@@ -78,11 +78,17 @@ import torch
 import torch.nn.functional as F
 
 from ._numerics import (
+    REDUCTIONS,
+    aggregate,
     check_finite_number,
     check_float_tensor,
     check_mask,
+    check_reduction,
     check_same_shape,
     compute_dtype,
+    kl_to_mixture,
+    masked_mean,
+    select,
 )
 
 __all__ = [
@@ -102,12 +108,6 @@ __all__ = [
     "aggregate_loss",
     "sampled_token_opd_loss",
 ]
-
-REDUCTIONS = (
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum"
-)
-"""The loss reductions of [opd_literate.opd.aggregate_loss][]: verl's four ``loss_agg_mode``
-names, and ``"sum"`` (not a verl mode)."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """The single-sample KL estimators of [opd_literate.opd.kl_estimator][]."""
@@ -188,13 +188,6 @@ def _shift_to_max(logits):
     return logits - row_max.detach()
 
 
-def _select(mask, values):
-    """``values`` where ``mask`` is 1, exactly 0 elsewhere (no mask: ``values`` unchanged)."""
-    if mask is None:
-        return values
-    return torch.where(mask, values, torch.zeros_like(values))
-
-
 def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     r"""$\sum_v p_v (\log p_v - \log q_v)$ over the last axis, with $0 \log 0 = 0$.
 
@@ -218,45 +211,6 @@ def _kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor
     infinite = (support & ~both).any(dim=-1)
     return torch.where(infinite, torch.full_like(kl, math.inf), kl)
     ### END SOLUTION
-
-
-def _kl_to_mixture(log_a: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
-    r"""$\mathrm{KL}(a \,\|\, m)$ over the last axis, in a form with no cancellation.
-
-    With $u_v = \log m_v - \log a_v$ and $\varphi(u) = e^u - 1 - u \ge 0$, and because
-    $\sum_v m_v = \sum_v a_v = 1$,
-
-    $$
-    \mathrm{KL}(a \,\|\, m) = \sum_{v:\, a_v > 0} a_v\, \varphi(u_v) + \sum_{v:\, a_v = 0} m_v .
-    $$
-
-    Every term is $\ge 0$. The plain $\sum_v a_v(\log a_v - \log m_v)$ sums terms of size
-    $|u_v|$ that cancel to $O(u^2)$, which a division by a small $\beta$ then magnifies; here
-    the first-order terms are gone before rounding. For $u \le 1$, $a\varphi(u)$ is computed as
-    $a\,(\mathrm{expm1}(u) - u)$; for $u > 1$ (where $e^u$ could overflow) as $m - a(1 + u)$.
-    Requires $m_v > 0$ wherever $a_v > 0$ (true for a mixture with a positive weight on $a$).
-    """
-    support = log_a > -math.inf
-    u = torch.where(support, log_m - torch.where(support, log_a, torch.zeros_like(log_a)),
-                    torch.zeros_like(log_a))
-    small = support & (u <= 1.0)
-    large = support & (u > 1.0)
-    a = torch.where(support, log_a, torch.zeros_like(log_a)).exp()
-    u_small = torch.where(small, u, torch.zeros_like(u))
-    u_large = torch.where(large, u, torch.ones_like(u))
-    m = torch.where(support | (log_m > -math.inf), log_m, torch.zeros_like(log_m)).exp()
-    terms = torch.where(small, a * (torch.expm1(u_small) - u_small), a.new_zeros(()))
-    terms = torch.where(large, m - a * (1.0 + u_large), terms)
-    # off a's support the term is m_v itself (0 where m_v = 0 too: a padded entry)
-    off_support = ~support & (log_m > -math.inf)
-    terms = torch.where(off_support, m, terms)
-    return terms.sum(dim=-1).clamp_min(0.0)
-
-
-def _masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sum(values over mask) / max(number of masked-in entries, 1); masked-out entries ignored."""
-    selected = torch.where(mask, values, torch.zeros_like(values))
-    return selected.sum() / mask.sum().clamp_min(1).to(values.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +407,7 @@ def reverse_kl_per_position(student_logits, teacher_logits, mask=None, temperatu
     mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
     temperature = check_finite_number("temperature", temperature, positive=True)
     log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
-    return _select(mask, _kl_from_log_probs(log_p, log_q))
+    return select(mask, _kl_from_log_probs(log_p, log_q))
 
 
 def full_vocab_reverse_kl(student_logits, teacher_logits, mask, temperature=1.0):
@@ -530,7 +484,7 @@ def full_vocab_reverse_kl(student_logits, teacher_logits, mask, temperature=1.0)
     # KL_t = sum_v p_v (log p_v - log q_v), with 0 log 0 = 0.
     kl_per_position = _kl_from_log_probs(log_p, log_q)  # (B, T)
     # loss = sum_{b,t} mask * KL_t / max(sum mask, 1)
-    return _masked_token_mean(kl_per_position, mask)
+    return masked_mean(kl_per_position, mask)
     ### END SOLUTION
 
 
@@ -576,9 +530,14 @@ def forward_kl_per_position(student_logits, teacher_logits, mask=None, temperatu
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
     temperature = check_finite_number("temperature", temperature, positive=True)
+    return _forward_kl_per_position(student_logits, teacher_logits, mask, temperature)
+
+
+def _forward_kl_per_position(student_logits, teacher_logits, mask, temperature):
+    """[opd_literate.opd.forward_kl_per_position][] on checked inputs (a bool mask or None)."""
     log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
     # KL(q || p): the roles swap, the support is now the teacher's.
-    return _select(mask, _kl_from_log_probs(log_q, log_p))
+    return select(mask, _kl_from_log_probs(log_q, log_p))
 
 
 def forward_kl(student_logits, teacher_logits, mask, temperature=1.0):
@@ -612,8 +571,9 @@ def forward_kl(student_logits, teacher_logits, mask, temperature=1.0):
     0.0589
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
-    per_position = forward_kl_per_position(student_logits, teacher_logits, mask, temperature)
-    return _masked_token_mean(per_position, mask)
+    temperature = check_finite_number("temperature", temperature, positive=True)
+    per_position = _forward_kl_per_position(student_logits, teacher_logits, mask, temperature)
+    return masked_mean(per_position, mask)
 
 
 def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, normalize=False,
@@ -698,15 +658,28 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     0.6931
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=True)
+    beta, temperature = _check_jsd_options(beta, normalize, temperature)
+    return _generalized_jsd_per_position(student_logits, teacher_logits, beta, normalize, mask,
+                                         temperature)
+
+
+def _check_jsd_options(beta, normalize, temperature):
+    """Validate the JSD's beta, normalize and temperature; return beta and temperature."""
     beta = check_finite_number("beta", beta, low=0.0, high=1.0)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__} {normalize!r}")
     temperature = check_finite_number("temperature", temperature, positive=True)
+    return beta, temperature
+
+
+def _generalized_jsd_per_position(student_logits, teacher_logits, beta, normalize, mask,
+                                  temperature):
+    """[opd_literate.opd.generalized_jsd_per_position][] on checked inputs."""
     log_p, log_q = _log_softmax_pair(student_logits, teacher_logits, mask, temperature)
     if beta == 0.0:
-        return _select(mask, _kl_from_log_probs(log_q, log_p))  # forward KL(q || p)
+        return select(mask, _kl_from_log_probs(log_q, log_p))  # forward KL(q || p)
     if beta == 1.0:
-        return _select(mask, _kl_from_log_probs(log_p, log_q))  # reverse KL(p || q)
+        return select(mask, _kl_from_log_probs(log_p, log_q))  # reverse KL(p || q)
     # log m = logsumexp(log beta + log q, log(1 - beta) + log p). An entry impossible in both
     # models (a padded vocabulary) has m = 0: logsumexp(-inf, -inf) would give it a NaN
     # gradient, so it is selected away on both sides.
@@ -717,14 +690,14 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
                      torch.where(padded, zeros, log_p) + math.log1p(-beta)]), dim=0
     )
     log_m = torch.where(padded, torch.full_like(log_m, -math.inf), log_m)
-    kl_teacher = _kl_to_mixture(log_q, log_m)  # KL(q || m)
-    kl_student = _kl_to_mixture(log_p, log_m)  # KL(p || m) = O(beta^2) as beta -> 0
+    kl_teacher = kl_to_mixture(log_q, log_m)  # KL(q || m)
+    kl_student = kl_to_mixture(log_p, log_m)  # KL(p || m) = O(beta^2) as beta -> 0
     if normalize:
         # JSD / (beta (1 - beta)), term by term: no product rounded and then divided
         jsd = kl_teacher / (1.0 - beta) + kl_student / beta
     else:
         jsd = beta * kl_teacher + (1.0 - beta) * kl_student
-    return _select(mask, jsd)
+    return select(mask, jsd)
 
 
 def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=False,
@@ -776,11 +749,10 @@ def generalized_jsd(student_logits, teacher_logits, mask, beta=0.5, normalize=Fa
     0.0
     """
     mask = _check_logits_pair(student_logits, teacher_logits, mask)
-    per_position = generalized_jsd_per_position(
-        student_logits, teacher_logits, beta=beta, normalize=normalize, mask=mask,
-        temperature=temperature,
-    )
-    return _masked_token_mean(per_position, mask)
+    beta, temperature = _check_jsd_options(beta, normalize, temperature)
+    per_position = _generalized_jsd_per_position(student_logits, teacher_logits, beta, normalize,
+                                                 mask, temperature)
+    return masked_mean(per_position, mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -989,8 +961,12 @@ def discounted_returns(rewards, mask, gamma):
     mask = check_mask(mask, "rewards", tuple(rewards.shape))
     gamma = check_finite_number("gamma", gamma, low=0.0, high=1.0)
     dtype = compute_dtype(rewards)  # float32 for half precision
-    r = rewards.detach().to(dtype)
-    r = torch.where(mask, r, torch.zeros_like(r))
+    return _discounted_returns(rewards.detach().to(dtype), mask, gamma)
+
+
+def _discounted_returns(rewards, mask, gamma):
+    """[opd_literate.opd.discounted_returns][] of detached rewards in their compute dtype."""
+    r = select(mask, rewards)
     if gamma == 0.0:
         return r  # G_t = r_t; the recursion would form 0 * (-inf) = NaN after a -inf reward
     returns = torch.zeros_like(r)
@@ -998,7 +974,7 @@ def discounted_returns(rewards, mask, gamma):
     for t in reversed(range(r.shape[1])):  # T is a response length: a short loop
         running = r[:, t] + gamma * running
         returns[:, t] = running
-    return torch.where(mask, returns, torch.zeros_like(returns))
+    return select(mask, returns)
 
 
 def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
@@ -1073,21 +1049,9 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
     """
     check_float_tensor("per_token_loss", per_token_loss, 2)
     mask = check_mask(mask, "per_token_loss", tuple(per_token_loss.shape))
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_reduction(reduction)
     per_token_loss = per_token_loss.to(compute_dtype(per_token_loss))  # float32 for half
-    if reduction == "token-mean":
-        return _masked_token_mean(per_token_loss, mask)
-    masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
-    if reduction == "sum":
-        return masked.sum()
-    if reduction == "seq-mean-token-sum-norm":
-        # a constant normaliser: the padded length T (verl's default loss_scale_factor)
-        return masked.sum() / max(masked.shape[1], 1)
-    per_sequence = masked.sum(dim=1)  # (B,)
-    if reduction == "seq-mean-token-mean":
-        per_sequence = per_sequence / mask.sum(dim=1).clamp_min(1).to(masked.dtype)
-    return per_sequence.sum() / max(per_sequence.shape[0], 1)
+    return aggregate(per_token_loss, mask, reduction)
 
 
 def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reduction="token-mean"):
@@ -1148,12 +1112,14 @@ def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reductio
     >>> [round(g, 4) for g in s.grad[0].tolist()]  # -A_t = -(r_1 + r_2), -r_2
     [0.0, -0.6931]
     """
-    mask_bool = _check_token_pair(student_logp, teacher_logp, mask)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    rewards = reverse_kl_rewards(student_logp, teacher_logp, mask_bool)  # float32 for half
-    advantages = discounted_returns(rewards, mask_bool, gamma)
-    logp = student_logp.to(advantages.dtype)
-    logp = torch.where(mask_bool, logp, torch.zeros_like(logp))
+    mask = _check_token_pair(student_logp, teacher_logp, mask)
+    check_reduction(reduction)
+    gamma = check_finite_number("gamma", gamma, low=0.0, high=1.0)
+    dtype = compute_dtype(student_logp, teacher_logp)  # float32 for half precision
+    # r_t = log pi_T(y_t|s_t) - log pi_theta(y_t|s_t), detached: the rewards of
+    # reverse_kl_rewards (Task 1), here on the mask checked above
+    rewards = select(mask, teacher_logp.detach().to(dtype) - student_logp.detach().to(dtype))
+    advantages = _discounted_returns(rewards, mask, gamma)
+    logp = select(mask, student_logp.to(advantages.dtype))
     # per-token loss: -sg(A_t) * log pi_theta(y_t | s_t)
-    return aggregate_loss(-advantages * logp, mask_bool, reduction)
+    return aggregate(-advantages * logp, mask, reduction)

@@ -60,8 +60,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._numerics import check_finite_number, check_float_tensor, check_mask, compute_dtype
-from ..opd import _kl_to_mixture
+from .._numerics import (
+    check_finite_number,
+    check_float_tensor,
+    check_mask,
+    compute_dtype,
+    kl_to_mixture,
+)
 
 __all__ = [
     "DIVERGENCES",
@@ -131,9 +136,9 @@ def _chunk_loss_and_grad(z, zt, divergence, beta, normalize):
         p = log_p.exp()
         # log m = log(beta q + (1 - beta) p); logaddexp(-inf, -inf) = -inf for padded entries
         log_m = torch.logaddexp(log_q + math.log(beta), log_p + math.log1p(-beta))
-        # The value in opd.py's form without first-order cancellation: near beta = 0 or 1 the
+        # The value in the form without first-order cancellation: near beta = 0 or 1 the
         # plain sum of a (log a - log m) cancels to O(beta^2), which normalize then divides.
-        loss = beta * _kl_to_mixture(log_q, log_m) + (1.0 - beta) * _kl_to_mixture(log_p, log_m)
+        loss = beta * kl_to_mixture(log_q, log_m) + (1.0 - beta) * kl_to_mixture(log_p, log_m)
         kl_pm, _, d = _kl_rows(log_p, p, log_m)
         # dJSD/dz = (1 - beta) p (log p - log m - KL(p || m))
         grad = d.sub_(kl_pm[:, None]).mul_(p).mul_(1.0 - beta)

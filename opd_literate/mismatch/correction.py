@@ -63,13 +63,20 @@ from typing import NamedTuple
 import torch
 
 from .._numerics import (
+    VERL_COMMIT,
+    aggregate,
+    check_band,
     check_finite_number,
     check_float_tensor,
     check_mask,
+    check_reduction,
     check_same_shape,
     compute_dtype,
+    lengths,
+    masked_mean,
+    select,
 )
-from ..opd import REDUCTIONS, aggregate_loss, kl_estimator
+from ..opd import kl_estimator
 
 __all__ = [
     "VERL_COMMIT",
@@ -91,9 +98,6 @@ __all__ = [
     "reinforce_loss",
     "kl_penalty",
 ]
-
-VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
-"""The volcengine/verl commit read for every "verl" statement of this module."""
 
 SAFETY_BOUND = 20.0
 r"""Log-ratios are clamped to $[-20, 20]$ before the exponential (verl's ``SAFETY_BOUND``)."""
@@ -160,18 +164,13 @@ def _token_log_ratio(trainer_logp, sampler_logp, mask, dtype):
     return trainer - sampler
 
 
-def _lengths(mask, dtype):
-    """Tokens per response, (B,), at least 1 (an empty response's mean is 0, not 0 / 0)."""
-    return mask.sum(dim=1).clamp_min(1).to(dtype)
-
-
 def _level_log_ratio(log_rho_t, mask, level):
     """The (B, T) log-ratio of a level: per token, or the response's sum or mean on every token."""
     if level == "token":
         return log_rho_t
     total = log_rho_t.sum(dim=1, keepdim=True)  # (B, 1): the padding holds exactly 0
     if level == "geometric":
-        total = total / _lengths(mask, log_rho_t.dtype)[:, None]
+        total = total / lengths(mask, log_rho_t.dtype)[:, None]
     return total.expand_as(log_rho_t)
 
 
@@ -201,25 +200,7 @@ def log_ratios(trainer_logp, sampler_logp, mask, level="token"):
         raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
-    return _select(mask, _level_log_ratio(log_rho_t, mask, level))
-
-
-def _select(mask, values):
-    return torch.where(mask, values, torch.zeros_like(values))
-
-
-def _masked_mean(values, mask):
-    """Mean over the True entries of mask; 0 for none."""
-    return _select(mask, values).sum() / mask.sum().clamp_min(1).to(values.dtype)
-
-
-def _check_band(low, high, low_name, high_name):
-    high = check_finite_number(high_name, high, positive=True, allow_inf=True)
-    low = check_finite_number(low_name, low, low=0.0)
-    if low > high:
-        raise ValueError(f"{low_name} must be <= {high_name}, got {low_name}={low!r} > "
-                         f"{high_name}={high!r}")
-    return low, high
+    return select(mask, _level_log_ratio(log_rho_t, mask, level))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +288,15 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     >>> [round(v, 6) for v in w[0].tolist()], round(m["rollout_is_max"], 6)
     ([1.5625, 1.5625], 1.5625)
     """
+    low, high = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
+                                  rollout_is_batch_normalize)
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    return _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low, high,
+                               mode, rollout_is_batch_normalize)
+
+
+def _check_is_options(rollout_is, rollout_is_threshold, mode, lower, rollout_is_batch_normalize):
+    """Validate the options of importance_weights; return the band (lower or 0, threshold)."""
     if rollout_is not in IS_LEVELS:
         raise ValueError(f"rollout_is must be one of {IS_LEVELS}, got {rollout_is!r}")
     if mode not in IS_MODES:
@@ -314,12 +304,17 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     if mode == "truncate" and lower is not None:
         raise ValueError(f"lower applies to mode 'mask' or 'clamp', not 'truncate' (got "
                          f"lower={lower!r}); truncation caps from above only")
-    low, high = _check_band(0.0 if lower is None else lower, rollout_is_threshold,
-                            "lower", "rollout_is_threshold")
+    low, high = check_band(0.0 if lower is None else lower, rollout_is_threshold,
+                           "lower", "rollout_is_threshold", cap=True)
     if not isinstance(rollout_is_batch_normalize, bool):
         raise TypeError("rollout_is_batch_normalize must be a bool, got "
                         f"{type(rollout_is_batch_normalize).__name__}")
-    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    return low, high
+
+
+def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low, high, mode,
+                        rollout_is_batch_normalize):
+    """[opd_literate.mismatch.correction.importance_weights][] on checked inputs."""
     with torch.no_grad():  # the weights change the measure, not the objective: detached
         log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
         log_r = _level_log_ratio(log_rho_t, mask, rollout_is)
@@ -330,12 +325,12 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
             weights = torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
         else:
             weights = torch.clamp(ratio, min=low, max=high)
-        weights = _select(mask, weights)
+        weights = select(mask, weights)
         metrics = _is_metrics(ratio, log_r, mask, rollout_is, low if low > 0 else 1.0 / high,
                               high)
         if rollout_is_batch_normalize:
             if rollout_is == "token":
-                mean = _masked_mean(weights, mask)
+                mean = masked_mean(weights, mask)
             else:
                 has_token = mask.any(dim=1)
                 mean = weights.max(dim=1).values.sum() / has_token.sum().clamp_min(1)
@@ -349,7 +344,7 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
 def _is_metrics(ratio, log_r, mask, level, low, high):
     if not bool(mask.any()):
         return {}
-    metrics = {"rollout_is_mean": float(_masked_mean(ratio, mask))}
+    metrics = {"rollout_is_mean": float(masked_mean(ratio, mask))}
     if level == "token":
         unit_values, unit_log = ratio[mask], log_r[mask]
     else:  # one value per response with a token
@@ -363,8 +358,8 @@ def _is_metrics(ratio, log_r, mask, level, low, high):
     metrics["rollout_is_ratio_fraction_high"] = float((unit_log > log_high).double().mean())
     metrics["rollout_is_ratio_fraction_low"] = float((unit_log < log_low).double().mean())
     clamped = torch.clamp(ratio, min=low, max=high)
-    normalised = clamped / _masked_mean(clamped, mask)
-    metrics["rollout_is_eff_sample_size"] = float(1.0 / _masked_mean(normalised.square(), mask))
+    normalised = clamped / masked_mean(clamped, mask)
+    metrics["rollout_is_eff_sample_size"] = float(1.0 / masked_mean(normalised.square(), mask))
     return metrics
 
 
@@ -471,6 +466,11 @@ def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_thre
     """
     bounds = _parse_rs(rollout_rs, rollout_rs_threshold)
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    return _rejection_mask(trainer_logp, sampler_logp, mask, dtype, bounds)
+
+
+def _rejection_mask(trainer_logp, sampler_logp, mask, dtype, bounds):
+    """[opd_literate.mismatch.correction.rejection_mask][] on checked inputs and parsed bounds."""
     metrics = {}
     with torch.no_grad():
         x = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype).clamp(-SAFETY_BOUND,
@@ -480,13 +480,13 @@ def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_thre
         has_token = mask.any(dim=1)
         for option, (lower, upper) in bounds.items():
             level, kind = option.rsplit("_", 1)
-            per_token = _select(mask, divergences[kind])
+            per_token = select(mask, divergences[kind])
             if level == "token":
                 stat = per_token
             elif level == "seq_sum":
                 stat = per_token.sum(dim=1, keepdim=True)
             elif level == "seq_mean":
-                stat = per_token.sum(dim=1, keepdim=True) / _lengths(mask, dtype)[:, None]
+                stat = per_token.sum(dim=1, keepdim=True) / lengths(mask, dtype)[:, None]
             else:  # seq_max: over the response's tokens only (k2, k3 >= 0, so 0 is below all)
                 stat = per_token.max(dim=1, keepdim=True).values
             if kind == "k1":
@@ -532,6 +532,11 @@ def veto_mask(trainer_logp, sampler_logp, mask, veto_threshold=1e-4):
     """
     threshold = check_finite_number("veto_threshold", veto_threshold, positive=True)
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    return _veto_mask(trainer_logp, sampler_logp, mask, dtype, threshold)
+
+
+def _veto_mask(trainer_logp, sampler_logp, mask, dtype, threshold):
+    """[opd_literate.mismatch.correction.veto_mask][] on checked inputs."""
     with torch.no_grad():
         log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
         vetoed = (mask & (log_rho_t < math.log(threshold))).any(dim=1, keepdim=True)
@@ -566,6 +571,11 @@ def offpolicy_metrics(trainer_logp, sampler_logp, mask):
     (2.3203, 1.4414)
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    return _offpolicy_metrics(trainer_logp, sampler_logp, mask, dtype)
+
+
+def _offpolicy_metrics(trainer_logp, sampler_logp, mask, dtype):
+    """[opd_literate.mismatch.correction.offpolicy_metrics][] on checked inputs."""
     if not bool(mask.any()):
         return {}
     with torch.no_grad():
@@ -574,9 +584,9 @@ def offpolicy_metrics(trainer_logp, sampler_logp, mask):
         has_token = mask.any(dim=1)
         seq = x.sum(dim=1)[has_token].clamp(-SAFETY_BOUND, SAFETY_BOUND)
         return {
-            "kl": float(_masked_mean(-x, mask)),
-            "k3_kl": float(_masked_mean(torch.expm1(x_safe) - x_safe, mask)),
-            "chi2_token": float(_masked_mean(torch.exp(2.0 * x_safe), mask)) - 1.0,
+            "kl": float(masked_mean(-x, mask)),
+            "k3_kl": float(masked_mean(torch.expm1(x_safe) - x_safe, mask)),
+            "chi2_token": float(masked_mean(torch.exp(2.0 * x_safe), mask)) - 1.0,
             "chi2_seq": float(torch.exp(2.0 * seq).mean()) - 1.0,
         }
 
@@ -620,21 +630,23 @@ def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
                              "('token', 'sequence' or 'geometric'); it is None")
         weights = mask.to(dtype)
     else:
-        weights, is_metrics = importance_weights(
-            trainer_logp, sampler_logp, mask, rollout_is,
-            rollout_is_threshold=rollout_is_threshold, mode=mode, lower=lower,
-            rollout_is_batch_normalize=rollout_is_batch_normalize)
+        low, high = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
+                                      rollout_is_batch_normalize)
+        weights, is_metrics = _importance_weights(trainer_logp, sampler_logp, mask, dtype,
+                                                  rollout_is, low, high, mode,
+                                                  rollout_is_batch_normalize)
         metrics.update(is_metrics)
     keep = mask
     if rollout_rs is not None:
-        keep, rs_metrics = rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs,
-                                          rollout_rs_threshold)
+        bounds = _parse_rs(rollout_rs, rollout_rs_threshold)
+        keep, rs_metrics = _rejection_mask(trainer_logp, sampler_logp, mask, dtype, bounds)
         metrics.update(rs_metrics)
     elif rollout_rs_threshold is not None:
         raise ValueError(f"rollout_rs_threshold={rollout_rs_threshold!r} needs rollout_rs")
     if veto_threshold is not None:
-        keep = keep & veto_mask(trainer_logp, sampler_logp, mask, veto_threshold)
-    metrics.update(offpolicy_metrics(trainer_logp, sampler_logp, mask))
+        threshold = check_finite_number("veto_threshold", veto_threshold, positive=True)
+        keep = keep & _veto_mask(trainer_logp, sampler_logp, mask, dtype, threshold)
+    metrics.update(_offpolicy_metrics(trainer_logp, sampler_logp, mask, dtype))
     metrics = {_METRIC_PREFIX + name: value for name, value in metrics.items()}
     return Correction(weights.detach(), keep, metrics)
 
@@ -657,11 +669,6 @@ def _check_advantages(advantages, mask, dtype):
                          f"{advantages[b, t].item()!r} at position ({b}, {t})")
     zeros = torch.zeros((), dtype=dtype, device=advantages.device)
     return torch.where(mask, advantages.detach().to(dtype), zeros)
-
-
-def _check_reduction(reduction):
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 def _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high):
@@ -725,7 +732,7 @@ def ppo_clip_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
     clip_ratio_c = check_finite_number("clip_ratio_c", clip_ratio_c, allow_inf=True)
     if not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c must be > 1 (verl asserts it), got {clip_ratio_c!r}")
-    _check_reduction(reduction)
+    check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)
     log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
     # r_t = pi_theta(y_t) / mu(y_t), from a clamped log-ratio
@@ -737,12 +744,12 @@ def ppo_clip_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
     dual = -A * clip_ratio_c if math.isfinite(clip_ratio_c) else torch.full_like(A, math.inf)
     dual_active = (A < 0) & (per_token > dual)
     per_token = torch.where(A < 0, torch.minimum(per_token, dual), per_token)
-    loss = aggregate_loss(_select(mask, per_token), mask, reduction)
+    loss = aggregate(select(mask, per_token), mask, reduction)
     with torch.no_grad():
         metrics = {
-            "actor/pg_clipfrac": float(_masked_mean((clipped > unclipped).to(dtype), mask)),
-            "actor/ppo_kl": float(_masked_mean(-log_rho_t, mask)),
-            "actor/pg_clipfrac_lower": float(_masked_mean(dual_active.to(dtype), mask)),
+            "actor/pg_clipfrac": float(masked_mean((clipped > unclipped).to(dtype), mask)),
+            "actor/ppo_kl": float(masked_mean(-log_rho_t, mask)),
+            "actor/pg_clipfrac_lower": float(masked_mean(dual_active.to(dtype), mask)),
         }
     return loss, metrics
 
@@ -784,18 +791,18 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     eps_low, eps_high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    _check_reduction(reduction)
+    check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)
     log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
     with torch.no_grad():
         ratio = _exp_safe(log_rho_t)
         weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # sg(clip(r_t))
-    trainer = _select(mask, trainer_logp.to(dtype))
+    trainer = select(mask, trainer_logp.to(dtype))
     per_token = -weight * A * trainer
-    loss = aggregate_loss(_select(mask, per_token), mask, reduction)
+    loss = aggregate(select(mask, per_token), mask, reduction)
     metrics = {
-        "actor/pg_clipfrac": float(_masked_mean((weight != ratio).to(dtype), mask)),
-        "actor/ppo_kl": float(_masked_mean(-log_rho_t.detach(), mask)),
+        "actor/pg_clipfrac": float(masked_mean((weight != ratio).to(dtype), mask)),
+        "actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask)),
     }
     return loss, metrics
 
@@ -838,20 +845,20 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     eps_low, eps_high = _clip_range(0.0, clip_ratio_low, clip_ratio_high)
-    _check_reduction(reduction)
+    check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)
     log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
     log_s = _level_log_ratio(log_rho_t, mask, "geometric").detach()  # sg(log s), (B, T)
-    trainer = _select(mask, trainer_logp.to(dtype))
+    trainer = select(mask, trainer_logp.to(dtype))
     # log s_t = sg(log s) + log pi(y_t) - sg(log pi(y_t)): the value of s, the gradient of pi
     seq_ratio = _exp_safe(log_s + trainer - trainer.detach())
     unclipped = -A * seq_ratio
     clipped = -A * torch.clamp(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = aggregate_loss(_select(mask, per_token), mask, reduction)
+    loss = aggregate(select(mask, per_token), mask, reduction)
     metrics = {
-        "actor/pg_clipfrac": float(_masked_mean((clipped > unclipped).to(dtype), mask)),
-        "actor/ppo_kl": float(_masked_mean(-log_rho_t.detach(), mask)),
+        "actor/pg_clipfrac": float(masked_mean((clipped > unclipped).to(dtype), mask)),
+        "actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask)),
     }
     return loss, metrics
 
@@ -884,11 +891,11 @@ def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="t
     bad = mask & ~torch.isfinite(weights)
     if bool(bad.any()):
         raise ValueError("weights must be finite where mask is 1")
-    _check_reduction(reduction)
+    check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)
-    w = _select(mask, weights.detach().to(dtype))
-    per_token = -w * A * _select(mask, trainer_logp.to(dtype))
-    return aggregate_loss(_select(mask, per_token), mask, reduction)
+    w = select(mask, weights.detach().to(dtype))
+    per_token = -w * A * select(mask, trainer_logp.to(dtype))
+    return aggregate(select(mask, per_token), mask, reduction)
 
 
 def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
@@ -938,4 +945,4 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
         k2 = kl_estimator(trainer, ref, "k2")
         # straight through: the value of k, the gradient of k2
         value = k2 - k2.detach() + value.detach()
-    return _select(mask, value)
+    return select(mask, value)

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._numerics import check_finite_number
+from .._numerics import VERL_COMMIT, check_band, check_finite_number, exp_ratio
 from .toy import (
     ar_toy_from_logits,
     check_toy,
@@ -75,9 +75,6 @@ from .toy import (
     make_toy,
     toy_from_logits,
 )
-
-# The verl source read for every "verl ..." statement of this module (volcengine/verl, main).
-VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 
 __all__ = [
     "token_ratios",
@@ -123,7 +120,7 @@ def token_ratios(toy):
     [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
     """
     check_toy(toy, keys=("logp_train", "logp_sampler"))
-    return _exp_ratio(toy["logp_train"] - toy["logp_sampler"], "per-token", toy)
+    return exp_ratio(toy["logp_train"] - toy["logp_sampler"], "per-token", toy)
 
 
 def _lengths(toy):
@@ -136,21 +133,6 @@ def _lengths(toy):
 def _log_seq_ratio(toy):
     """log rho = sum_t log rho_t, shape (M,): summed in log space, never as a product."""
     return (toy["logp_train"] - toy["logp_sampler"]).sum(axis=1)
-
-
-# exp(709.78) is the largest float64: a larger log-ratio would become inf, and inf * 0 is NaN.
-_MAX_LOG_RATIO = float(np.log(np.finfo(float).max))
-
-
-def _exp_ratio(log_ratio, level, toy):
-    largest = float(np.max(log_ratio)) if np.size(log_ratio) else 0.0
-    if largest > _MAX_LOG_RATIO:
-        raise ValueError(
-            f"the {level} importance ratios overflow float64 (log ratio up to {largest:.0f} > "
-            f"{_MAX_LOG_RATIO:.1f}) at mismatch={toy.get('mismatch')!r}: the sampler gives "
-            "some sequences a probability that underflows; use a smaller mismatch"
-        )
-    return np.exp(log_ratio)
 
 
 def geometric_ratio(toy):
@@ -222,15 +204,6 @@ def weighted_score(toy, weights, baseline=0.0):
     # |s_t| <= 1, so this product cannot overflow
     extra = (1,) * (np.ndim(toy["score"]) - 2)
     return weighted_advantage.reshape(weighted_advantage.shape + extra) * toy["score"]
-
-
-def _check_band(low, high, *, low_name="low", high_name="high"):
-    low = check_finite_number(low_name, low, low=0.0, allow_inf=True)  # ratios are >= 0
-    high = check_finite_number(high_name, high, allow_inf=True)
-    if low > high:
-        raise ValueError(f"{low_name} must be <= {high_name}, got {low_name}={low!r} > "
-                         f"{high_name}={high!r}")
-    return low, high
 
 
 def _finish(toy, weights, baseline, return_weights):
@@ -334,7 +307,7 @@ def seq_is(toy, baseline=0.0, *, return_weights=False):
     [0.390625, 1.5625, 1.5625, 6.25]
     """
     ### BEGIN SOLUTION Task 3: the sequence ratio pi(y) / mu(y), summed in log space
-    weights = _exp_ratio(_log_seq_ratio(toy), "sequence", toy)
+    weights = exp_ratio(_log_seq_ratio(toy), "sequence", toy)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
 
@@ -407,7 +380,7 @@ def seq_tis(toy, cap=2.0, baseline=0.0, *, return_weights=False):
     ### BEGIN SOLUTION Task 5: the sequence ratio, truncated from above at cap
     # min(rho, C) = exp(min(log rho, log C)): finite even where rho itself overflows
     with np.errstate(divide="ignore"):  # log(inf) = inf for an infinite cap is fine
-        weights = _exp_ratio(np.minimum(_log_seq_ratio(toy), np.log(cap)), "sequence", toy)
+        weights = exp_ratio(np.minimum(_log_seq_ratio(toy), np.log(cap)), "sequence", toy)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
 
@@ -440,7 +413,7 @@ def token_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     >>> token_mis(one, low=0.0, high=2.0, return_weights=True).round(6).tolist()
     [[0.625], [0.0]]
     """
-    low, high = _check_band(low, high)
+    low, high = check_band(low, high)
     ### BEGIN SOLUTION Task 6: the per-token ratio where low <= rho_t <= high, else 0
     rho_t = token_ratios(toy)
     weights = np.where((rho_t >= low) & (rho_t <= high), rho_t, 0.0)
@@ -476,13 +449,13 @@ def seq_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     >>> seq_mis(two, low=0.5, high=2.0, return_weights=True).round(6).tolist()
     [0.0, 1.5625, 1.5625, 0.0]
     """
-    low, high = _check_band(low, high)
+    low, high = check_band(low, high)
     ### BEGIN SOLUTION Task 7: the sequence ratio where low <= rho <= high, else 0
     log_rho = _log_seq_ratio(toy)
     with np.errstate(divide="ignore"):  # log 0 = -inf: a lower bound of 0 keeps everything
         kept = (log_rho >= np.log(low)) & (log_rho <= np.log(high))
     # exp only where kept (a finite high bounds it); elsewhere the weight is 0
-    weights = np.where(kept, _exp_ratio(np.where(kept, log_rho, 0.0), "sequence", toy), 0.0)
+    weights = np.where(kept, exp_ratio(np.where(kept, log_rho, 0.0), "sequence", toy), 0.0)
     return _finish(toy, weights, baseline, return_weights)
     ### END SOLUTION
 
@@ -515,7 +488,7 @@ def geo_rs(toy, low=1 / 1.001, high=1 / 0.999, baseline=0.0, *, return_weights=F
     >>> geo_rs(two, low=0.8, high=1.3, return_weights=True).tolist()
     [0.0, 1.0, 1.0, 0.0]
     """
-    low, high = _check_band(low, high)
+    low, high = check_band(low, high)
     ### BEGIN SOLUTION Task 8: 1 where low <= rho ** (1 / T) <= high, else 0 (no ratio)
     rho_geo = geometric_ratio(toy)  # exp(mean_t log rho_t)
     weights = ((rho_geo >= low) & (rho_geo <= high)).astype(float)
@@ -575,7 +548,7 @@ def token_clamp(toy, low=0.5, high=2.0, baseline=0.0, *, return_weights=False):
     >>> token_clamp(toy, low=0.5, high=2.0, return_weights=True).round(6).tolist()
     [[1.8], [0.5]]
     """
-    low, high = _check_band(low, high)
+    low, high = check_band(low, high)
     weights = np.clip(token_ratios(toy), low, high)
     return _finish(toy, weights, baseline, return_weights)
 
@@ -769,7 +742,7 @@ def geo_rs_token_tis(toy, low=1 / 1.001, high=1 / 0.999, cap=2.0, baseline=0.0, 
     >>> geo_rs_token_tis(two, low=0.8, high=1.3, cap=1.5, return_weights=True).round(6).tolist()
     [[0.0, 0.0], [0.625, 1.5], [1.5, 0.625], [0.0, 0.0]]
     """
-    low, high = _check_band(low, high)
+    low, high = check_band(low, high)
     cap = check_finite_number("cap", cap, positive=True, allow_inf=True)
     keep = geo_rs(toy, low, high, return_weights=True)  # (M,)
     weights = keep[:, None] * token_tis(toy, cap, return_weights=True)

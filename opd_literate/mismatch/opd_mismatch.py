@@ -63,8 +63,8 @@ import math
 
 import numpy as np
 
-from .._numerics import check_finite_number
-from .estimators import _exp_ratio, seq_is, token_ratios, token_tis
+from .._numerics import REDUCTIONS, check_finite_number, check_reduction, exp_ratio
+from .estimators import seq_is, token_ratios, token_tis
 from .toy import (
     check_toy,
     estimator_moments,
@@ -94,13 +94,6 @@ PREFIX_RECIPES = (
 )
 """Two more recipes, exact at every mismatch on both toys: the prefix ratio and the sequence
 ratio."""
-
-REDUCTIONS = (
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum"
-)
-"""The loss reductions of [opd_literate.opd.aggregate_loss][], by the same names (this module
-does not import torch; a test checks that the two tuples agree)."""
-
 
 def add_teacher(toy, teacher_seed=1, scale=1.0, phi=None):
     r"""A copy of ``toy`` with a teacher and the exact reverse-KL gradients.
@@ -240,7 +233,7 @@ def opd_estimate(toy, logp="trainer", weight="none", cap=2.0, gamma=0.0):
     elif weight == "prefix_is":
         # rho_{<=t} = exp(sum_{k <= t} log rho_k): the prefix and the token, summed in log space
         log_rho_t = toy["logp_train"] - toy["logp_sampler"]
-        w = _exp_ratio(np.cumsum(log_rho_t, axis=1), "prefix", toy)
+        w = exp_ratio(np.cumsum(log_rho_t, axis=1), "prefix", toy)
     else:
         w = seq_is(toy, return_weights=True)[:, None]  # rho, the same for every token
     with np.errstate(over="ignore"):
@@ -371,8 +364,7 @@ def expected_reduced_gradient(toy, gamma=0.0, reduction="token-mean", batch_size
     True
     """
     check_toy(toy, keys=("logp_train", "logp_teacher", "score", "p_train", "kl_grad"))
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_reduction(reduction)
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
             or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
