@@ -12,10 +12,19 @@ the doctests pass in the snippet alone: ``tests/test_copy.py`` runs them in an i
 has numpy and torch but not this package. Nothing is imported to build a snippet (the source is
 only parsed), and a numpy function's snippet never imports torch.
 
+A snippet is ready for course material: a solution region keeps both markers (the
+``### END SOLUTION`` after the last statement is a comment the syntax tree leaves out), the
+site's cross-references read as plain text, and an import inside a helper (``_numerics``
+loads torch lazily) joins the import block. ``compact=True`` (``--compact``) is for handouts:
+the function keeps its docstring, the helpers keep their summary line, every ``if ...: raise``
+of a helper is an ``assert``, and a call of a check (a helper named ``check_*`` or ``_check*``,
+recognised by what it is) that only raises becomes the asserts it amounts to.
+
 Command line::
 
     python -m opd_literate.course.lift opd.full_vocab_reverse_kl        # or the console script
     opd-copy opd_literate.mismatch.estimators.token_tis
+    opd-copy --compact opd.opd_pg_loss
 
 The API pages show the same snippet under each function (``docs/hooks/snippets.py``).
 """
@@ -27,6 +36,7 @@ import ast
 import doctest
 import functools
 import pathlib
+import re
 import sys
 from dataclasses import dataclass
 
@@ -47,6 +57,15 @@ _EXAMPLES_BANNER = (
 # A comment line of dashes opens a section of a module; it belongs to no single definition.
 _BANNER_PREFIX = "# " + "-" * 10
 
+# The solution markers of the lab modules (course.markers reads them; matched alike here).
+_BEGIN = re.compile(r"^\s*### BEGIN SOLUTION")
+_END = re.compile(r"^\s*### END SOLUTION\s*$")
+
+# Cross-references that only the site resolves: ``[opd_literate.opd.opd_pg_loss][]`` and
+# ``[the loss][opd_literate.opd.opd_pg_loss]``; a snippet shows them as plain text.
+_BARE_REFERENCE = re.compile(r"\[(?:opd_literate\.)(?:\w+\.)*(?P<name>\w+)\]\[\]")
+_TITLED_REFERENCE = re.compile(r"\[(?P<text>[^\[\]]+)\]\[opd_literate(?:\.\w+)+\]")
+
 
 class CopyError(ValueError):
     """A name that has no snippet (unknown, private, or a construct this tool cannot lift)."""
@@ -58,6 +77,7 @@ class _Definition:
     name: str
     node: ast.AST
     text: str  # the source lines, with the comment just above and an attribute's docstring
+    first_line: int = 1  # the line of the module where ``text`` starts
 
 
 @dataclass(frozen=True)
@@ -113,10 +133,26 @@ def _parse(module: str) -> _Module:
             if lines[start - 2].startswith(_BANNER_PREFIX):
                 break
             start -= 1
+        end = _close_solutions(lines, start, end, f"{PACKAGE}.{module}")
         text = "\n".join(lines[start - 1:end])
         for name in names:
-            definitions[name] = _Definition(module, name, node, text)
+            definitions[name] = _Definition(module, name, node, text, start)
     return _Module(module, future, definitions, imports, all_names)
+
+
+def _close_solutions(lines: list[str], start: int, end: int, where: str) -> int:
+    """The last line of a definition, moved past the ``### END SOLUTION`` comment that closes a
+    solution region the syntax tree ends before (a comment is no statement of the body)."""
+    def opened(last):
+        block = lines[start - 1:last]
+        return (sum(bool(_BEGIN.match(line)) for line in block)
+                - sum(bool(_END.match(line)) for line in block))
+
+    while opened(end) > 0:
+        if end >= len(lines) or (lines[end].strip() and not lines[end].lstrip().startswith("#")):
+            raise CopyError(f"{where}, line {start}: a BEGIN SOLUTION without its END SOLUTION")
+        end += 1
+    return end
 
 
 def _bound_names(node) -> list[str]:
@@ -215,6 +251,213 @@ def _resolve(module: str, name: str):
     return kind
 
 
+def _inner_imports(definition: _Definition) -> set:
+    """The imports inside a function (a lazy ``import torch``): the snippet hoists them."""
+    found = set()
+    for node in ast.walk(definition.node):
+        if node is definition.node or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.level or any(a.asname for a in node.names)):
+            raise CopyError(f"{PACKAGE}.{definition.module}.{definition.name}: cannot hoist "
+                            f"the import {ast.unparse(node)!r}")
+        for alias in node.names:
+            if isinstance(node, ast.Import):
+                found.add(("import", alias.name, alias.asname))
+            else:
+                found.add(("from", node.module, alias.name))
+    return found
+
+
+def _is_check(name: str) -> bool:
+    """A validation helper, by what it is: ``check_*`` (``_numerics``) or a module's ``_check*``."""
+    return name.startswith(("check_", "_check"))
+
+
+# not (a OP b) written as a (inverse OP) b
+_INVERSE = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.GtE, ast.GtE: ast.Lt,
+            ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+            ast.In: ast.NotIn, ast.NotIn: ast.In}
+
+
+def _negated(test: ast.expr) -> ast.expr:
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return test.operand
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1
+            and type(test.ops[0]) in _INVERSE):
+        return ast.Compare(test.left, [_INVERSE[type(test.ops[0])]()], test.comparators)
+    return ast.UnaryOp(ast.Not(), test)
+
+
+def _assert_lines(indent: str, condition: ast.expr) -> list[str]:
+    """``assert condition``, one line when it fits in 100 columns, else one operand a line."""
+    line = f"{indent}assert {ast.unparse(condition)}"
+    if len(line) <= 100:
+        return [line]
+    prefix, inner = "", condition
+    if isinstance(inner, ast.UnaryOp) and isinstance(inner.op, ast.Not):
+        prefix, inner = "not ", inner.operand
+    if not isinstance(inner, ast.BoolOp):
+        return [line + "  # noqa: E501"]
+    word = "and" if isinstance(inner.op, ast.And) else "or"
+    parts = [ast.unparse(v) for v in inner.values]
+    return ([f"{indent}assert {prefix}(", f"{indent}    {parts[0]}"]
+            + [f"{indent}    {word} {part}" for part in parts[1:]] + [f"{indent})"])
+
+
+def _assert_edits(statements, lines: list[str], offset: int) -> list:
+    """Each ``if COND: ... raise`` of a validation helper as ``assert not COND`` (one line), and
+    a ``try`` whose handlers only raise as its body: the checks stay, their messages go."""
+    edits = []
+    for statement in statements:
+        indent = " " * statement.col_offset
+        if (isinstance(statement, ast.If) and not statement.orelse
+                and isinstance(statement.body[-1], ast.Raise)):
+            edits.append((statement.lineno, statement.end_lineno,
+                          _assert_lines(indent, _negated(statement.test))))
+        elif (isinstance(statement, ast.Try) and statement.handlers and not statement.orelse
+              and not statement.finalbody
+              and all(len(h.body) == 1 and isinstance(h.body[0], ast.Raise)
+                      for h in statement.handlers)):
+            first, last = statement.body[0].lineno, statement.body[-1].end_lineno
+            body = lines[first - offset:last - offset + 1]
+            edits.append((statement.lineno, statement.end_lineno,
+                          [line[4:] if line.startswith(indent + " " * 4) else line
+                           for line in body]))
+        elif isinstance(statement, (ast.If, ast.For, ast.While, ast.With)):
+            edits += _assert_edits(statement.body + getattr(statement, "orelse", []), lines,
+                                   offset)
+    return edits
+
+
+class _Substitute(ast.NodeTransformer):
+    """A check's parameters replaced by the arguments of one call, constants folded."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def visit_Name(self, node):
+        return self.values.get(node.id, node)
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if (len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot))
+                and isinstance(node.left, ast.Constant)
+                and isinstance(node.comparators[0], ast.Constant)):
+            same = node.left.value is node.comparators[0].value
+            return ast.Constant(same if isinstance(node.ops[0], ast.Is) else not same)
+        return node
+
+    def visit_BoolOp(self, node):
+        self.generic_visit(node)
+        absorbing = isinstance(node.op, ast.Or)  # True absorbs an `or`, False an `and`
+        values = []
+        for value in node.values:
+            if isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                if value.value == absorbing:
+                    return ast.Constant(absorbing)
+                continue
+            values.append(value)
+        if not values:
+            return ast.Constant(not absorbing)
+        return values[0] if len(values) == 1 else ast.BoolOp(node.op, values)
+
+
+def _inline_check(check: ast.FunctionDef, call: ast.Call) -> list[str] | None:
+    """The asserts a call of a check amounts to, or None when the check does more than raise
+    (it computes and returns a value, or loops): such a call stays a call."""
+    body = check.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    params = check.args.posonlyargs + check.args.args
+    if check.args.vararg or check.args.kwarg or len(call.args) > len(params) or any(
+            isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None
+                                                                  for k in call.keywords):
+        return None
+    values = dict(zip([a.arg for a in params][len(params) - len(check.args.defaults):],
+                      check.args.defaults))
+    values.update(zip([k.arg for k in check.args.kwonlyargs], check.args.kw_defaults))
+    values.update(zip([a.arg for a in params], call.args))
+    values.update({k.arg: k.value for k in call.keywords})
+    lines = []
+    for statement in body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            continue
+        if not (isinstance(statement, ast.If) and not statement.orelse
+                and isinstance(statement.body[-1], ast.Raise)):
+            return None
+        test = _Substitute(values).visit(ast.parse(ast.unparse(statement.test), mode="eval").body)
+        if isinstance(test, ast.Constant) and not test.value:
+            continue  # a check that these arguments cannot fail
+        lines += _assert_lines("", _negated(test))
+    return lines
+
+
+def _call_site_edits(node, lines: list[str], offset: int, checks: dict) -> list:
+    """Each statement that only calls a check (its result unused) as that check's asserts."""
+    edits = []
+    for statement in ast.walk(node):
+        if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+                and isinstance(statement.value.func, ast.Name)
+                and statement.value.func.id in checks):
+            continue
+        asserts = _inline_check(checks[statement.value.func.id], statement.value)
+        if asserts is not None:
+            indent = " " * statement.col_offset
+            edits.append((statement.lineno, statement.end_lineno,
+                          [indent + line for line in asserts]))
+    return edits
+
+
+def _summary_docstring(docstring: ast.Expr, lines: list[str], offset: int) -> list[str]:
+    """A docstring cut to its first paragraph (the summary), closed on its last line."""
+    first, last = docstring.lineno - offset, docstring.end_lineno - offset
+    kept = []
+    for line in lines[first:last + 1]:
+        if not line.strip():
+            break
+        kept.append(line)
+    if len(kept) == last - first + 1:
+        return kept  # one paragraph already
+    indent = " " * docstring.col_offset
+    if len(kept[-1]) + 3 <= 100:
+        return kept[:-1] + [kept[-1] + '"""']
+    return kept + [indent + '"""']
+
+
+def _render(definition: _Definition, *, compact: bool = False, whole_docstring: bool = True,
+            checks=None) -> str:
+    """The text of a definition as a snippet shows it: the imports inside it hoisted (removed
+    here, with the blank line after them), the site's cross-references as plain text. Compact:
+    the docstring cut to its summary unless ``whole_docstring`` (the function itself), a
+    helper's raises turned into asserts, and a call of a check into the asserts it amounts to."""
+    node, lines, offset = definition.node, definition.text.split("\n"), definition.first_line
+    edits = []
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        for inner in ast.walk(node):
+            if inner is not node and isinstance(inner, (ast.Import, ast.ImportFrom)):
+                last = inner.end_lineno
+                if last - offset + 1 < len(lines) and not lines[last - offset + 1].strip():
+                    last += 1
+                edits.append((inner.lineno, last, []))
+        body = node.body
+        docstring = (body[0] if body and isinstance(body[0], ast.Expr)
+                     and isinstance(body[0].value, ast.Constant)
+                     and isinstance(body[0].value.value, str) else None)
+        if compact and docstring is not None and not whole_docstring:
+            edits.append((docstring.lineno, docstring.end_lineno,
+                          _summary_docstring(docstring, lines, offset)))
+        # every helper's `if ...: raise` (the function's own raises stay: its doctests show them)
+        if compact and not whole_docstring and not isinstance(node, ast.ClassDef):
+            edits += _assert_edits(body[1:] if docstring else body, lines, offset)
+        if compact and checks:
+            edits += _call_site_edits(node, lines, offset, checks)
+    for first, last, replacement in sorted(edits, reverse=True):
+        lines[first - offset:last - offset + 1] = replacement
+    text = "\n".join(lines)
+    text = _BARE_REFERENCE.sub(lambda m: f"``{m.group('name')}``", text)
+    return _TITLED_REFERENCE.sub(lambda m: m.group("text"), text)
+
+
 def _collect(target: _Definition):
     """What ``target`` needs, and what only its examples need, each before its first user.
 
@@ -227,6 +470,7 @@ def _collect(target: _Definition):
         if key in done or key in visiting:
             return
         visiting.add(key)
+        imports.update(_inner_imports(definition))
         for name in _names_used([definition.node, *extra]):
             found = _resolve(definition.module, name)
             if isinstance(found, _Definition):
@@ -254,6 +498,26 @@ def _collect(target: _Definition):
                 f"{PACKAGE}.{definition.module}: the snippet would need one of them renamed"
             )
     return needed, for_examples, imports
+
+
+def _unused_removed(target, needed, for_examples, imports, texts):
+    """The definitions and imports that the rendered text of the others still names."""
+    def used(name, kept, own=None):
+        rest = "\n".join(texts[id(d)] for d in kept if d is not own)
+        return re.search(rf"(?<![\w.]){re.escape(name)}\b", rest) is not None
+
+    kept = needed + for_examples
+    while True:
+        unused = [d for d in kept if d is not target and not used(d.name, kept, d)]
+        if not unused:
+            break
+        kept = [d for d in kept if d not in unused]
+
+    def bound(kind):
+        return kind[2] if kind[0] != "import" else (kind[2] or kind[1].split(".")[0])
+
+    imports = {kind for kind in imports if used(bound(kind), kept)}
+    return ([d for d in needed if d in kept], [d for d in for_examples if d in kept], imports)
 
 
 def _import_block(imports) -> str:
@@ -289,7 +553,7 @@ def _split_qualname(qualname: str) -> tuple[str, str]:
     return ".".join(parts[:-1]), parts[-1]
 
 
-def snippet(qualname: str) -> str:
+def snippet(qualname: str, compact: bool = False) -> str:
     """The self-contained source of a public function (or class, or constant) of the package.
 
     ``qualname`` is ``MODULE.NAME`` or ``opd_literate.MODULE.NAME``. The result holds the
@@ -328,9 +592,20 @@ def snippet(qualname: str) -> str:
     block = _import_block(imports)
     if block:
         head.append(block)
-    body = "\n\n\n".join(d.text for d in needed)
+    checks = {d.name: d.node for d in needed + for_examples
+              if compact and _is_check(d.name) and isinstance(d.node, ast.FunctionDef)}
+    texts = {id(d): _render(d, compact=compact, whole_docstring=d is target, checks=checks)
+             for d in needed + for_examples}
+    if compact:  # a check whose every call became asserts is no longer used: drop it
+        needed, for_examples, imports = _unused_removed(target, needed, for_examples, imports,
+                                                        texts)
+
+    def text(definition):
+        return texts[id(definition)]
+
+    body = "\n\n\n".join(map(text, needed))
     if for_examples:
-        body += "\n\n\n" + _EXAMPLES_BANNER + "\n" + "\n\n\n".join(d.text for d in for_examples)
+        body += "\n\n\n" + _EXAMPLES_BANNER + "\n" + "\n\n\n".join(map(text, for_examples))
     if not head:
         return body + "\n"
     # ruff's isort rule: two blank lines after the imports before a def or class, else one
@@ -359,9 +634,12 @@ def main(argv=None) -> int:
         "constants it needs, ready to paste (e.g. opd-copy opd.full_vocab_reverse_kl).",
     )
     parser.add_argument("qualname", help="MODULE.NAME or opd_literate.MODULE.NAME")
+    parser.add_argument("--compact", action="store_true",
+                        help="for a handout: the argument checks as one-line asserts, the "
+                             "helpers' docstrings cut to their summary")
     args = parser.parse_args(argv)
     try:
-        code = snippet(args.qualname)
+        code = snippet(args.qualname, compact=args.compact)
     except CopyError as error:
         print(f"opd-copy: error: {error}", file=sys.stderr)
         return 2
