@@ -123,8 +123,12 @@ def token_ratios(toy):
     return exp_ratio(toy["logp_train"] - toy["logp_sampler"], "per-token", toy)
 
 
-def _lengths(toy):
-    """Tokens per response: the int T for make_toy, the (M,) mask sums for make_ar_toy."""
+def _response_lengths(toy):
+    """Tokens per response of a toy: the int T for make_toy, the (M,) mask sums for make_ar_toy.
+
+    Not clamped at 1, unlike ``_numerics.lengths`` of a (B, T) torch batch: every response of
+    a toy has at least one token.
+    """
     if "mask" in toy:
         return np.asarray(toy["mask"]).sum(axis=1)
     return toy["logp_train"].shape[1]
@@ -152,7 +156,7 @@ def geometric_ratio(toy):
     """
     check_toy(toy, keys=("logp_train", "logp_sampler"))
     with np.errstate(over="ignore"):
-        return np.exp(_log_seq_ratio(toy) / _lengths(toy))
+        return np.exp(_log_seq_ratio(toy) / _response_lengths(toy))
 
 
 def weighted_score(toy, weights, baseline=0.0):
@@ -716,7 +720,8 @@ def k3_seq_rs(toy, threshold=0.01, baseline=0.0, *, return_weights=False):
     with np.errstate(over="ignore"):  # rho_t beyond float max: k3 = inf, rejected
         k3 = np.expm1(log_rho_t) - log_rho_t  # rho - 1 - log rho, accurate near rho = 1
     if "mask" in toy:  # the mean over the response's own tokens
-        mean_k3 = np.where(np.asarray(toy["mask"]) > 0, k3, 0.0).sum(axis=1) / _lengths(toy)
+        mean_k3 = (np.where(np.asarray(toy["mask"]) > 0, k3, 0.0).sum(axis=1)
+                   / _response_lengths(toy))
     else:
         mean_k3 = k3.mean(axis=1)
     weights = (mean_k3 <= threshold).astype(float)
@@ -939,7 +944,7 @@ def _reference_weights(toy, kind):
     if kind == "token":
         return np.exp(log_rho_t)
     total = log_rho_t.sum(axis=1, keepdims=True)
-    lengths = _lengths(toy)
+    lengths = _response_lengths(toy)
     if np.ndim(lengths):
         lengths = lengths[:, None]
     per_sequence = np.exp(total) if kind == "sequence" else np.exp(total / lengths)
@@ -1002,7 +1007,7 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
                                rtol=1e-12, atol=0.0)
         if "mask" in toy:  # count the response's own tokens only, not the padding
             modified &= np.asarray(toy["mask"]) > 0
-            token_fraction = modified.sum(axis=1) / _lengths(toy)
+            token_fraction = modified.sum(axis=1) / _response_lengths(toy)
         else:
             token_fraction = modified.mean(axis=1)
         rows.append(dict(
