@@ -181,13 +181,13 @@ def test_known_helpers_are_found():
     _numerics, and token_tis's helpers in estimators, toy and _numerics."""
     kl = _top_level(snippet("opd.full_vocab_reverse_kl"))
     for helper in ["_check_logits_pair", "_log_softmax_pair", "_kl_from_log_probs",
-                   "_masked_token_mean", "check_float_tensor", "check_same_shape", "check_mask",
+                   "masked_mean", "select", "check_float_tensor", "check_same_shape", "check_mask",
                    "compute_dtype", "check_finite_number"]:
         assert helper in kl, helper
     assert "aggregate_loss" not in kl and "REDUCTIONS" not in kl
     tis = snippet("mismatch.estimators.token_tis").split(lift._EXAMPLES_BANNER)
     needed = _top_level(tis[0])
-    for helper in ["token_ratios", "_exp_ratio", "_MAX_LOG_RATIO", "_finish", "weighted_score",
+    for helper in ["token_ratios", "exp_ratio", "MAX_LOG_RATIO", "_finish", "weighted_score",
                    "check_toy", "check_finite_number"]:
         assert helper in needed, helper
     # toy_from_logits is used by the example only
