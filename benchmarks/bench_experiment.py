@@ -6,7 +6,7 @@ thread as the experiment runs:
 
 * **batched**: one [opd_literate.experiment.tinylm.EnsembleLM][] of ``M`` models, one loss (the sum
   of
-  the models' losses), one [opd_literate.experiment.run.BatchedAdam][] step;
+  the models' losses), one [opd_literate.experiment.ensemble.BatchedAdam][] step;
 * **loop**: ``M`` separate TinyLMs, each with its own ``torch.optim.Adam``, stepped one after
   another (what the experiment did before it was batched).
 
@@ -24,14 +24,10 @@ import time
 import torch
 
 from opd_literate.experiment import tinylm as lm
-from opd_literate.experiment.run import (
-    DEFAULTS,
-    METHODS,
-    BatchedAdam,
-    _split,
-    _step_loss,
-    train_teacher,
-)
+from opd_literate.experiment.config import DEFAULT, METHODS
+from opd_literate.experiment.ensemble import BatchedAdam
+from opd_literate.experiment.run import _split, train_teacher
+from opd_literate.experiment.train import _method_loss
 
 
 def _best_ms(function, repeats=200):
@@ -59,16 +55,16 @@ def _timed(step, warmup, steps, repeats):
 
 def main(steps=20, warmup=5, repeats=3):
     torch.set_num_threads(1)
-    config = dict(DEFAULTS)
+    config = DEFAULT
     train_pairs, _ = _split(config)
     teacher, _ = train_teacher(config, train_pairs, lm.answer_tokens(train_pairs))
     teacher.requires_grad_(False)
     fast_teacher = lm.EnsembleLM.from_models([teacher]).requires_grad_(False)
-    B, M = config["batch_size"], config["seeds"] * len(config["lrs"])
+    B, M = config.batch_size, config.seeds * len(config.lrs)
     print(f"torch {torch.__version__}, 1 thread, batch {B}, M = {M} students "
-          f"({config['seeds']} seeds x {len(config['lrs'])} learning rates)")
+          f"({config.seeds} seeds x {len(config.lrs)} learning rates)")
     torch.manual_seed(0)
-    student = lm.TinyLM(config["student_hidden"], config["student_layers"])
+    student = lm.TinyLM(config.student_hidden, config.student_layers)
     prompts = lm.make_prompts(train_pairs[:B])
     gen = torch.Generator().manual_seed(0)
     full = _best_ms(lambda: lm.rollout(student, prompts, gen))
@@ -77,7 +73,7 @@ def main(steps=20, warmup=5, repeats=3):
     print(f"  {'method':15s} {'batched':>9s} {'loop':>9s}  speed-up")
     for method in METHODS:
         torch.manual_seed(0)
-        models = [lm.TinyLM(config["student_hidden"], config["student_layers"])
+        models = [lm.TinyLM(config.student_hidden, config.student_layers)
                   for _ in range(M)]
         ensemble = lm.EnsembleLM.from_models(models)
         batched_opt = BatchedAdam(ensemble.parameters(), [1e-3] * M)
@@ -86,7 +82,7 @@ def main(steps=20, warmup=5, repeats=3):
 
         def batched_step(method=method, ensemble=ensemble, batched_opt=batched_opt, gen=gen):
             idx = torch.randint(0, len(train_pairs), (M, B), generator=gen)
-            loss, _ = _step_loss(method, ensemble, fast_teacher, train_pairs[idx], config, gen)
+            loss, _ = _method_loss(method, ensemble, fast_teacher, train_pairs[idx], config, gen)
             batched_opt.zero_grad()
             loss.backward()
             batched_opt.step()
@@ -94,7 +90,7 @@ def main(steps=20, warmup=5, repeats=3):
         def loop_step(method=method, models=models, loop_opts=loop_opts, gen=gen):
             for model, optimizer in zip(models, loop_opts):
                 idx = torch.randint(0, len(train_pairs), (B,), generator=gen)
-                loss, _ = _step_loss(method, model, teacher, train_pairs[idx], config, gen)
+                loss, _ = _method_loss(method, model, teacher, train_pairs[idx], config, gen)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

@@ -27,9 +27,24 @@ the package's own modules), so that a reader knows what a lifted module drags al
 * ``opd_literate.experiment``: the experiment chapter.
 
   * ``opd_literate.experiment.tinylm``: a tiny LM for two-digit addition (imports: torch).
-  * ``opd_literate.experiment.run``: OPD against off-policy distillation and RL (imports:
-    torch, numpy, filelock, tqdm, matplotlib; numpy for the bootstrap intervals, the last two
-    only when a progress bar or a plot is asked for).
+  * ``opd_literate.experiment.config``: the frozen configuration dataclass, ``DEFAULT``,
+    ``QUICK`` and ``LONG`` (imports: nothing).
+  * ``opd_literate.experiment.ensemble``: many students trained as one: the summed loss and
+    Adam with one learning rate per model (imports: torch).
+  * ``opd_literate.experiment.train``: one method's loss, update and training loop (imports:
+    torch).
+  * ``opd_literate.experiment.run``: the study, OPD against off-policy distillation and RL:
+    the teacher, the weak students, every method, the gradient agreement (imports: torch).
+  * ``opd_literate.experiment._cache``: the teacher cache's verified, atomic, locked file
+    (imports: torch, filelock).
+  * ``opd_literate.experiment._workers``: the worker processes, the progress bar and the
+    signals that stop them (imports: torch, tqdm; tqdm only when a progress bar is asked for).
+  * ``opd_literate.experiment.stats``: bootstrap intervals, the headline and the ratios, from a
+    results dictionary (imports: numpy).
+  * ``opd_literate.experiment.plots``: the experiment's figures (imports: matplotlib; imported
+    only when a plot is asked for).
+  * ``opd_literate.experiment.cli``: ``python -m opd_literate.experiment``
+    (``opd-experiment``), the command line (imports: nothing).
 
 * ``opd_literate.course``: the course tools.
 

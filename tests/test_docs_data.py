@@ -19,21 +19,19 @@ import numpy as np
 import pytest
 import torch
 
-from opd_literate.experiment.run import (
-    DEFAULTS,
-    GRADIENT_KEYS,
-    LONG,
-    METHODS,
-    _split,
-    build_parser,
-    eval_steps,
-    headline,
-    ratios,
-)
+from opd_literate.experiment.cli import build_parser
+from opd_literate.experiment.config import DEFAULT as DEFAULT_CONFIG
+from opd_literate.experiment.config import LONG as LONG_CONFIG
+from opd_literate.experiment.config import METHODS, eval_steps
+from opd_literate.experiment.run import GRADIENT_KEYS, _split
+from opd_literate.experiment.stats import headline, ratios
 from opd_literate.experiment.tinylm import V, answer_mask, answer_tokens
 from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch.opd_mismatch import opd_mismatch_table
 from opd_literate.mismatch.toy import make_toy
+
+# The configurations as results.json records them (ExperimentConfig.as_dict)
+DEFAULTS, LONG = DEFAULT_CONFIG.as_dict(), LONG_CONFIG.as_dict()
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/data/experiment/results.json"
@@ -44,7 +42,7 @@ RERUN_NAMES = sorted(path.parent.name for path in RERUNS.glob("*/machine.json"))
 MACHINES = ["committed"] + RERUN_NAMES
 OPD_PAGE = ROOT / "docs/opd.md"
 EXPERIMENT_PAGE = ROOT / "docs/experiment.md"
-RUN_SOURCE = ROOT / "opd_literate/experiment/run.py"
+RUN_SOURCE = ROOT / "opd_literate/experiment/config.py"  # the DEFAULT and QUICK docstrings
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +105,13 @@ def test_the_reruns_are_there_and_describe_their_machine():
 def test_reruns_use_the_current_configurations(machine):
     """Every run, committed or rerun, is of the current default, long and gradient-agreement
     configurations, with every method and every seed's curve."""
-    for results, config in ((machine["results"], DEFAULTS), (machine["long"], LONG)):
-        assert results["config"] == json.loads(json.dumps(config)), machine["name"]
+    for results, config in ((machine["results"], DEFAULT_CONFIG), (machine["long"], LONG_CONFIG)):
+        assert results["config"] == json.loads(json.dumps(config.as_dict())), machine["name"]
         assert set(results["methods"]) == set(METHODS)
         n = len(eval_steps(config))
         for record in results["methods"].values():
-            assert record["samples"] == [k * config["batch_size"] for k in eval_steps(config)]
-            assert all(len(record[key]) == config["seeds"] for key in ("accuracy", "reverse_kl"))
+            assert record["samples"] == [k * config.batch_size for k in eval_steps(config)]
+            assert all(len(record[key]) == config.seeds for key in ("accuracy", "reverse_kl"))
             assert all(len(curve) == n for curve in record["accuracy"])
     agreement = machine["gradient_agreement"]
     assert agreement["config"] == json.loads(json.dumps({k: DEFAULTS[k] for k in GRADIENT_KEYS}))
@@ -122,9 +120,9 @@ def test_reruns_use_the_current_configurations(machine):
 def test_committed_results_use_the_current_defaults(results):
     assert results["config"] == json.loads(json.dumps(DEFAULTS))
     assert set(results["methods"]) == set(METHODS)
-    n = len(eval_steps(DEFAULTS))
+    n = len(eval_steps(DEFAULT_CONFIG))
     for method, record in results["methods"].items():
-        assert record["samples"] == [k * DEFAULTS["batch_size"] for k in eval_steps(DEFAULTS)]
+        assert record["samples"] == [k * DEFAULTS["batch_size"] for k in eval_steps(DEFAULT_CONFIG)]
         for key in ("accuracy", "reverse_kl", "seconds"):  # every seed's curve is kept
             assert len(record[key]) == DEFAULTS["seeds"] >= 5, (method, key)
             assert all(len(curve) == n for curve in record[key]), (method, key)
@@ -137,7 +135,7 @@ def test_committed_long_results_use_the_current_long_config():
     assert long["config"] == json.loads(json.dumps(LONG))
     assert set(long["methods"]) == set(METHODS)
     for record in long["methods"].values():
-        assert record["samples"] == [k * LONG["batch_size"] for k in eval_steps(LONG)]
+        assert record["samples"] == [k * LONG["batch_size"] for k in eval_steps(LONG_CONFIG)]
         assert all(len(record[key]) == LONG["seeds"] for key in ("accuracy", "reverse_kl"))
 
 
@@ -439,7 +437,7 @@ def test_experiment_page_setup_claims():
     # "RL answers the first 16 of them, 4 times each, so that it too uses 64 samples a step"
     assert DEFAULTS["batch_size"] // DEFAULTS["group"] == 16 and DEFAULTS["group"] == 4
     # "the answers end at <eos> after 2, 3 or 4 tokens": variable lengths in the data
-    train_pairs, held_out = _split(DEFAULTS)
+    train_pairs, held_out = _split(DEFAULT_CONFIG)
     lengths = answer_mask(answer_tokens(held_out)).sum(1)
     assert set(lengths.long().tolist()) == {2, 3, 4}
     # "a teacher at the optimum of its loss puts probability 0.9 + 0.1/14 ~ 0.907 on each right

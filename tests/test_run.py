@@ -1,5 +1,6 @@
 """The OPD experiment: a --quick run learns, same seed gives same numbers, the CLI is strict."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -10,15 +11,16 @@ import sys
 import pytest
 import torch
 
-from opd_literate.experiment import run
+from opd_literate.experiment import _cache, cli, run, stats, train
+from opd_literate.experiment import tinylm as lm
+from opd_literate.experiment.config import DEFAULT, METHODS, QUICK, eval_steps
 
 # A configuration small enough to run the whole pipeline in well under a second: for the tests
 # of the CLI's plumbing (results, interruption, the cache), not of learning.
-TINY = dict(run.DEFAULTS, seeds=2, steps=2, batch_size=8, lrs=[1e-3], eval_every=1,
-            eval_prompts=16, val_prompts=8, teacher_hidden=8, teacher_layers=1, teacher_steps=2,
-            teacher_batch=8,
-            student_hidden=8, student_layers=1, student_pretrain_steps=1,
-            student_pretrain_batch=8)
+TINY = dataclasses.replace(
+    DEFAULT, seeds=2, steps=2, batch_size=8, lrs=(1e-3,), eval_every=1, eval_prompts=16,
+    val_prompts=8, teacher_hidden=8, teacher_layers=1, teacher_steps=2, teacher_batch=8,
+    student_hidden=8, student_layers=1, student_pretrain_steps=1, student_pretrain_batch=8)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def quick_results(tmp_path_factory, cache_dir):
     mp.setenv("OPD_LITERATE_CACHE", str(cache_dir))
     try:
         # one process: the worker processes' path has tests of its own (same numbers, Ctrl-C)
-        assert run.main(["--quick", "--workers", "1", "--out", str(out), "--no-progress"]) == 0
+        assert cli.main(["--quick", "--workers", "1", "--out", str(out), "--no-progress"]) == 0
     finally:
         mp.undo()
     return out, json.loads((out / "results.json").read_text())
@@ -42,7 +44,7 @@ def quick_results(tmp_path_factory, cache_dir):
 @pytest.fixture
 def tiny_cli(monkeypatch, tmp_path):
     """``--quick`` runs the TINY configuration; the teacher cache is a fresh folder."""
-    monkeypatch.setattr(run, "QUICK", TINY)
+    monkeypatch.setattr(cli, "QUICK", TINY)
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
@@ -53,17 +55,17 @@ def test_quick_run_writes_results_and_plots(quick_results):
     assert (out / "reverse_kl.png").stat().st_size > 1000
     assert not (out / "results.partial.json").exists()  # superseded by results.json
     assert 0.9 <= results["teacher_accuracy"] <= 1.0
-    assert set(results["methods"]) == set(run.METHODS)
-    assert results["config"]["seeds"] == run.QUICK["seeds"]
+    assert set(results["methods"]) == set(METHODS)
+    assert results["config"]["seeds"] == QUICK.seeds
     for record in results["methods"].values():
         n = len(record["samples"])
-        assert n == len(run.eval_steps(run.QUICK))
+        assert n == len(eval_steps(QUICK))
         assert record["samples"][0] == 0
         for key in ("accuracy", "reverse_kl", "seconds"):  # one curve per seed
-            assert len(record[key]) == run.QUICK["seeds"], key
+            assert len(record[key]) == QUICK.seeds, key
             assert all(len(curve) == n for curve in record[key]), key
         assert all(curve[0] == 0.0 for curve in record["seconds"])
-        assert record["samples"][-1] == run.QUICK["steps"] * run.QUICK["batch_size"]
+        assert record["samples"][-1] == QUICK.steps * QUICK.batch_size
 
 
 def _mean(values):
@@ -85,14 +87,15 @@ def test_quick_run_opd_students_learn(quick_results):
         kl = [_mean([c[i] for c in record["reverse_kl"]]) for i in (0, -1)]
         assert accuracy[1] >= accuracy[0] + 0.05, method
         assert kl[1] <= 0.9 * kl[0], method
-    assert run.headline(results)["opd_full_vocab"]["reached"] == run.QUICK["seeds"]
+    assert stats.headline(results)["opd_full_vocab"]["reached"] == QUICK.seeds
 
 
 def test_same_seed_same_numbers_with_any_number_of_workers(tmp_path, monkeypatch):
     """Twice, in this process and then in two worker processes: the same numbers, in the same
     order (each method's random streams depend on the configuration only)."""
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
-    config = dict(TINY, steps=4, eval_every=2, eval_prompts=100, student_pretrain_steps=20)
+    config = dataclasses.replace(TINY, steps=4, eval_every=2, eval_prompts=100,
+                                 student_pretrain_steps=20)
     first = run.run_experiment(config, ["opd_sampled", "rl"], progress=False)
     ignoring_sigint = []
 
@@ -118,7 +121,7 @@ def test_same_seed_same_numbers_with_any_number_of_workers(tmp_path, monkeypatch
     for method in ("opd_sampled", "rl"):
         for key in ("samples", "accuracy", "reverse_kl", "lr"):
             assert first["methods"][method][key] == second["methods"][method][key]
-    other = run.run_experiment(dict(config, seed=1), ["opd_sampled"], progress=False)
+    other = run.run_experiment(dataclasses.replace(config, seed=1), ["opd_sampled"], progress=False)
     assert other["methods"]["opd_sampled"]["reverse_kl"] != \
         first["methods"]["opd_sampled"]["reverse_kl"]
 
@@ -132,9 +135,9 @@ def test_headline_counts_first_evaluation_at_target():
                                       "lr": 0.003},
                    "rl": {"samples": [0, 10, 20], "accuracy": [[0.1, 0.2, 0.3]],
                           "reverse_kl": [[1, 1, 1]], "seconds": [[0, 1, 2]], "lr": 0.001}}}
-    table = run.headline(results)
+    table = stats.headline(results)
     assert table["opd_full_vocab"]["samples"]["mean"] == 10 and table["rl"]["samples"] is None
-    text = run.format_headline(results)
+    text = stats.format_headline(results)
     assert "rl / opd_full_vocab: at least 2.0x [2.0, 2.0] (1 of 1 seeds never reach" in text
 
 
@@ -143,15 +146,15 @@ def test_headline_counts_first_evaluation_at_target():
 # ---------------------------------------------------------------------------------------------
 def test_help_states_the_real_defaults(capsys):
     with pytest.raises(SystemExit) as stopped:
-        run.main(["--help"])
+        cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert stopped.value.code == 0
     steps = re.search(r"--steps STEPS .*?\(default (\d+), with --quick (\d+)\)", text)
-    assert (int(steps[1]), int(steps[2])) == (run.DEFAULTS["steps"], run.QUICK["steps"])
+    assert (int(steps[1]), int(steps[2])) == (DEFAULT.steps, QUICK.steps)
     seed = re.search(r"--seed SEED random seed \(default (\d+)\)", text)
-    assert int(seed[1]) == run.DEFAULTS["seed"]
+    assert int(seed[1]) == DEFAULT.seed
     seeds = re.search(r"--seeds SEEDS .*?\(default (\d+), with --quick (\d+)\)", text)
-    assert (int(seeds[1]), int(seeds[2])) == (run.DEFAULTS["seeds"], run.QUICK["seeds"])
+    assert (int(seeds[1]), int(seeds[2])) == (DEFAULT.seeds, QUICK.seeds)
 
 
 def test_the_module_command_refuses_a_repeated_method():
@@ -169,7 +172,7 @@ def no_training(monkeypatch):
     """Any training at all fails the test: the CLI must refuse before it starts."""
     def fail(*args, **kwargs):
         pytest.fail("the CLI started training before checking its arguments")
-    monkeypatch.setattr(run, "run_experiment", fail)
+    monkeypatch.setattr(cli, "run_experiment", fail)
     monkeypatch.setattr(run, "prepare", fail)
 
 
@@ -195,7 +198,7 @@ def _bad_out_cases(tmp_path):
 def test_bad_arguments_exit_2_with_one_line_before_any_work(capsys, tmp_path, no_training):
     for args, fragment in _bad_out_cases(tmp_path):
         with pytest.raises(SystemExit) as stopped:
-            run.main(args)
+            cli.main(args)
         err = capsys.readouterr().err
         assert stopped.value.code == 2, args
         assert err.count("\n") == 1 and fragment in err, (args, err)
@@ -213,7 +216,7 @@ def test_duplicate_methods_are_refused_by_the_library_too(tmp_path, monkeypatch)
 
 def test_out_is_created_and_written(tiny_cli, capsys):
     out = tiny_cli / "new" / "nested"
-    assert run.main(["--quick", "--out", str(out), "--no-progress", "--methods", "rl"]) == 0
+    assert cli.main(["--quick", "--out", str(out), "--no-progress", "--methods", "rl"]) == 0
     assert set(json.loads((out / "results.json").read_text())["methods"]) == {"rl"}
     assert sorted(p.name for p in out.iterdir()) == ["accuracy.png", "results.json",
                                                      "reverse_kl.png"]
@@ -223,17 +226,17 @@ def test_out_is_created_and_written(tiny_cli, capsys):
 # Ctrl-C: one line saying what was kept, exit code 130
 # ---------------------------------------------------------------------------------------------
 def test_ctrl_c_keeps_finished_methods_and_exits_130(tiny_cli, monkeypatch, capsys):
-    real_train_one = run._train_one
+    real_train_one = run.train_method
 
     def train_one(method, *args):
         if method == "sft":  # the third method: the user presses Ctrl-C during it
             raise KeyboardInterrupt
         return real_train_one(method, *args)
 
-    monkeypatch.setattr(run, "_train_one", train_one)
+    monkeypatch.setattr(run, "train_method", train_one)
     out = tiny_cli / "out"
     # one worker: the methods train in this process, where the patch applies
-    assert run.main(["--quick", "--workers", "1", "--out", str(out), "--no-progress"]) == 130
+    assert cli.main(["--quick", "--workers", "1", "--out", str(out), "--no-progress"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("opd-experiment: interrupted; kept: ")
     assert f"teacher cache {run.teacher_cache_path(TINY)}" in err
@@ -249,7 +252,7 @@ def test_ctrl_c_before_any_method_says_nothing_was_finished(tiny_cli, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run, "_supervised", interrupted)  # during the teacher's training
-    assert run.main(["--quick", "--out", str(tiny_cli / "out"), "--no-progress"]) == 130
+    assert cli.main(["--quick", "--out", str(tiny_cli / "out"), "--no-progress"]) == 130
     err = capsys.readouterr().err
     assert err == "opd-experiment: interrupted; kept: no teacher cache; no finished method\n"
     assert not run.teacher_cache_path(TINY).exists()
@@ -268,15 +271,16 @@ def test_sigint_in_a_real_process_exits_130_with_one_line(tmp_path):
     """The signal itself, in a child process: it interrupts itself during the second method."""
     code = f"""
 import os, signal, sys
-from opd_literate.experiment import run
-run.QUICK = {TINY!r}
-real = run._train_one
+from opd_literate.experiment import cli, run
+from opd_literate.experiment.config import ExperimentConfig
+cli.QUICK = {TINY!r}
+real = run.train_method
 def train_one(method, *args):
     if method == "opd_full_vocab":
         os.kill(os.getpid(), signal.SIGINT)
     return real(method, *args)
-run._train_one = train_one
-sys.exit(run.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!r},
+run.train_method = train_one
+sys.exit(cli.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!r},
                    "--no-progress"]))
 """
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
@@ -299,18 +303,19 @@ def test_stopping_the_cli_with_worker_processes_leaves_no_worker(tmp_path, stop)
             else "os.kill(os.getpid(), signal.SIGTERM)")
     token = f"opd-literate-test-{os.getpid()}-{id(tmp_path)}"
     # long enough that three methods are still to finish when the first has
-    slow = dict(TINY, steps=150, eval_every=50)
+    slow = dataclasses.replace(TINY, steps=150, eval_every=50)
     code = f"""
 import os, signal, sys
-from opd_literate.experiment import run
-run.QUICK = {slow!r}
-real = run._train_in_workers
+from opd_literate.experiment import cli, run
+from opd_literate.experiment.config import ExperimentConfig
+cli.QUICK = {slow!r}
+real = run.train_in_workers
 def train_in_workers(*args):
     for finished in real(*args):
         yield finished
         {send}  # after the first method, the others still running
-run._train_in_workers = train_in_workers
-sys.exit(run.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!r},
+run.train_in_workers = train_in_workers
+sys.exit(cli.main(["--quick", "--workers", "2", "--out", {str(tmp_path / "out")!r},
                    "--no-progress"]))
 """
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"), OPD_TEST_TOKEN=token)
@@ -359,7 +364,7 @@ def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path, monkeyp
     import signal
 
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
-    config = dict(TINY, steps=150, eval_every=50)
+    config = dataclasses.replace(TINY, steps=150, eval_every=50)
     workers = []
 
     def kill_a_worker(results):
@@ -381,14 +386,14 @@ def test_a_script_without_a_main_guard_fails_with_the_hint_instead_of_hanging(tm
     at import, and dies while starting. The parent must say so, not wait for ever."""
     script = tmp_path / "no_guard.py"
     script.write_text(f"from opd_literate.experiment import run\n"
+                      f"from opd_literate.experiment.config import ExperimentConfig\n"
                       f"run.run_experiment({TINY!r}, progress=False, workers=2)\n")
     env = dict(os.environ, OPD_LITERATE_CACHE=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 1
-    assert re.search(r"opd_literate\.experiment\.run\.WorkerError: (the )?worker process .*died "
-                     r"\(exit "
-                     r"code 1\)", result.stderr), result.stderr
+    assert re.search(r"opd_literate\.experiment\._workers\.WorkerError: (the )?worker process "
+                     r".*died \(exit code 1\)", result.stderr), result.stderr
     assert 'outside `if __name__ == "__main__":`' in result.stderr
 
 
@@ -405,16 +410,16 @@ def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run.run_experiment(dict(TINY, steps=150, eval_every=50), progress=False, workers=2,
-                           on_method=interrupt)
+        run.run_experiment(dataclasses.replace(TINY, steps=150, eval_every=50), progress=False,
+                           workers=2, on_method=interrupt)
     assert len(workers) == 2 and all(w.exitcode is not None for w in workers)
     assert multiprocessing.active_children() == []
 
 
 def test_a_method_that_fails_in_a_worker_exits_1_with_its_traceback(tiny_cli, monkeypatch,
                                                                     capsys):
-    monkeypatch.setattr(run, "QUICK", dict(TINY, lrs=["not a number"]))
-    code = run.main(["--quick", "--workers", "2", "--out", str(tiny_cli / "out"),
+    monkeypatch.setattr(cli, "QUICK", dataclasses.replace(TINY, lrs=("not a number",)))
+    code = cli.main(["--quick", "--workers", "2", "--out", str(tiny_cli / "out"),
                      "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1
@@ -429,11 +434,11 @@ def test_results_keep_the_requested_order_whichever_method_finishes_first(tmp_pa
                                                                           monkeypatch):
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
 
-    def last_first(methods, data, workers, bar):  # the workers, finishing in reverse order
+    def last_first(methods, prepared, workers, bar):  # the workers, finishing in reverse order
         for method in reversed(methods):
-            yield method, run._train_one(method, *data, bar)
+            yield method, run.train_method(method, prepared, bar)
 
-    monkeypatch.setattr(run, "_train_in_workers", last_first)
+    monkeypatch.setattr(run, "train_in_workers", last_first)
     seen = []
     results = run.run_experiment(TINY, ["opd_sampled", "sft", "rl"], progress=False, workers=2,
                                  on_method=lambda r: seen.append(list(r["methods"])))
@@ -447,7 +452,7 @@ def test_results_keep_the_requested_order_whichever_method_finishes_first(tmp_pa
 @pytest.fixture
 def data():
     train_pairs, _ = run._split(TINY)
-    return train_pairs, run.lm.answer_tokens(train_pairs)
+    return train_pairs, lm.answer_tokens(train_pairs)
 
 
 @pytest.fixture
@@ -509,11 +514,10 @@ def test_no_cache_flag_repairs_a_corrupt_cache(tiny_cli, capsys):
     path.write_bytes(b"corrupt")
     args = ["--quick", "--no-cache", "--out", str(tiny_cli / "out"), "--no-progress",
             "--methods", "rl"]
-    assert run.main(args) == 0
+    assert cli.main(args) == 0
     assert capsys.readouterr().err == ""  # not read, so no warning
     assert json.loads((tiny_cli / "out" / "results.json").read_text())["teacher_cached"] is False
-    assert run._load_verified(path, run.lm.TinyLM(TINY["teacher_hidden"],
-                                                  TINY["teacher_layers"])) is None
+    assert _cache.load_verified(path, lm.TinyLM(TINY.teacher_hidden, TINY.teacher_layers)) is None
 
 
 def test_cache_off_touches_no_file(cache, data):
@@ -526,10 +530,10 @@ def test_cache_off_touches_no_file(cache, data):
 def test_an_interrupted_write_leaves_neither_a_partial_cache_nor_a_temporary(cache, data,
                                                                              monkeypatch):
     def save_half_then_stop(obj, path):
-        run.pathlib.Path(path).write_bytes(b"PK\x03\x04 half a zip")
+        pathlib.Path(path).write_bytes(b"PK\x03\x04 half a zip")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run.torch, "save", save_half_then_stop)
+    monkeypatch.setattr(torch, "save", save_half_then_stop)
     with pytest.raises(KeyboardInterrupt):
         run.train_teacher(TINY, *data)
     assert not run.teacher_cache_path(TINY).exists() and _leftovers(cache) == []
@@ -571,35 +575,35 @@ def test_every_method_uses_batch_size_samples_and_rl_the_first_prompts_group_tim
     """docs/experiment.md: "RL answers the first 16 of them, 4 times each, so that it too uses
     64 samples a step"; the OPD methods answer every prompt once. Checked at 8 prompts, group
     4: RL must see prompts 0, 0, 0, 0, 1, 1, 1, 1."""
-    config = dict(TINY, batch_size=8, group=4)
+    config = dataclasses.replace(TINY, batch_size=8, group=4)
     pairs = torch.tensor([[10 * i + 1, 2 * i] for i in range(8)])
     seen = []
-    real_rollout = run.lm.rollout
+    real_rollout = lm.rollout
 
     def rollout(model, prompts, generator=None, greedy=False):
         seen.append(prompts.clone())
         return real_rollout(model, prompts, generator, greedy)
 
-    monkeypatch.setattr(run.lm, "rollout", rollout)
+    monkeypatch.setattr(lm, "rollout", rollout)
     torch.manual_seed(0)
-    student, teacher = run.lm.TinyLM(8, 1), run.lm.TinyLM(8, 1)
+    student, teacher = lm.TinyLM(8, 1), lm.TinyLM(8, 1)
     generator = torch.Generator().manual_seed(0)
-    for method in run.METHODS:
+    for method in METHODS:
         seen.clear()
-        _, used = run._step_loss(method, student, teacher, pairs, config, generator)
+        _, used = train._method_loss(method, student, teacher, pairs, config, generator)
         assert used == 8, method
         if method == "rl":
             expected = [pairs[0]] * 4 + [pairs[1]] * 4
-            assert seen[0].tolist() == run.lm.make_prompts(torch.stack(expected)).tolist()
+            assert seen[0].tolist() == lm.make_prompts(torch.stack(expected)).tolist()
         elif method != "sft":
-            assert seen[0].tolist() == run.lm.make_prompts(pairs).tolist()
+            assert seen[0].tolist() == lm.make_prompts(pairs).tolist()
     # The batched form: each model of an ensemble gets its own batch, treated the same way.
-    ensemble = run.lm.EnsembleLM.from_models([student, run.lm.TinyLM(8, 1)])
+    ensemble = lm.EnsembleLM.from_models([student, lm.TinyLM(8, 1)])
     batched = torch.stack([pairs, pairs.flip(0)])  # (M, B, 2)
     seen.clear()
-    _, used = run._step_loss("rl", ensemble, teacher, batched, config, generator)
+    _, used = train._method_loss("rl", ensemble, teacher, batched, config, generator)
     firsts = [[pairs[0]] * 4 + [pairs[1]] * 4, [pairs[7]] * 4 + [pairs[6]] * 4]
-    assert used == 8 and seen[0].tolist() == run.lm.make_prompts(
+    assert used == 8 and seen[0].tolist() == lm.make_prompts(
         torch.stack([torch.stack(f) for f in firsts])).tolist()
 
 
@@ -607,9 +611,9 @@ def test_ctrl_c_while_plotting_names_the_results_file(tiny_cli, monkeypatch, cap
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run, "write_plots", interrupted)
+    monkeypatch.setattr(cli, "write_plots", interrupted)
     out = tiny_cli / "out"
-    assert run.main(["--quick", "--out", str(out), "--no-progress", "--methods", "rl"]) == 130
+    assert cli.main(["--quick", "--out", str(out), "--no-progress", "--methods", "rl"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.endswith(f"; every method in {out / 'results.json'} (the plots were not "
@@ -622,11 +626,11 @@ def test_gradient_agreement_flag_writes_the_table_with_its_settings(tiny_cli, mo
 
     small = functools.partial(run.gradient_agreement_record, batch_sizes=(4, 8), reference=64,
                               repeats=2)
-    monkeypatch.setattr(run, "gradient_agreement_record", small)
+    monkeypatch.setattr(cli, "gradient_agreement_record", small)
     out = tiny_cli / "ga"
-    assert run.main(["--quick", "--gradient-agreement", "--out", str(out)]) == 0
+    assert cli.main(["--quick", "--gradient-agreement", "--out", str(out)]) == 0
     record = json.loads((out / "gradient_agreement.json").read_text())
-    assert record["config"] == {k: TINY[k] for k in run.GRADIENT_KEYS}
+    assert record["config"] == {k: getattr(TINY, k) for k in run.GRADIENT_KEYS}
     assert (record["batch_sizes"], record["reference"], record["repeats"]) == ([4, 8], 64, 2)
     assert sorted(p.name for p in out.iterdir()) == ["gradient_agreement.json"]  # no training
     for method in ("opd_sampled", "opd_full_vocab"):

@@ -1,20 +1,23 @@
 """The batched experiment: an ensemble trains each model as it would train alone, the learning
 rate is chosen on the validation prompts only, and the intervals are the percentile bootstrap."""
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
-from opd_literate.experiment import run
+from opd_literate.experiment import run, stats, train
 from opd_literate.experiment import tinylm as lm
+from opd_literate.experiment.config import DEFAULT
+from opd_literate.experiment.ensemble import BatchedAdam, sum_of_model_losses
 from opd_literate.opd import full_vocab_reverse_kl
 
-TINY = dict(run.DEFAULTS, seeds=2, steps=2, batch_size=8, lrs=[1e-3, 3e-3], eval_every=1,
-            eval_prompts=16, val_prompts=8, teacher_hidden=8, teacher_layers=1, teacher_steps=2,
-            teacher_batch=8, student_hidden=8, student_layers=1, student_pretrain_steps=1,
-            student_pretrain_batch=8)
+TINY = dataclasses.replace(
+    DEFAULT, seeds=2, steps=2, batch_size=8, lrs=(1e-3, 3e-3), eval_every=1, eval_prompts=16,
+    val_prompts=8, teacher_hidden=8, teacher_layers=1, teacher_steps=2, teacher_batch=8,
+    student_hidden=8, student_layers=1, student_pretrain_steps=1, student_pretrain_batch=8)
 
 
 def _models(n, hidden=16, layers=2, seed=0):
@@ -68,9 +71,9 @@ def test_batched_training_equals_training_each_model_alone():
     with torch.no_grad():
         teacher_logits = teacher.logits(prompts, tokens)
     ensemble = lm.EnsembleLM.from_models(models)
-    optimizer = run.BatchedAdam(ensemble.parameters(), lrs)
+    optimizer = BatchedAdam(ensemble.parameters(), lrs)
     for scale in scales:
-        loss = run._per_model(True, full_vocab_reverse_kl, ensemble.logits(prompts, tokens),
+        loss = sum_of_model_losses(True, full_vocab_reverse_kl, ensemble.logits(prompts, tokens),
                               teacher_logits, mask)
         optimizer.zero_grad()
         loss.backward()
@@ -100,12 +103,12 @@ def test_bootstrap_interval_is_the_percentile_of_every_resample():
     values = [0.0, 1.0, 3.0, 4.0, 10.0]
     means = np.sort([np.mean(r) for r in itertools.product(values, repeat=5)])
     exact_low, exact_high = np.quantile(means, 0.025), np.quantile(means, 0.975)
-    low, high = run.bootstrap_interval(values)
+    low, high = stats.bootstrap_interval(values)
     step = 1.0 / 5 + 1e-9  # the means move in steps of (smallest gap) / 5
     assert abs(low - exact_low) <= step and abs(high - exact_high) <= step
-    assert run.bootstrap_interval([2.0, 2.0]) == (2.0, 2.0)
+    assert stats.bootstrap_interval([2.0, 2.0]) == (2.0, 2.0)
     # two values: means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4; the tails are the ends
-    assert run.bootstrap_interval([0.0, 1.0]) == (0.0, 1.0)
+    assert stats.bootstrap_interval([0.0, 1.0]) == (0.0, 1.0)
 
 
 def _record(accuracies, samples, seconds=None):
@@ -124,16 +127,16 @@ def test_headline_means_and_ratio_bound_by_hand():
                    "opd_full_vocab": _record([[0.1, 0.95, 1, 1], [0.1, 0.5, 0.91, 1]], samples),
                    "sft": _record([[0.1, 0.5, 0.5, 0.9], [0.1, 0.2, 0.95, 1]], samples),
                    "rl": _record([[0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.95]], samples)}}
-    table = run.headline(results)
+    table = stats.headline(results)
     assert table["opd_full_vocab"]["samples"]["mean"] == 15  # (10 + 20) / 2
     assert table["opd_full_vocab"]["seconds"]["mean"] == 1.5
     assert table["sft"]["samples"]["per_seed"] == [30, 20]
     assert table["rl"]["samples"] is None and table["rl"]["reached"] == 1
-    found = run.ratios(results)
+    found = stats.ratios(results)
     assert found["sft"]["mean"] == pytest.approx(25 / 15) and not found["sft"]["bound"]
     # RL: seed 0 misses and counts as the budget 30; seed 1 reaches at 30: at least 30 / 15
     assert found["rl"]["mean"] == pytest.approx(2.0) and found["rl"]["bound"]
-    text = run.format_headline(results)
+    text = stats.format_headline(results)
     assert "rl / opd_full_vocab: at least 2.0x" in text and "1 of 2 seeds never" in text
 
 
@@ -141,14 +144,14 @@ def test_learning_rate_is_chosen_on_validation_not_test(monkeypatch, tmp_path):
     """An _evaluate whose test accuracy favours the larger learning rate and whose validation
     accuracy favours the smaller: the chosen rate must be the smaller, for every method."""
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
-    config = dict(TINY, lrs=[1e-3, 3e-3])
+    config = dataclasses.replace(TINY, lrs=(1e-3, 3e-3))
 
     def fake_evaluate(students, teacher, test_pairs, val_pairs, seed):
-        M, S = students.models, config["seeds"]
+        M, S = students.models, config.seeds
         small = torch.tensor([m < S for m in range(M)], dtype=torch.float32)
         return 1 - small, small, torch.ones(M)  # test, validation, reverse KL
 
-    monkeypatch.setattr(run, "_evaluate", fake_evaluate)
+    monkeypatch.setattr(train, "_evaluate", fake_evaluate)
     results = run.run_experiment(config, progress=False)
     for method, record in results["methods"].items():
         assert record["lr"] == 1e-3, method
@@ -156,18 +159,18 @@ def test_learning_rate_is_chosen_on_validation_not_test(monkeypatch, tmp_path):
 
 
 def test_validation_and_test_prompts_are_disjoint_and_held_out():
-    train, held_out = run._split(run.DEFAULTS)
-    val = run.DEFAULTS["val_prompts"]
+    train_pairs, held_out = run._split(DEFAULT)
+    val = DEFAULT.val_prompts
     val_pairs = held_out[:val]
-    test_pairs = held_out[val: val + run.DEFAULTS["eval_prompts"]]
-    keys = [set(map(tuple, p.tolist())) for p in (train, val_pairs, test_pairs)]
-    assert len(keys[1]) == val and len(keys[2]) == run.DEFAULTS["eval_prompts"]
+    test_pairs = held_out[val: val + DEFAULT.eval_prompts]
+    keys = [set(map(tuple, p.tolist())) for p in (train_pairs, val_pairs, test_pairs)]
+    assert len(keys[1]) == val and len(keys[2]) == DEFAULT.eval_prompts
     assert not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2]
 
 
 def test_each_seed_is_a_different_student_and_run(monkeypatch, tmp_path):
     monkeypatch.setenv("OPD_LITERATE_CACHE", str(tmp_path))
-    results = run.run_experiment(dict(TINY, student_pretrain_steps=3), ["opd_sampled"],
-                                 progress=False)
+    results = run.run_experiment(dataclasses.replace(TINY, student_pretrain_steps=3),
+                                 ["opd_sampled"], progress=False)
     kl = results["methods"]["opd_sampled"]["reverse_kl"]
-    assert len(kl) == TINY["seeds"] and kl[0] != kl[1]
+    assert len(kl) == TINY.seeds and kl[0] != kl[1]

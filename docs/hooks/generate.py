@@ -260,7 +260,8 @@ def _k_estimators():
 
 
 def _experiment():
-    from opd_literate.experiment.run import format_headline, write_plots
+    from opd_literate.experiment.plots import write_plots
+    from opd_literate.experiment.stats import format_headline
 
     results = json.loads(EXPERIMENT.read_text())
     lrs = results["config"]["lrs"]
@@ -310,7 +311,7 @@ def _machines_table(name, committed):
     """One column a machine: seeds at the target and samples to it per method, the ratios to
     full-vocabulary OPD, and how far each method's accuracy curves moved from the committed
     run's (the largest difference at any seed and evaluation point)."""
-    from opd_literate.experiment.run import headline, ratios
+    from opd_literate.experiment.stats import headline, ratios
 
     runs = [(COMMITTED_MACHINE, committed)] + [
         (machine["label"], json.loads((folder / name).read_text()))

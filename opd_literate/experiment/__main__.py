@@ -2,7 +2,7 @@
 
 import sys
 
-from .run import main
+from .cli import main
 
 if __name__ == "__main__":  # the spawned workers import this module too: run only as a script
     sys.exit(main())
