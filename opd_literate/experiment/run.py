@@ -42,7 +42,7 @@ from .ensemble import BatchedAdam, summed_cross_entropy
 from .stats import first_index
 from .train import Prepared, train_method
 
-__all__ = ["CACHE_MODES", "GRADIENT_KEYS", "METHODS", "WorkerError", "train_teacher",
+__all__ = ["CACHE_MODES", "GRADIENT_KEYS", "WorkerError", "train_teacher",
            "teacher_cache_path", "prepare", "run_experiment", "gradient_agreement",
            "gradient_agreement_record"]
 
