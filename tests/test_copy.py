@@ -292,12 +292,12 @@ def test_imports_inside_helpers_are_hoisted():
 
 def _lab_functions():
     """The public functions that hold a lab task, as ``(module, function)``."""
-    from opd_literate.course.labs import LABS, _source
+    from opd_literate.course.labs import LABS, source_of
 
     found = []
     for lab in LABS.values():
         for name in lab.student_modules:
-            path = _source(name)
+            path = source_of(name)
             module = ".".join(path.relative_to(lift.PACKAGE_DIR).with_suffix("").parts)
             tasks = strip_solutions(path.read_text(), str(path))[1]
             found += sorted({(module, f) for _, f in tasks if not f.startswith("_")})

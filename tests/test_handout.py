@@ -26,8 +26,8 @@ def _restore(lab_folder, keep):
     """Overwrite the student modules with versions whose tasks in ``keep`` are solved."""
     lab = LABS[json.loads((lab_folder / "lab.json").read_text())["lab"]]
     for module in lab.student_modules:
-        text, _ = strip_solutions(course_labs._source(module).read_text(), keep=keep)
-        (lab_folder / f"{module}.py").write_text(course_labs._flatten_imports(text))
+        text, _ = strip_solutions(course_labs.source_of(module).read_text(), keep=keep)
+        (lab_folder / f"{module}.py").write_text(course_labs.flatten_imports(text))
 
 
 def test_layout_and_compilation(labs):

@@ -27,8 +27,8 @@ def _tree(folder):
 def _student(lab_folder, module, stubs, keep=()):
     """Write the student module with the tasks in ``keep`` solved and the stub of each task in
     ``stubs`` replaced by the given lines (indented as a function body)."""
-    text, _ = strip_solutions(labs._source(module).read_text(), keep=set(keep))
-    text = labs._flatten_imports(text)
+    text, _ = strip_solutions(labs.source_of(module).read_text(), keep=set(keep))
+    text = labs.flatten_imports(text)
     for task, lines in stubs.items():
         stub = next(line for line in text.split("\n")
                     if f'raise NotImplementedError("Task {task}:' in line)

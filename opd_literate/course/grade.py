@@ -26,12 +26,12 @@ from .labs import (
     MARKER,
     PACKAGE,
     Lab,
-    _flatten_imports,
-    _read,
-    _render,
-    _sha256,
-    _source,
-    _tasks_of,
+    flatten_imports,
+    read_source,
+    render_lab,
+    sha256_of,
+    source_of,
+    tasks_of,
 )
 
 __all__ = ["GRADE_TIMEOUT", "STATUSES", "HARNESS_PATH", "grade", "format_grade"]
@@ -127,7 +127,7 @@ def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
         path = folder / name
         if not path.is_file():
             found[name] = "missing"
-        elif _sha256(path) != hashlib.sha256(text.encode()).hexdigest():
+        elif sha256_of(path) != hashlib.sha256(text.encode()).hexdigest():
             found[name] = "modified"
     return found
 
@@ -270,8 +270,8 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
 
     folder = pathlib.Path(lab_dir)
     lab = _lab_of(folder)
-    instructor = _render(lab)
-    all_tasks = _tasks_of(lab)
+    instructor = render_lab(lab)
+    all_tasks = tasks_of(lab)
     functions = {}
     for number, name, module in all_tasks:
         functions.setdefault(str(number), []).append((module, name))
@@ -299,7 +299,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -
         (sandbox / "pytest.ini").write_text("[pytest]\nmarkers =\n    task(*numbers): the "
                                             "lab tasks a test checks\n")
         shutil.copyfile(HARNESS_PATH, sandbox / "harness.py")
-        references = {m: _flatten_imports(_read(_source(m)))
+        references = {m: flatten_imports(read_source(source_of(m)))
                       for m in lab.student_modules}
         real = [str(p.resolve()) for p in (work, sandbox / "tmp", sandbox / "home")]
         config = dict(

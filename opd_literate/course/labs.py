@@ -9,7 +9,7 @@ Jupyter notebook instead. The folder gets a ``.opd-handout`` marker that lists t
 written and their SHA-256; ``force`` replaces only such a folder, deletes only those files
 (refusing if one was changed since) and keeps every other file.
 
-The lab modules are read from the package's source files (``_source``), so the handout needs
+The lab modules are read from the package's source files (``source_of``), so the handout needs
 a source checkout (``pip install -e .``).
 """
 
@@ -70,14 +70,14 @@ LABS = {
 }
 
 
-def _flatten_imports(text: str) -> str:
+def flatten_imports(text: str) -> str:
     text = RELATIVE_IMPORT.sub(lambda m: f"from {m.group('module')} import ", text)
     text = re.sub(r"^from opd_literate import (\w+) as (\w+)$", r"import \1 as \2", text,
                   flags=re.M)
     return PACKAGE_IMPORT.sub(lambda m: f"from {m.group('module')} import ", text)
 
 
-def _source(module: str) -> pathlib.Path:
+def source_of(module: str) -> pathlib.Path:
     """The library file of a lab module named as the student's file (``estimators``), wherever
     its chapter package keeps it (``opd_literate/mismatch/estimators.py``)."""
     found = sorted(PACKAGE.rglob(f"{module}.py"))
@@ -88,7 +88,7 @@ def _source(module: str) -> pathlib.Path:
     return found[0]
 
 
-def _read(path: pathlib.Path) -> str:
+def read_source(path: pathlib.Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: the handout needs a source checkout "
                                 "(pip install -e .)")
@@ -174,7 +174,7 @@ MARKER = ".opd-handout"
 """The file that marks a folder as written by this tool: the files it wrote and their SHA-256."""
 
 
-def _sha256(path: pathlib.Path) -> str:
+def sha256_of(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -214,7 +214,7 @@ def _replaceable(out_dir: pathlib.Path) -> dict:
             raise ValueError(f"OUTDIR {str(out_dir)!r}: a folder above {name} is a symbolic "
                              "link; --force replaces only real folders")
         if path.is_symlink() or (path.exists() and (not path.is_file()
-                                                     or _sha256(path) != digest)):
+                                                     or sha256_of(path) != digest)):
             raise ValueError(f"OUTDIR {str(out_dir)!r}: {name} was changed since opd-handout "
                              "wrote it; move it away first (--force deletes only unchanged "
                              "files it wrote)")
@@ -255,7 +255,7 @@ def write_lab(lab_name: str, out_dir, force: bool = False,
         raise ValueError(f"OUTDIR {str(out_dir)!r} exists and is not a folder")
     names = list(LABS) if lab_name == "all" else [lab_name]
     files = {(f"{name}/" if lab_name == "all" else "") + relative: text
-             for name in names for relative, text in _render(LABS[name], format).items()}
+             for name in names for relative, text in render_lab(LABS[name], format).items()}
     replaceable = {}
     if out_dir.exists() and any(out_dir.iterdir()):
         if not force:
@@ -326,11 +326,11 @@ def render_notebook(lab: Lab, keep=frozenset()) -> dict:
     if len(lab.student_modules) != 1:
         raise ValueError(f"lab {lab.name!r}: a notebook holds one student module")
     module = lab.student_modules[0]
-    source = _source(module)
-    text, tasks = strip_solutions(_read(source), str(source), keep=keep)
-    text = _flatten_imports(text)
+    source = source_of(module)
+    text, tasks = strip_solutions(read_source(source), str(source), keep=keep)
+    text = flatten_imports(text)
     task_of = {name: n for n, name in tasks}
-    hints = dict(re.findall(r"### BEGIN SOLUTION Task (\d+): (.*)", _read(source)))
+    hints = dict(re.findall(r"### BEGIN SOLUTION Task (\d+): (.*)", read_source(source)))
     tree = ast.parse(text)
     lines = text.split("\n")
     cells = [_cell("markdown", f"# Lab: {lab.title}\n\n{lab.summary}\n\nEach task is a "
@@ -374,34 +374,35 @@ def render_notebook(lab: Lab, keep=frozenset()) -> dict:
         "language_info": {"name": "python"}}, "nbformat": 4, "nbformat_minor": 5}
 
 
-def _tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
+def tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
     """The tasks of a lab, ``[(number, function, module)]``, sorted, from the library source."""
     found = []
     for module in lab.student_modules:
-        source = _source(module)
-        found += [(n, name, module) for n, name in strip_solutions(_read(source), str(source))[1]]
+        source = source_of(module)
+        _, tasks = strip_solutions(read_source(source), str(source))
+        found += [(n, name, module) for n, name in tasks]
     return sorted(found)
 
 
-def _render(lab: Lab, format: str = "files") -> dict[str, str]:
+def render_lab(lab: Lab, format: str = "files") -> dict[str, str]:
     """The files of one lab folder, ``{relative path: text}``, in the order they are written."""
     files, all_tasks = {}, []
     for module in lab.student_modules:
-        source = _source(module)
-        student, tasks = strip_solutions(_read(source), str(source))
+        source = source_of(module)
+        student, tasks = strip_solutions(read_source(source), str(source))
         if not tasks:
             raise MarkerError(f"{source}: a student module without any solution region")
-        files[f"{module}.py"] = _flatten_imports(student)
+        files[f"{module}.py"] = flatten_imports(student)
         all_tasks += [(n, name, module) for n, name in tasks]
     for module in lab.given_modules:
-        source = _source(module)
-        given, tasks = strip_solutions(_read(source), str(source))
+        source = source_of(module)
+        given, tasks = strip_solutions(read_source(source), str(source))
         if tasks:
             raise MarkerError(f"{source}: given code must not hold solution regions")
-        files[f"{module}.py"] = _flatten_imports(given)
+        files[f"{module}.py"] = flatten_imports(given)
     for test in lab.tests:
-        files[f"tests/{pathlib.PurePosixPath(test).name}"] = _flatten_imports(
-            _read(REPO / test))
+        files[f"tests/{pathlib.PurePosixPath(test).name}"] = flatten_imports(
+            read_source(REPO / test))
     files["pytest.ini"] = _PYTEST_INI
     files["conftest.py"] = _CONFTEST
     all_tasks.sort()
