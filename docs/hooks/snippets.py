@@ -32,8 +32,17 @@ def _members(module: str):
     """Public top-level names that mkdocstrings shows (a docstring), in source order:
     (functions, everything else)."""
     body = ast.parse(lift._module_path(module).read_text(encoding="utf-8")).body
+    exported = next((ast.literal_eval(node.value) for node in body if isinstance(node, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)),
+                    ())
     functions, others = [], []
     for node, following in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.ImportFrom) and node.level and node.module == "_numerics":
+            # A shared constant re-exported under its public name (``opd.REDUCTIONS``): shown
+            # with the docstring of its one home, ``_numerics``.
+            others += [a.asname or a.name for a in node.names
+                       if (a.asname or a.name) in exported and (a.asname or a.name).isupper()]
+            continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names, documented = [node.name], ast.get_docstring(node) is not None
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -114,7 +123,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if lines.count(directive) != 1:
         raise PluginError(f"{page.file.src_uri}: expected the line {directive!r} once")
     functions, others = _members(module)
-    has_registry = module == "estimators" and "REGISTRY" in others
+    has_registry = module == "mismatch.estimators" and "REGISTRY" in others
     others = [name for name in others if not (has_registry and name == "REGISTRY")]
     parts = [_directive(f"opd_literate.{module}",
                         members=f"[{', '.join(others)}]" if others else "false")]
