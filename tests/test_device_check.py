@@ -55,6 +55,7 @@ def _rows(stdout):
     return {m[1]: m[2] for line in stdout.splitlines() if (m := pattern.match(line))}
 
 
+@pytest.mark.slow
 def test_quick_cpu_run_passes_and_has_a_row_for_every_public_torch_function(quick_cpu_run):
     assert quick_cpu_run.returncode == 0, quick_cpu_run.stdout + quick_cpu_run.stderr
     rows = _rows(quick_cpu_run.stdout)
@@ -63,6 +64,7 @@ def test_quick_cpu_run_passes_and_has_a_row_for_every_public_torch_function(quic
     assert {result for name, result in rows.items() if name not in NOT_RUN} == {"pass"}
 
 
+@pytest.mark.slow
 def test_quick_cpu_run_reports_the_benchmark_rows_and_leaves_the_targets_unjudged(
         quick_cpu_run):
     out = quick_cpu_run.stdout

@@ -18,6 +18,10 @@ from opd_literate.course.grade import HARNESS_PATH, format_grade, grade
 from opd_literate.course.labs import PACKAGE, write_lab
 from opd_literate.course.markers import strip_solutions
 
+# Every test here grades a lab in subprocesses (a few seconds each): the slow tier. The fast
+# tier grades once, in tests/test_handout.py's command-line test.
+pytestmark = pytest.mark.slow
+
 
 def _tree(folder):
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -37,6 +37,7 @@ def test_the_notebook_is_valid_and_holds_stubs_and_a_check_per_task(tmp_path):
     assert "mismatch.ipynb" in (folder / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_solved_notebook_runs_top_to_bottom_and_passes(solved, monkeypatch):
     """One notebook run (a kernel start is a second or more): every check cell passes."""
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the kernel's pytest: faster
@@ -54,6 +55,7 @@ def test_the_solved_notebook_runs_top_to_bottom_and_passes(solved, monkeypatch):
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow
 def test_the_grader_grades_a_notebook_task_by_task(solved, tmp_path):
     """The solved notebook with Task 4 wrong (token_tis truncating at twice the cap): the
     full solution's marks, less one."""

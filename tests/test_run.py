@@ -49,6 +49,7 @@ def tiny_cli(monkeypatch, tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_and_plots(quick_results):
     out, results = quick_results
     assert (out / "accuracy.png").stat().st_size > 1000
@@ -72,6 +73,7 @@ def _mean(values):
     return sum(values) / len(values)
 
 
+@pytest.mark.slow
 def test_quick_run_opd_students_learn(quick_results):
     """Margins: +0.05 accuracy and -10% reverse KL against the start (means over seeds), for
     both OPD methods; full-vocabulary OPD reaches its target on every seed (the issue asks
@@ -90,6 +92,7 @@ def test_quick_run_opd_students_learn(quick_results):
     assert stats.headline(results)["opd_full_vocab"]["reached"] == QUICK.seeds
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers_with_any_number_of_workers(tmp_path, monkeypatch):
     """Twice, in this process and then in two worker processes: the same numbers, in the same
     order (each method's random streams depend on the configuration only)."""
@@ -157,6 +160,7 @@ def test_help_states_the_real_defaults(capsys):
     assert (int(seeds[1]), int(seeds[2])) == (DEFAULT.seeds, QUICK.seeds)
 
 
+@pytest.mark.slow
 def test_the_module_command_refuses_a_repeated_method():
     """``python -m opd_literate.experiment``, as a user types it: rc 2, one line, no traceback."""
     result = subprocess.run([sys.executable, "-m", "opd_literate.experiment", "--methods", "rl,rl",
@@ -267,6 +271,7 @@ def _sigint_as_in_a_terminal():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_sigint_in_a_real_process_exits_130_with_one_line(tmp_path):
     """The signal itself, in a child process: it interrupts itself during the second method."""
     code = f"""
@@ -292,6 +297,7 @@ sys.exit(cli.main(["--quick", "--workers", "1", "--out", {str(tmp_path / "out")!
     assert "finished methods opd_sampled in " in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("stop", ["ctrl-c", "kill"])
 def test_stopping_the_cli_with_worker_processes_leaves_no_worker(tmp_path, stop):
@@ -356,6 +362,7 @@ def _in_a_thread(function, timeout=90):
     return outcome
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path, monkeypatch):
     """SIGKILL to a worker (as the out-of-memory killer sends it) after the first method: a
     WorkerError naming the method and the exit code, not a wait for ever; the other worker,
@@ -381,6 +388,7 @@ def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path, monkeyp
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_script_without_a_main_guard_fails_with_the_hint_instead_of_hanging(tmp_path):
     """The classic spawn mistake: each worker imports the script again, runs the experiment
     at import, and dies while starting. The parent must say so, not wait for ever."""
@@ -397,6 +405,7 @@ def test_a_script_without_a_main_guard_fails_with_the_hint_instead_of_hanging(tm
     assert 'outside `if __name__ == "__main__":`' in result.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path, monkeypatch):
     """In the process itself (a process exit would stop daemonic workers anyway): Ctrl-C
     after the first method, while the other methods train, leaves no worker running."""
@@ -416,6 +425,7 @@ def test_ctrl_c_in_the_parent_stops_every_worker(tmp_path, monkeypatch):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_method_that_fails_in_a_worker_exits_1_with_its_traceback(tiny_cli, monkeypatch,
                                                                     capsys):
     monkeypatch.setattr(cli, "QUICK", dataclasses.replace(TINY, lrs=("not a number",)))
