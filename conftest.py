@@ -12,8 +12,8 @@ import torch
 from hypothesis import settings
 
 # Hypothesis profiles for the property tests that take their example count from the profile
-# (tests/test_opd_properties.py): "fast" for the normal suite, "ci" for the separate CI run
-# `pytest tests/test_opd_properties.py --hypothesis-profile=ci` (1,000 examples a property).
+# (marker `properties`, tests/opd/test_properties.py): "fast" for the normal suite, "ci" for the
+# separate CI run `pytest -m properties --hypothesis-profile=ci` (1,000 examples a property).
 # derandomize: the same examples on every run, so a failure reproduces; no example database.
 settings.register_profile("fast", max_examples=40, deadline=None, derandomize=True, database=None)
 settings.register_profile("ci", max_examples=1000, deadline=None, derandomize=True, database=None)

@@ -63,7 +63,7 @@ gives the sequence reverse-KL gradient) survive the batch reduction only when it
 does not depend on the sampled lengths: ``"sum"``, ``"seq-mean-token-sum"`` (a fixed $1/B$) and
 ``"seq-mean-token-sum-norm"`` (a fixed $1/T$). With ``"token-mean"`` (Task 2 and Task 3 as
 written) or ``"seq-mean-token-mean"`` the expected gradients differ. On the enumerable two-step
-model with ``<eos>`` of ``tests/test_opd_lengths.py`` the discount-1 expected gradient of
+model with ``<eos>`` of ``tests/opd/test_reductions.py`` the discount-1 expected gradient of
 ``token-mean`` points 7.26 degrees away from the sequence-KL gradient (3.42 degrees with two
 responses a batch), and with one response a batch E[Task-2 gradient] differs from
 E[Task-3 gradient] by 21.5% of the latter's norm; with a fixed normaliser both identities hold
@@ -317,7 +317,7 @@ def opd_pg_loss(student_logp, rewards, mask):
     sampled tokens: with responses that can end at ``<eos>``, $N$ does (sampling ``<eos>``
     shortens the response), and the expected token-mean gradient of this loss is no longer the
     expected token-mean gradient of [opd_literate.opd.full_vocab_reverse_kl][] (21.5% apart on
-    the two-step model of ``tests/test_opd_lengths.py``). With a fixed normaliser,
+    the two-step model of ``tests/opd/test_reductions.py``). With a fixed normaliser,
     ``sampled_token_opd_loss(..., gamma=0, reduction="sum")`` against the ``"sum"`` of
     [opd_literate.opd.reverse_kl_per_position][], they agree exactly.
 
@@ -1081,7 +1081,7 @@ def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reductio
     ``"seq-mean-token-sum-norm"`` ($B/T$ times it). With ``"token-mean"`` or
     ``"seq-mean-token-mean"`` and responses that can end at ``<eos>``, sampling ``<eos>``
     changes the weight of every token of the response, and the expected gradient is biased: on
-    the two-step model of ``tests/test_opd_lengths.py`` it points 7.26 degrees away from the
+    the two-step model of ``tests/opd/test_reductions.py`` it points 7.26 degrees away from the
     true gradient (a rescaled copy would point 0 degrees away). With a fixed length every
     reduction is a constant multiple of ``"sum"`` and all are unbiased up to scale.
 

@@ -1,7 +1,7 @@
 """OPD on the autoregressive toy: the KL gradients against autograd, the recipes under mismatch,
 and the exact expected gradient of each loss reduction against torch's ``aggregate_loss``.
 
-The reduction figures of ``tests/test_opd_lengths.py`` (a two-step model with ``<eos>``, built
+The reduction figures of ``tests/opd/test_reductions.py`` (a two-step model with ``<eos>``, built
 in torch) are reproduced here by the numpy toy layer, from the same logits.
 """
 
@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_opd_lengths import TOKEN_MEAN_ANGLE
-from test_opd_lengths import model as two_step_model
 
 from opd_literate import opd
 from opd_literate.mismatch.opd_mismatch import (
@@ -28,6 +26,8 @@ from opd_literate.mismatch.opd_mismatch import (
     reduction_table,
 )
 from opd_literate.mismatch.toy import ar_toy_from_logits, estimator_moments, make_ar_toy, make_toy
+from tests.opd.test_reductions import TOKEN_MEAN_ANGLE
+from tests.opd.test_reductions import model as two_step_model
 
 
 def gathered(log_probs, toy):
@@ -160,7 +160,7 @@ def test_token_mean_with_three_responses_uses_the_length_convolution():
 
 
 def two_step_toy():
-    """tests/test_opd_lengths.py's model as an AR toy: row 0 first, row 1 + y_1 second."""
+    """tests/opd/test_reductions.py's model as an AR toy: row 0 first, row 1 + y_1 second."""
     theta, phi = (x.numpy() for x in two_step_model())  # (1 + V, V) each, V = 3
     # position 0 reads row 0 (the start symbol), position 1 reads row 1 + y_1
     logits = np.stack([theta, theta])

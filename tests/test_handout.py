@@ -106,8 +106,8 @@ def test_running_twice_is_byte_identical(labs, tmp_path):
 # Each grade starts a harness process (about 3 s), so the grading tests share the work: the OPD
 # lab is graded with Task 1 alone (by the command line) here; the mismatch lab solved but for
 # one wrong task in tests/test_handout_notebook.py, and gamed in tests/test_handout_grade.py.
-# The OPD lab's full solution passes its tests in tests/test_opd.py, and in the grader through
-# the identity tests of Task 1, which run Tasks 2 and 3's reference versions.
+# The OPD lab's full solution passes its tests in tests/opd/test_lab_opd.py, and in the grader
+# through the identity tests of Task 1, which run Tasks 2 and 3's reference versions.
 def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):
     """Task 1 alone is passed, though the identity tests of Task 1 also call Tasks 2 and 3: the
     grader supplies their reference versions at grading time, never in the student's folder.
@@ -124,7 +124,7 @@ def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):
     report = json.loads(graded.stdout)["labs"][0]
     assert report["lab"] == "opd" and report["score"] == 1 and report["total"] == 3
     assert report["files"] == {}
-    # (status, passed, tests): the tests of each task, counted by hand in tests/test_opd.py
+    # (status, passed, tests): the tests of each task, counted by hand in tests/opd/test_lab_opd.py
     assert [(t["status"], t["passed"], t["tests"]) for t in report["tasks"].values()] == [
         ("passed", 10, 10), ("not implemented", 0, 12), ("not implemented", 0, 10)]
     for number in ("2", "3"):

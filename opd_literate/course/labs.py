@@ -53,7 +53,7 @@ LABS = {
         title="On-policy distillation (OPD)",
         student_modules=("opd",),
         given_modules=("_numerics",),
-        tests=("tests/test_opd.py",),
+        tests=("tests/opd/test_lab_opd.py",),
         summary="Implement the three OPD losses: the per-token reward (Task 1), the "
                 "REINFORCE loss with discount 0 (Task 2) and the full-vocabulary reverse KL "
                 "(Task 3).",

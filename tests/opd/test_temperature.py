@@ -1,4 +1,6 @@
-"""The ``temperature`` of the OPD losses on logits: softmax(z / tau), as TRL applies it."""
+"""The ``temperature`` of the full-vocabulary losses of ``opd_literate.opd``: it divides the logits
+before the softmax, 1 is the default bit for bit, and a bad or tiny one is refused, never NaN.
+"""
 
 import math
 
@@ -13,6 +15,8 @@ PER_POSITION = {
     "forward": lambda s, t, m, **kw: opd.forward_kl_per_position(s, t, m, **kw),
     "jsd": lambda s, t, m, **kw: opd.generalized_jsd_per_position(s, t, beta=0.3, mask=m, **kw),
 }
+
+
 LOSSES = {
     "reverse": lambda s, t, m, **kw: opd.full_vocab_reverse_kl(s, t, m, **kw),
     "forward": lambda s, t, m, **kw: opd.forward_kl(s, t, m, **kw),
@@ -119,3 +123,77 @@ def test_a_tiny_temperature_is_exact_or_refused_never_nan():
         with pytest.raises(ValueError, match="temperature must be at least"):
             zeros = torch.zeros(1, 1, 2, dtype=dtype)
             opd.full_vocab_reverse_kl(zeros, zeros, torch.ones(1, 1), temperature=tau)
+
+
+# Found by mutation testing (docs/mutation.md).
+
+
+D = torch.float64
+
+
+def _float64_logits(B=2, T=3, V=4, seed=0, dtype=D):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
+
+
+ONES = torch.ones(2, 3)
+
+
+# -------------------------------------------------------------------------------------------
+# Defaults, against float64 formulas
+# -------------------------------------------------------------------------------------------
+def _softmax_logs(z):
+    z = z.to(D)
+    return z - torch.logsumexp(z, -1, keepdim=True)
+
+
+def _kl(log_a, log_b):
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_default_temperature_is_one(temperature):
+    s, t = _float64_logits(seed=1), _float64_logits(seed=2)
+    want = _kl(_softmax_logs(s / temperature), _softmax_logs(t / temperature))
+    kwargs = {} if temperature == 1.0 else {"temperature": temperature}
+    torch.testing.assert_close(opd.reverse_kl_per_position(s, t, **kwargs), want)
+    torch.testing.assert_close(opd.full_vocab_reverse_kl(s, t, ONES, **kwargs), want.mean())
+
+
+# -------------------------------------------------------------------------------------------
+# Survivors of the measurement on the current code
+# -------------------------------------------------------------------------------------------
+def test_temperature_with_huge_and_impossible_logits():
+    # z / tau would overflow for z = 1e308, tau = 0.5: each row is shifted by its own largest
+    # finite entry first. Rows: p = (1, 0, 0) twice, then softmax((0, 1, 2) / 0.5).
+    s = torch.tensor([[[1e308, 0.0, 0.0], [1e308, -math.inf, 0.0], [0.0, 1.0, 2.0]]], dtype=D)
+    t = torch.zeros(1, 3, 3, dtype=D)  # a uniform teacher
+    log_p2 = torch.log_softmax(torch.tensor([0.0, 2.0, 4.0], dtype=D), -1)
+    want = [math.log(3.0), math.log(3.0), float((log_p2.exp() * (log_p2 + math.log(3))).sum())]
+    got = opd.reverse_kl_per_position(s, t, temperature=0.5)
+    assert torch.allclose(got[0], torch.tensor(want, dtype=D), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: opd.full_vocab_reverse_kl(_float64_logits(), _float64_logits(), ONES, temperature=0.0),
+    lambda: opd.generalized_jsd_per_position(_float64_logits(), _float64_logits(), temperature=0.0),
+    lambda: opd.generalized_jsd(_float64_logits(), _float64_logits(), ONES, temperature=-1.0),
+    lambda: opd.forward_kl_per_position(_float64_logits(), _float64_logits(), temperature=0.0),
+])
+def test_temperature_is_named(call):
+    with pytest.raises(ValueError, match="^temperature must be > 0, got "):
+        call()
+
+
+def test_the_smallest_temperature_is_one_over_the_largest_number():
+    big = torch.finfo(torch.float32).max
+    s = torch.tensor([[[0.0, 1.0]]])
+    t = torch.tensor([[[0.5, 1.0]]])
+    # 1 / tau = big exactly, and 1 / tau = big / 1.5: accepted; the limit tau -> 0 is the argmax,
+    # the same token for both, so the KL is 0
+    for tau in (1.0 / big, 1.5 / big):
+        assert 1.0 / tau <= big
+        assert opd.reverse_kl_per_position(s, t, temperature=tau).tolist() == [[0.0]]
+    with pytest.raises(ValueError, match=r"^temperature must be at least 1 / \(the largest "
+                       r"torch.float32 number\), got "):
+        opd.reverse_kl_per_position(s, t, temperature=0.5 / big)

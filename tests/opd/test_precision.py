@@ -1,9 +1,6 @@
-"""Hostile numerics for ``opd_literate.opd`` (issue 13): each case failed on the old code.
-
-``-inf`` at masked-out positions through a real ``nn.Linear`` head, a padded vocabulary, the
-expected k-estimator gradient in float32, half precision in every function, empty batches,
-``mask=None`` and booleans or strings given as numbers. References are float64 computations
-written here, never the function under test.
+"""``opd_literate.opd`` at the edges of floating point: ``-inf`` logits through a linear head, the
+expected k-estimator gradient in float32, half precision in every function, empty batches, and
+the dtype each loss computes in. References are written here, never the function under test.
 """
 
 import math
@@ -15,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from opd_literate import opd
 from opd_literate._numerics import check_finite_number
 from opd_literate.opd import (
     aggregate_loss,
@@ -33,7 +31,10 @@ from opd_literate.opd import (
 )
 
 INF = math.inf
+
+
 DOUBLE = torch.float64
+
 
 FULL_VOCAB_LOSSES = {
     "reverse": full_vocab_reverse_kl,
@@ -291,3 +292,40 @@ def test_an_infinite_reverse_kl_position_has_zero_gradient_and_leaves_the_others
     d = p.log() - log_q
     expected = p * (d - (p * d).sum()) / 2
     assert torch.allclose(student.grad[0, 1], expected, atol=1e-14)
+
+
+# Found by mutation testing (docs/mutation.md): the lab's losses compute in the promoted dtype.
+
+
+D = torch.float64
+
+
+def _logits(B=2, T=3, V=4, seed=0, dtype=D):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
+
+
+def _logp(B=2, T=3, seed=0):
+    return torch.log_softmax(_logits(B, T, 4, seed), -1)[..., 0]
+
+
+ONES = torch.ones(2, 3)
+
+
+def test_pg_loss_computes_in_the_promoted_dtype():
+    s32 = _logp(seed=1).to(torch.float32)
+    r64 = _logp(seed=2)
+    loss = opd.opd_pg_loss(s32, r64, ONES)
+    assert loss.dtype == D
+    torch.testing.assert_close(loss, -(r64 * s32.to(D)).sum() / 6, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("student, other", [(torch.float32, D), (D, torch.float32)])
+def test_rewards_and_pg_loss_in_the_promoted_dtype(student, other):
+    s, t = _logp(seed=1).to(student), _logp(seed=2).to(other)
+    rewards = opd.reverse_kl_rewards(s, t, ONES)
+    assert rewards.dtype == D
+    assert torch.equal(rewards, t.to(D) - s.to(D))  # exact: both are float64 values
+    loss = opd.opd_pg_loss(s, t, ONES)
+    assert loss.dtype == D
+    torch.testing.assert_close(loss, -(t.to(D) * s.to(D)).sum() / 6, rtol=1e-15, atol=0)

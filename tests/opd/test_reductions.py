@@ -1,20 +1,6 @@
-"""Variable-length responses: when the OPD gradient identities hold, and when they do not.
-
-An enumerable two-step model with ``<eos>``: the student writes token 1 from row 0 of its
-logits; if it is ``<eos>`` the response ends (length 1, mask ``[1, 0]``), otherwise token 2
-comes from row ``1 + y_1`` and the response ends (length 2). Every response, and every pair of
-responses (a batch of B = 2), is enumerated, so the expected gradients are exact sums.
-
-Two claims of ``opd_literate.opd`` are checked on it, each in the case where it holds and in
-the case where it fails:
-
-* gamma = 1 is unbiased for the gradient of the sequence reverse KL only with a reduction whose
-  normaliser does not depend on the sampled lengths (``sum``, ``seq-mean-token-sum``,
-  ``seq-mean-token-sum-norm``); ``token-mean`` and ``seq-mean-token-mean`` are not.
-* E[Task-2 gradient] = E[Task-3 gradient] with a fixed normaliser; with ``token-mean`` it fails.
-
-The biased expectations are compared with an independent numpy computation (score function
-``e_v - p`` written by hand), so the figures the docs quote come from that reference.
+"""The reductions and discounts of ``opd_literate.opd``: ``discounted_returns``,
+``aggregate_loss`` and ``sampled_token_opd_loss``, on an enumerable two-step model with
+``<eos>`` and by hand.
 """
 
 import itertools
@@ -25,17 +11,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from opd_literate import opd
 from opd_literate.opd import (
+    REDUCTIONS,
     aggregate_loss,
+    discounted_returns,
     full_vocab_reverse_kl,
     opd_pg_loss,
     reverse_kl_per_position,
     reverse_kl_rewards,
     sampled_token_opd_loss,
 )
+from tests.opd.test_lab_opd import random_batch
+
+# The claims of the reductions, on an enumerable two-step model with <eos>: the student writes
+# token 1 from row 0; if it is <eos> the response ends, otherwise token 2 comes from row 1 + y_1.
+# Every response and every pair of responses is enumerated, so expected gradients are exact.
+
 
 DOUBLE = torch.float64
+
+
 V, EOS, T = 3, 2, 2
+
+
 SEQUENCES = [(EOS,)] + [(a, b) for a in (0, 1) for b in range(V)]  # the 7 responses
 
 
@@ -238,3 +237,167 @@ def test_task2_differs_from_task3_in_expectation_with_token_mean():
     np.testing.assert_allclose(task3, ref3, rtol=1e-12, atol=1e-14)
     relative = np.linalg.norm(ref2 - ref3) / np.linalg.norm(ref3)
     assert relative == pytest.approx(TASK2_VS_TASK3_TOKEN_MEAN, abs=1e-3)
+
+
+# Discounts and reductions on random batches.
+
+
+# ------------------------------------------------------------------- k1, k2, k3 gradients
+def _grad_of(fn, z):
+    z = z.detach().clone().requires_grad_(True)
+    fn(z).backward()
+    return z.grad
+
+
+# ------------------------------------------------------------------- discount, reductions
+class TestDiscountAndReductions:
+    def test_discounted_returns_by_hand(self):
+        r = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 7.0]])
+        mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+        out = discounted_returns(r, mask, 0.5)
+        expected = torch.tensor([[1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 3.0, 0.0],
+                                 [4 + 2.5 + 1.5 + 0.875, 5 + 3 + 1.75, 6 + 3.5, 7.0]])
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(discounted_returns(r, mask, 0.0), r * mask)
+
+    def test_gamma_zero_token_mean_is_the_lab_loss(self):
+        student, teacher, mask = random_batch(seed=14)
+        s_logp = F.log_softmax(student, -1)[..., 0].clone().requires_grad_(True)
+        t_logp = F.log_softmax(teacher, -1)[..., 0]
+        lab = opd_pg_loss(s_logp, reverse_kl_rewards(s_logp, t_logp, mask), mask)
+        ours = sampled_token_opd_loss(s_logp, t_logp, mask, gamma=0.0)
+        torch.testing.assert_close(ours, lab, rtol=0, atol=0)
+
+    def test_gamma_one_is_unbiased_for_the_sequence_reverse_kl_gradient(self):
+        """Two-step toy LM, enumerated: E[grad of gamma=1 loss] = grad of sequence KL."""
+        g = torch.Generator().manual_seed(15)
+        V = 3
+        theta = torch.randn(1 + V, V, generator=g, dtype=DOUBLE)  # row 0: first step; 1+y1
+        phi = torch.randn(1 + V, V, generator=g, dtype=DOUBLE)
+
+        def seq_kl(th):
+            lp, lq = F.log_softmax(th, -1), F.log_softmax(phi, -1)
+            total = 0
+            for y1 in range(V):
+                for y2 in range(V):
+                    logp = lp[0, y1] + lp[1 + y1, y2]
+                    total = total + logp.exp() * (logp - lq[0, y1] - lq[1 + y1, y2])
+            return total
+
+        true_grad = _grad_of(seq_kl, theta)
+        expected_grad = torch.zeros_like(theta)
+        lp = F.log_softmax(theta, -1).detach()
+        for y1 in range(V):
+            for y2 in range(V):
+                th = theta.clone().requires_grad_(True)
+                l_s = F.log_softmax(th, -1)
+                l_t = F.log_softmax(phi, -1)
+                s = torch.stack([l_s[0, y1], l_s[1 + y1, y2]]).reshape(1, 2)
+                t = torch.stack([l_t[0, y1], l_t[1 + y1, y2]]).reshape(1, 2)
+                sampled_token_opd_loss(s, t, torch.ones(1, 2), gamma=1.0,
+                                       reduction="sum").backward()
+                expected_grad += (lp[0, y1] + lp[1 + y1, y2]).exp() * th.grad
+        torch.testing.assert_close(expected_grad, true_grad, rtol=1e-12, atol=1e-14)
+
+    def test_reductions_on_a_ragged_mask(self):
+        loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0],
+                             [5.0, 5.0, 5.0, 5.0]])
+        mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+        # tokens: 1+2+3+4 = 10, 10+20 = 30, none
+        assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(40 / 6)
+        assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(40 / 3)
+        assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(
+            (10 / 4 + 30 / 2 + 0) / 3
+        )
+        assert aggregate_loss(loss, mask, "sum").item() == pytest.approx(40.0)
+        # a constant 1 / T (T = 4, the padded length), not 1 / B nor 1 / (tokens)
+        assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10.0)
+        # the fully masked third sequence counts in 1 / B (verl's agg_loss would divide by 2)
+        assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() != pytest.approx(20.0)
+
+    @pytest.mark.parametrize("reduction", REDUCTIONS)
+    def test_masked_tokens_never_contribute(self, reduction):
+        loss = torch.tensor([[1.0, 2.0, math.inf], [3.0, math.nan, -math.inf]],
+                            requires_grad=True)
+        mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+        out = aggregate_loss(loss, mask, reduction)
+        out.backward()
+        assert torch.isfinite(out) and torch.isfinite(loss.grad).all()
+        assert (loss.grad[mask == 0] == 0).all()
+        assert aggregate_loss(loss.detach(), torch.zeros(2, 3), reduction).item() == 0.0
+
+
+# Found by mutation testing (docs/mutation.md): each reduction written out by hand, the defaults.
+
+
+D = torch.float64
+
+
+def _logits(B=2, T=3, V=4, seed=0, dtype=D):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
+
+
+def _logp(B=2, T=3, seed=0):
+    return torch.log_softmax(_logits(B, T, 4, seed), -1)[..., 0]
+
+
+ONES = torch.ones(2, 3)
+
+
+# -------------------------------------------------------------------------------------------
+# Defaults, against float64 formulas
+# -------------------------------------------------------------------------------------------
+def _softmax_logs(z):
+    z = z.to(D)
+    return z - torch.logsumexp(z, -1, keepdim=True)
+
+
+def _kl(log_a, log_b):
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
+
+
+def _hand_reductions(x, m):
+    n = m.sum(1)
+    return {
+        "token-mean": (x * m).sum() / m.sum(),
+        "seq-mean-token-sum": (x * m).sum(1).mean(),
+        "seq-mean-token-mean": ((x * m).sum(1) / n).mean(),
+        "seq-mean-token-sum-norm": (x * m).sum() / x.shape[1],
+        "sum": (x * m).sum(),
+    }
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_every_reduction_by_hand(B):
+    x = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]], dtype=D)[:B]
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=D)[:B]
+    want = _hand_reductions(x, m)
+    for reduction, value in want.items():
+        assert opd.aggregate_loss(x, m, reduction).item() == value.item(), reduction
+    assert opd.aggregate_loss(x, m).item() == want["token-mean"].item()  # the default
+
+
+def test_sampled_token_loss_defaults():
+    s, t = _logp(seed=1), _logp(seed=2)
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # gamma 0, token-mean: -sum m * sg(t - s) * s / sum m
+    want = -((t - s) * s * m).sum() / m.sum()
+    torch.testing.assert_close(opd.sampled_token_opd_loss(s, t, m), want)
+
+
+def test_discounted_returns_of_one_position():
+    r = torch.tensor([[2.0], [-3.0]])
+    assert opd.discounted_returns(r, torch.ones(2, 1), 0.5).tolist() == [[2.0], [-3.0]]
+    assert opd.discounted_returns(r, torch.ones(2, 1), 1.0).tolist() == [[2.0], [-3.0]]
+
+
+def test_gamma_one_and_beta_bounds_are_accepted():
+    r = torch.tensor([[1.0, 2.0, 4.0]])
+    assert opd.discounted_returns(r, torch.ones(1, 3), 1.0).tolist() == [[7.0, 6.0, 4.0]]
+    s, t = _logits(seed=1), _logits(seed=2)
+    # the mixture is beta q + (1 - beta) p: beta = 0 is KL(q || p), beta = 1 is KL(p || q)
+    torch.testing.assert_close(opd.generalized_jsd_per_position(s, t, beta=0.0),
+                               _kl(_softmax_logs(t), _softmax_logs(s)))
+    torch.testing.assert_close(opd.generalized_jsd_per_position(s, t, beta=1.0),
+                               _kl(_softmax_logs(s), _softmax_logs(t)))

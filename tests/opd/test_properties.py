@@ -18,6 +18,7 @@ import math
 from collections import Counter
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -34,6 +35,10 @@ from opd_literate.opd import (
     reverse_kl_rewards,
     sampled_token_opd_loss,
 )
+
+# Every test here takes its example count from the Hypothesis profile (conftest.py): .ci/run
+# runs them again with `-m properties --hypothesis-profile=ci`.
+pytestmark = pytest.mark.properties
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 EXAMPLES = Counter()

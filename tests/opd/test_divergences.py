@@ -1,18 +1,17 @@
-"""The variants of ``opd_literate.opd`` beyond the lab's three tasks.
-
-k1/k2/k3 gradient facts, forward KL and generalized JSD, ``-inf`` logits and half precision,
-discounts and reductions, and bad input. Expected values come from independent computations.
+"""The divergences of ``opd_literate.opd`` beyond the lab's three tasks: the k1/k2/k3 estimators
+and their expected gradients, forward KL and the generalized JSD, ``-inf`` logits and half
+precision, and bad input. Expected values come from independent computations.
 """
 
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_opd import DOUBLE, analytic_reverse_kl_grad, random_batch
 
+from opd_literate import opd
 from opd_literate.opd import (
-    REDUCTIONS,
     aggregate_loss,
     discounted_returns,
     expected_kl_estimator_gradient,
@@ -25,8 +24,8 @@ from opd_literate.opd import (
     opd_pg_loss,
     reverse_kl_per_position,
     reverse_kl_rewards,
-    sampled_token_opd_loss,
 )
+from tests.opd.test_lab_opd import DOUBLE, analytic_reverse_kl_grad, random_batch
 
 
 # ------------------------------------------------------------------- k1, k2, k3 gradients
@@ -205,84 +204,6 @@ class TestInfiniteLogitsAndPrecision:
         assert got == pytest.approx(forward, rel=1e-5)
 
 
-# ------------------------------------------------------------------- discount, reductions
-class TestDiscountAndReductions:
-    def test_discounted_returns_by_hand(self):
-        r = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 7.0]])
-        mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-        out = discounted_returns(r, mask, 0.5)
-        expected = torch.tensor([[1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 3.0, 0.0],
-                                 [4 + 2.5 + 1.5 + 0.875, 5 + 3 + 1.75, 6 + 3.5, 7.0]])
-        torch.testing.assert_close(out, expected)
-        torch.testing.assert_close(discounted_returns(r, mask, 0.0), r * mask)
-
-    def test_gamma_zero_token_mean_is_the_lab_loss(self):
-        student, teacher, mask = random_batch(seed=14)
-        s_logp = F.log_softmax(student, -1)[..., 0].clone().requires_grad_(True)
-        t_logp = F.log_softmax(teacher, -1)[..., 0]
-        lab = opd_pg_loss(s_logp, reverse_kl_rewards(s_logp, t_logp, mask), mask)
-        ours = sampled_token_opd_loss(s_logp, t_logp, mask, gamma=0.0)
-        torch.testing.assert_close(ours, lab, rtol=0, atol=0)
-
-    def test_gamma_one_is_unbiased_for_the_sequence_reverse_kl_gradient(self):
-        """Two-step toy LM, enumerated: E[grad of gamma=1 loss] = grad of sequence KL."""
-        g = torch.Generator().manual_seed(15)
-        V = 3
-        theta = torch.randn(1 + V, V, generator=g, dtype=DOUBLE)  # row 0: first step; 1+y1
-        phi = torch.randn(1 + V, V, generator=g, dtype=DOUBLE)
-
-        def seq_kl(th):
-            lp, lq = F.log_softmax(th, -1), F.log_softmax(phi, -1)
-            total = 0
-            for y1 in range(V):
-                for y2 in range(V):
-                    logp = lp[0, y1] + lp[1 + y1, y2]
-                    total = total + logp.exp() * (logp - lq[0, y1] - lq[1 + y1, y2])
-            return total
-
-        true_grad = _grad_of(seq_kl, theta)
-        expected_grad = torch.zeros_like(theta)
-        lp = F.log_softmax(theta, -1).detach()
-        for y1 in range(V):
-            for y2 in range(V):
-                th = theta.clone().requires_grad_(True)
-                l_s = F.log_softmax(th, -1)
-                l_t = F.log_softmax(phi, -1)
-                s = torch.stack([l_s[0, y1], l_s[1 + y1, y2]]).reshape(1, 2)
-                t = torch.stack([l_t[0, y1], l_t[1 + y1, y2]]).reshape(1, 2)
-                sampled_token_opd_loss(s, t, torch.ones(1, 2), gamma=1.0,
-                                       reduction="sum").backward()
-                expected_grad += (lp[0, y1] + lp[1 + y1, y2]).exp() * th.grad
-        torch.testing.assert_close(expected_grad, true_grad, rtol=1e-12, atol=1e-14)
-
-    def test_reductions_on_a_ragged_mask(self):
-        loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0],
-                             [5.0, 5.0, 5.0, 5.0]])
-        mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-        # tokens: 1+2+3+4 = 10, 10+20 = 30, none
-        assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(40 / 6)
-        assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(40 / 3)
-        assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(
-            (10 / 4 + 30 / 2 + 0) / 3
-        )
-        assert aggregate_loss(loss, mask, "sum").item() == pytest.approx(40.0)
-        # a constant 1 / T (T = 4, the padded length), not 1 / B nor 1 / (tokens)
-        assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10.0)
-        # the fully masked third sequence counts in 1 / B (verl's agg_loss would divide by 2)
-        assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() != pytest.approx(20.0)
-
-    @pytest.mark.parametrize("reduction", REDUCTIONS)
-    def test_masked_tokens_never_contribute(self, reduction):
-        loss = torch.tensor([[1.0, 2.0, math.inf], [3.0, math.nan, -math.inf]],
-                            requires_grad=True)
-        mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-        out = aggregate_loss(loss, mask, reduction)
-        out.backward()
-        assert torch.isfinite(out) and torch.isfinite(loss.grad).all()
-        assert (loss.grad[mask == 0] == 0).all()
-        assert aggregate_loss(loss.detach(), torch.zeros(2, 3), reduction).item() == 0.0
-
-
 # ---------------------------------------------------------------------------- bad input
 class TestBadInput:
     def test_shape_mismatch_student_teacher(self):
@@ -329,3 +250,237 @@ class TestBadInput:
             aggregate_loss(torch.zeros(1, 2), torch.ones(1, 2), "mean")
         with pytest.raises(ValueError, match="kind must be one of"):
             kl_estimator(torch.zeros(2), torch.zeros(2), "k4")
+
+
+# Found by mutation testing (docs/mutation.md): error messages matched in full, so that each
+# names the right argument; defaults checked against values computed here in float64.
+
+
+D = torch.float64
+
+
+def _logits(B=2, T=3, V=4, seed=0, dtype=D):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
+
+
+def _logp(B=2, T=3, seed=0):
+    return torch.log_softmax(_logits(B, T, 4, seed), -1)[..., 0]
+
+
+ONES = torch.ones(2, 3)
+
+
+# (name, call taking the arguments by name, the valid arguments)
+TOKEN = {"student_logp": _logp(seed=1), "teacher_logp": _logp(seed=2), "mask": ONES}
+
+
+LOGITS = {"student_logits": _logits(seed=1), "teacher_logits": _logits(seed=2), "mask": ONES}
+
+
+FUNCTIONS = {
+    "reverse_kl_rewards": (lambda a: opd.reverse_kl_rewards(
+        a["student_logp"], a["teacher_logp"], a["mask"]), TOKEN),
+    "sampled_token_opd_loss": (lambda a: opd.sampled_token_opd_loss(
+        a["student_logp"], a["teacher_logp"], a["mask"]), TOKEN),
+    "opd_pg_loss": (lambda a: opd.opd_pg_loss(a["student_logp"], a["rewards"], a["mask"]),
+                    {"student_logp": _logp(seed=1), "rewards": _logp(seed=2), "mask": ONES}),
+    "full_vocab_reverse_kl": (lambda a: opd.full_vocab_reverse_kl(
+        a["student_logits"], a["teacher_logits"], a["mask"]), LOGITS),
+    "reverse_kl_per_position": (lambda a: opd.reverse_kl_per_position(
+        a["student_logits"], a["teacher_logits"], a["mask"]), LOGITS),
+    "forward_kl": (lambda a: opd.forward_kl(
+        a["student_logits"], a["teacher_logits"], a["mask"]), LOGITS),
+    "forward_kl_per_position": (lambda a: opd.forward_kl_per_position(
+        a["student_logits"], a["teacher_logits"], a["mask"]), LOGITS),
+    "generalized_jsd": (lambda a: opd.generalized_jsd(
+        a["student_logits"], a["teacher_logits"], a["mask"]), LOGITS),
+    "generalized_jsd_per_position": (lambda a: opd.generalized_jsd_per_position(
+        a["student_logits"], a["teacher_logits"], mask=a["mask"]), LOGITS),
+    "discounted_returns": (lambda a: opd.discounted_returns(a["rewards"], a["mask"], 0.5),
+                           {"rewards": _logp(seed=1), "mask": ONES}),
+    "aggregate_loss": (lambda a: opd.aggregate_loss(a["per_token_loss"], a["mask"]),
+                       {"per_token_loss": _logp(seed=1), "mask": ONES}),
+}
+
+
+def _cases():
+    """Every tensor argument of every function, each broken in every way a check catches."""
+    for fn_name, (_call, args) in FUNCTIONS.items():
+        names = [n for n in args if n != "mask"]
+        first = names[0]
+        shape = tuple(args[first].shape)
+        for name in names:
+            x = args[name]
+            yield fn_name, name, "int", x.to(torch.int64), TypeError, (
+                f"{name} must have a floating dtype, got torch.int64")
+            yield fn_name, name, "list", x.tolist(), TypeError, (
+                f"{name} must be a torch.Tensor, got list")
+            bigger = x[..., None]
+            yield fn_name, name, "ndim", bigger, ValueError, (
+                f"{name} must have {x.ndim} dimensions, got shape {tuple(bigger.shape)} "
+                f"({bigger.ndim} dimensions)")
+        for name in names[1:]:
+            other = torch.cat([args[name], args[name][:, :1]], dim=1)
+            yield fn_name, name, "shape", other, ValueError, (
+                f"{name} must have the same shape as {first} {shape}, got {tuple(other.shape)}")
+        like = first + ("[..., 0]" if args[first].ndim == 3 else "")
+        yield fn_name, "mask", "shape", torch.ones(2, 4), ValueError, (
+            f"mask must have the shape of {like} {shape[:2]}, got (2, 4)")
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("fn_name, name, how, bad, error, message", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_every_error_names_its_argument(fn_name, name, how, bad, error, message):
+    call, args = FUNCTIONS[fn_name]
+    call(args)  # the valid arguments pass
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        call({**args, name: bad})
+
+
+def test_ndim_message_of_a_three_d_logits_pair():
+    # 4-d teacher logits: the teacher's own ndim check speaks first
+    with pytest.raises(ValueError, match=r"^teacher_logits must have 3 dimensions, got shape "
+                       r"\(2, 3, 4, 1\) \(4 dimensions\)$"):
+        opd.full_vocab_reverse_kl(LOGITS["student_logits"], LOGITS["teacher_logits"][..., None],
+                                  ONES)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: opd.full_vocab_reverse_kl(_logits(V=4), _logits(V=5), ONES),
+     r"teacher_logits must have the vocabulary size of student_logits \(V = 4\), got V = 5; "
+     "student and teacher must share one tokenizer"),
+    (lambda: opd.forward_kl(_logits(V=0), _logits(V=0), ONES),
+     r"student_logits must have a vocabulary of at least 1 entry, got shape \(2, 3, 0\) "
+     r"\(V = 0\)"),
+    (lambda: opd.expected_kl_estimator_gradient(_logits(), _logits(), "k1", "grad"),
+     "mode must be 'loss' or 'reward', got 'grad'"),
+    (lambda: opd.expected_kl_estimator_gradient(_logits(), _logits(), "k4"),
+     r"kind must be one of \('k1', 'k2', 'k3'\), got 'k4'"),
+    (lambda: opd.expected_kl_estimator_gradient(torch.tensor(1.0, dtype=D),
+                                                torch.tensor(1.0, dtype=D)),
+     "student_logits must have a vocabulary axis, got a 0-d tensor"),
+    (lambda: opd.expected_kl_estimator_gradient(_logits(), _logits(V=5)),
+     r"teacher_logits must have the same shape as student_logits \(2, 3, 4\), got \(2, 3, 5\)"),
+    (lambda: opd.kl_estimator(_logp(), _logp(), "K1"),
+     r"kind must be one of \('k1', 'k2', 'k3'\), got 'K1'"),
+    (lambda: opd.kl_estimator(_logp(), _logp()[:, :2]),
+     r"teacher_logp must have the same shape as student_logp \(2, 3\), got \(2, 2\)"),
+    (lambda: opd.kl_estimator(_logp().long(), _logp()),
+     "student_logp must have a floating dtype, got torch.int64"),
+    (lambda: opd.kl_estimator(_logp(), _logp().long()),
+     "teacher_logp must have a floating dtype, got torch.int64"),
+    (lambda: opd.expected_kl_estimator_gradient(_logits().long(), _logits()),
+     "student_logits must have a floating dtype, got torch.int64"),
+    (lambda: opd.expected_kl_estimator_gradient(_logits(), _logits().long()),
+     "teacher_logits must have a floating dtype, got torch.int64"),
+    (lambda: opd.aggregate_loss(_logp(), ONES, "mean"),
+     r"reduction must be one of \('token-mean', 'seq-mean-token-sum', "),
+    (lambda: opd.sampled_token_opd_loss(_logp(), _logp(), ONES, reduction="mean"),
+     r"reduction must be one of \('token-mean', 'seq-mean-token-sum', "),
+    (lambda: opd.discounted_returns(_logp(), ONES, 1.5), "gamma must be <= 1.0, got 1.5"),
+    (lambda: opd.discounted_returns(_logp(), ONES, -0.5), "gamma must be >= 0.0, got -0.5"),
+    (lambda: opd.generalized_jsd_per_position(_logits(), _logits(), beta=-0.1),
+     "beta must be >= 0.0, got -0.1"),
+    (lambda: opd.generalized_jsd_per_position(_logits(), _logits(), beta=1.1),
+     "beta must be <= 1.0, got 1.1"),
+    (lambda: opd.generalized_jsd(_logits(), _logits(), ONES, beta=float("nan")),
+     "beta must be a finite number, got nan"),
+    (lambda: opd.generalized_jsd_per_position(_logits(), _logits(), normalize=1),
+     "normalize must be a bool, got int 1"),
+    (lambda: opd.reverse_kl_per_position(_logits(), _logits(), temperature=0.0),
+     "temperature must be > 0, got 0.0"),
+    (lambda: opd.forward_kl(_logits(), _logits(), ONES, temperature=float("inf")),
+     "temperature must be a finite number, got inf"),
+])
+def test_messages_in_full(call, message):
+    with pytest.raises((ValueError, TypeError), match="^" + message):
+        call()
+
+
+# -------------------------------------------------------------------------------------------
+# Defaults, against float64 formulas
+# -------------------------------------------------------------------------------------------
+def _softmax_logs(z):
+    z = z.to(D)
+    return z - torch.logsumexp(z, -1, keepdim=True)
+
+
+def _kl(log_a, log_b):
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
+
+
+def test_kl_estimator_default_is_k1_and_each_kind_is_its_formula():
+    s, t = _logp(seed=1), _logp(seed=2)
+    d = s - t
+    torch.testing.assert_close(opd.kl_estimator(s, t), d, rtol=0, atol=0)
+    torch.testing.assert_close(opd.kl_estimator(s, t, "k2"), d**2 / 2)
+    torch.testing.assert_close(opd.kl_estimator(s, t, "k3"), torch.exp(-d) - 1 + d)
+
+
+def test_jsd_default_beta_is_one_half():
+    s, t = _logits(seed=1), _logits(seed=2)
+    log_p, log_q = _softmax_logs(s), _softmax_logs(t)
+    log_m = torch.log(0.5 * log_p.exp() + 0.5 * log_q.exp())
+    jsd = 0.5 * _kl(log_q, log_m) + 0.5 * _kl(log_p, log_m)
+    torch.testing.assert_close(opd.generalized_jsd_per_position(s, t), jsd)
+    torch.testing.assert_close(opd.generalized_jsd(s, t, ONES), jsd.mean())
+
+
+def test_expected_gradient_defaults_are_k1_and_loss():
+    s, t = _logits(seed=1), _logits(seed=2)
+    torch.testing.assert_close(opd.expected_kl_estimator_gradient(s, t),
+                               opd.expected_kl_estimator_gradient(s, t, "k1", "loss"), rtol=0,
+                               atol=0)
+    # k1 as a loss has expected gradient 0: E_p[grad log p] = 0 (the score has mean zero)
+    assert opd.expected_kl_estimator_gradient(s, t).abs().max() < 1e-14
+    # k1 as a reward (REINFORCE) gives the gradient of KL(p || q)
+    s_var = s.clone().requires_grad_(True)
+    _kl(_softmax_logs(s_var), _softmax_logs(t)).sum().backward()
+    torch.testing.assert_close(opd.expected_kl_estimator_gradient(s, t, "k1", "reward"),
+                               s_var.grad)
+
+
+# -------------------------------------------------------------------------------------------
+# Mixed precision: the promoted dtype
+# -------------------------------------------------------------------------------------------
+def test_mixed_precision_computes_in_the_wider_dtype():
+    s32, t64 = _logits(seed=1, dtype=torch.float32), _logits(seed=2)
+    want = _kl(_softmax_logs(s32.to(D)), _softmax_logs(t64))
+    for got in (opd.reverse_kl_per_position(s32, t64), opd.forward_kl_per_position(t64, s32)):
+        assert got.dtype == D
+    torch.testing.assert_close(opd.reverse_kl_per_position(s32, t64), want, rtol=1e-12,
+                               atol=1e-14)
+    torch.testing.assert_close(opd.full_vocab_reverse_kl(s32, t64, ONES), want.mean(),
+                               rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("beta", [0.3, 0.5])
+def test_masked_jsd_positions_are_exactly_zero(beta):
+    s, t = _logits(V=7, seed=3), _logits(V=7, seed=4)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    got = opd.generalized_jsd_per_position(s, t, beta=beta, mask=mask)
+    assert (got[mask == 0] == 0).all() and (got[mask == 1] > 0).all()
+
+
+@pytest.mark.parametrize("student, teacher", [(torch.float32, D), (D, torch.float32),
+                                              (torch.float16, torch.float16)])
+def test_kl_estimators_compute_in_the_promoted_dtype(student, teacher):
+    s, t = _logp(seed=1).to(student), _logp(seed=2).to(teacher)
+    want_dtype = D if D in (student, teacher) else torch.float32
+    d = s.to(D) - t.to(D)  # exact: float16/32 values are float64 values
+    for kind, value in (("k1", d), ("k2", d**2 / 2), ("k3", torch.expm1(-d) + d)):
+        got = opd.kl_estimator(s, t, kind)
+        assert got.dtype == want_dtype
+        tol = 1e-15 if want_dtype == D else 1e-6
+        torch.testing.assert_close(got.to(D), value, rtol=tol, atol=tol)
+    zs, zt = _logits(seed=1, dtype=student), _logits(seed=2, dtype=teacher)
+    for kind in ("k1", "k2", "k3"):
+        got = opd.expected_kl_estimator_gradient(zs, zt, kind, "reward")
+        assert got.dtype == want_dtype
+        want = opd.expected_kl_estimator_gradient(zs.to(D), zt.to(D), kind, "reward")
+        tol = 1e-14 if want_dtype == D else 1e-6
+        torch.testing.assert_close(got.to(D), want, rtol=tol, atol=tol)
