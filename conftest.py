@@ -31,11 +31,12 @@ def _stable_numerics(doctest_namespace):
     yield
 
 
-# The two longest test files (about 40 s each on 2 cores: the browser test, and the experiment's
-# end-to-end and Ctrl-C tests) go first, so that pytest-xdist, which hands out whole files in
-# collection order (--dist loadfile with --no-loadscope-reorder, in pyproject.toml), starts them
-# on different workers and fills both with the short files after. Only the order changes.
-_LONG_FIRST = ("tests/test_site.py", "tests/test_run.py")
+# The two longest test files of the fast tier (the browser test with its site build, about 55 s
+# on 2 cores, and the snippets run alone, about 25 s) go first, so that pytest-xdist, which hands
+# out whole files in collection order (--dist loadfile with --no-loadscope-reorder, in
+# pyproject.toml), starts them on different workers and fills both with the short files after.
+# Only the order changes.
+_LONG_FIRST = ("tests/site/test_site.py", "tests/course/test_lift.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ documented command ``python -m opd_literate.experiment --out docs/data/experimen
 gradient-agreement table from
 ``docs/data/experiment/gradient_agreement.json``, written by
 ``python -m opd_literate.experiment --gradient-agreement --out docs/data/experiment``;
-``tests/test_docs_data.py`` checks that both match the current defaults.
+``tests/site/test_docs_data.py`` checks that both match the current defaults.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ that runs: the imports, then every helper and constant the function uses, direct
 another helper, each before its first user, then the function itself with its docstring.
 
 The names the function's own doctests use (a toy built by ``make_toy``, say) count as used, so
-the doctests pass in the snippet alone: ``tests/test_copy.py`` runs them in an interpreter that
-has numpy and torch but not this package. Nothing is imported to build a snippet (the source is
+the doctests pass in the snippet alone: ``tests/course/test_lift.py`` runs them in an interpreter
+that has numpy and torch but not this package. Nothing is imported to build a snippet (the source is
 only parsed), and a numpy function's snippet never imports torch.
 
 A snippet is ready for course material: a solution region keeps both markers (the

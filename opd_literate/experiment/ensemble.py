@@ -6,7 +6,7 @@ The students of one method (seeds times learning rates) are one
 the models' own losses (so model ``m``'s gradient is that of its loss only), and
 [opd_literate.experiment.ensemble.BatchedAdam][] is Adam with one learning rate per model.
 This is speed work only: ``benchmarks/bench_experiment.py`` measures it against a loop of
-models, and ``tests/test_run_batched.py`` checks that it changes no weight.
+models, and ``tests/experiment/test_batched_ensemble.py`` checks that it changes no weight.
 """
 
 from __future__ import annotations

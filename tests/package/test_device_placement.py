@@ -47,7 +47,7 @@ import torch
 
 from opd_literate.large_vocab import chunked as large_vocab
 
-PACKAGE = Path(__file__).resolve().parents[1] / "opd_literate"
+PACKAGE = Path(__file__).resolve().parents[2] / "opd_literate"
 MARKER = "CPU by design"
 FACTORIES = frozenset({
     "zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_tensor", "scalar_tensor",

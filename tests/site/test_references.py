@@ -9,7 +9,7 @@ import pathlib
 import re
 import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "references.md").read_text()
 FULL = set(re.findall(r"`([0-9a-f]{40})`", PAGE))
 # A commit, full or abbreviated: a word of 7 to 40 hex digits with a letter and a digit in it.

@@ -19,7 +19,7 @@ from opd_literate.course.labs import PACKAGE, write_lab
 from opd_literate.course.markers import strip_solutions
 
 # Every test here grades a lab in subprocesses (a few seconds each): the slow tier. The fast
-# tier grades once, in tests/test_handout.py's command-line test.
+# tier grades once, in tests/course/test_labs.py's command-line test.
 pytestmark = pytest.mark.slow
 
 

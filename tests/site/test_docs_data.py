@@ -33,7 +33,7 @@ from opd_literate.mismatch.toy import make_toy
 # The configurations as results.json records them (ExperimentConfig.as_dict)
 DEFAULTS, LONG = DEFAULT_CONFIG.as_dict(), LONG_CONFIG.as_dict()
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs/data/experiment/results.json"
 GRADIENT_AGREEMENT = ROOT / "docs/data/experiment/gradient_agreement.json"
 RESULTS_LONG = ROOT / "docs/data/experiment/long/results.json"

@@ -23,7 +23,7 @@ from opd_literate.course import lift
 from opd_literate.course.lift import COPY_READY_MODULES, CopyError, public_functions, snippet
 from opd_literate.course.markers import strip_solutions
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 NUMPY_ONLY = {"mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch"}
 
 # Run inside the fresh interpreter before anything is collected: no opd_literate anywhere.

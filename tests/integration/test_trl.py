@@ -26,7 +26,7 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                       "WANDB_DISABLED": "true", "WANDB_MODE": "disabled"}.items():
     os.environ[_name] = _value
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "integration.md").read_text()
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "verl_rollout_correction.json").read_text())
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device_check.py"
 MODULES = {"opd": "opd", "correction": "mismatch.correction", "large_vocab": "large_vocab.chunked",
            "topk": "large_vocab.topk"}  # row label -> module below opd_literate

@@ -105,7 +105,7 @@ def test_running_twice_is_byte_identical(labs, tmp_path):
 
 # Each grade starts a harness process (about 3 s), so the grading tests share the work: the OPD
 # lab is graded with Task 1 alone (by the command line) here; the mismatch lab solved but for
-# one wrong task in tests/test_handout_notebook.py, and gamed in tests/test_handout_grade.py.
+# one wrong task in tests/course/test_notebooks.py, and gamed in tests/course/test_grade.py.
 # The OPD lab's full solution passes its tests in tests/opd/test_lab_opd.py, and in the grader
 # through the identity tests of Task 1, which run Tasks 2 and 3's reference versions.
 def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):

@@ -287,7 +287,7 @@ def test_the_chapter_quotes_the_committed_benchmark_output():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     output = (root / "benchmarks" / "results" / "large_vocab.txt").read_text().strip()
     page = (root / "docs" / "large_vocab.md").read_text()
     assert f"```text\n{output}\n```" in page  # verbatim
@@ -319,7 +319,7 @@ def test_the_module_docstring_quotes_the_benchmark_figure():
 
     from opd_literate.large_vocab import chunked
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     output = (root / "benchmarks" / "results" / "large_vocab.txt").read_text()
     dense_mib = float(re.search(r"^dense\s+\S+\s+([0-9.]+)", output, re.M).group(1))
     doc = " ".join(chunked.__doc__.split())

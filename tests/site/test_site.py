@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 import typeset  # noqa: E402
 
