@@ -9,10 +9,14 @@ right device. ``chunked_divergence`` allocated its gradient buffers and its accu
 read). A call of a torch factory (``FACTORIES``: ``torch.zeros``, ``ones``, ``empty``, ``full``,
 ``arange``, ``tensor``, ``as_tensor``, ``eye``, ``linspace``, ``rand``, ``randn``, ``randint``, ...,
 also ``torch.Generator``, and ``from_numpy``, which can only make CPU tensors), written as
-``torch.F(...)`` under any alias of ``torch`` or as ``F(...)`` imported from ``torch``, is reported
-unless
+``torch.F(...)`` under any alias of ``torch`` (``import torch as th``, ``t = torch``), as
+``F(...)`` imported or bound from ``torch`` (``E = torch.empty``) or as ``getattr(torch, "F")``, is
+reported unless
 
-1. it has a ``device=`` keyword (a ``**kwargs`` does not count: the rule cannot see into it);
+1. it has a ``device=`` keyword that is not a constant (``device="cpu"`` and ``device=None`` do
+   not take the device from an input; a ``**kwargs`` does not count: the rule cannot see into
+   it), and, for a factory whose result is floating by default (``FLOATING_FACTORIES``), a
+   ``dtype=`` keyword too (a float32 buffer under float64 inputs is the same defect in dtype);
 2. or it carries the marker ``CPU by design`` in a comment, on one of the lines the call spans or
    in the block of comment-only lines directly above the line where it starts (experiment code
    that runs on the CPU on purpose says so where it does);
@@ -26,7 +30,7 @@ unless
    ``chunked_divergence`` was such a constant).
 
 The ``*_like`` factories and ``x.new_*`` methods take the device of their argument and are not
-factories here.
+factories here. ``from torch import *`` is reported: its factories cannot be told apart.
 
 **The behaviour**: the chunked losses run under a ``meta`` default device with CPU float64
 inputs. A tensor created without ``device=`` lands on ``meta`` there, so the loss or a gradient
@@ -49,10 +53,18 @@ from opd_literate.large_vocab import chunked as large_vocab
 
 PACKAGE = Path(__file__).resolve().parents[2] / "opd_literate"
 MARKER = "CPU by design"
-FACTORIES = frozenset({
-    "zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_tensor", "scalar_tensor",
-    "eye", "linspace", "logspace", "rand", "randn", "randint", "randperm", "empty_strided",
-    "tril_indices", "triu_indices", "Generator", "from_numpy",
+FLOATING_FACTORIES = frozenset({
+    "zeros", "ones", "empty", "full", "eye", "linspace", "logspace", "rand", "randn", "normal",
+    "empty_strided", "hann_window", "hamming_window", "blackman_window", "bartlett_window",
+    "kaiser_window",
+})
+"""Factories whose result is floating by default (torch's default dtype, float32): they must
+say their dtype too, or a float64 input meets a float32 buffer."""
+FACTORIES = FLOATING_FACTORIES | frozenset({
+    "arange", "range", "tensor", "as_tensor", "asarray", "scalar_tensor", "randint", "randperm",
+    "tril_indices", "triu_indices", "Generator", "from_numpy", "frombuffer", "sparse_coo_tensor",
+    "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "LongTensor",
+    "IntTensor", "BoolTensor",
 })
 _ZERO_DIM_SHAPED = {"zeros", "ones", "empty", "full"}  # the first argument is the shape ()
 _ZERO_DIM_VALUED = {"tensor", "as_tensor", "scalar_tensor"}  # the only argument is a scalar
@@ -81,6 +93,16 @@ def _torch_names(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
             for alias in node.names:
                 if alias.name in FACTORIES:
                     factories[alias.asname or alias.name] = alias.name
+    # Plain aliases, `t = torch` and `E = torch.empty`, wherever they are bound.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            value, name = node.value, node.targets[0].id
+            if isinstance(value, ast.Name) and value.id in modules:
+                modules.add(name)
+            elif isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) \
+                    and value.value.id in modules and value.attr in FACTORIES:
+                factories[name] = value.attr
     return modules, factories
 
 
@@ -91,7 +113,19 @@ def _factory(call: ast.Call, modules, factories) -> str | None:
         return func.attr
     if isinstance(func, ast.Name) and func.id in factories:
         return factories[func.id]
+    # getattr(torch, "zeros")(...)
+    if isinstance(func, ast.Call) and isinstance(func.func, ast.Name) \
+            and func.func.id == "getattr" and len(func.args) >= 2 \
+            and isinstance(func.args[0], ast.Name) and func.args[0].id in modules \
+            and isinstance(func.args[1], ast.Constant) and func.args[1].value in FACTORIES:
+        return func.args[1].value
     return None
+
+
+def _device_from_an_input(call: ast.Call) -> bool:
+    """``device=`` given, and not as a constant (``"cpu"``, ``None``): taken from an input."""
+    device = next((k.value for k in call.keywords if k.arg == "device"), None)
+    return device is not None and not isinstance(device, ast.Constant)
 
 
 def _is_scalar_literal(node: ast.AST) -> bool:
@@ -139,12 +173,18 @@ def off_device_calls(source: str) -> list[tuple[int, str]]:
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     reports = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "torch" \
+                and any(alias.name == "*" for alias in node.names):
+            reports.append((node.lineno, "from torch import * (its factories cannot be checked)"))
         if not isinstance(node, ast.Call):
             continue
         factory = _factory(node, modules, factories)
-        if factory is None or any(k.arg == "device" for k in node.keywords):
+        if factory is None:
             continue
         if _is_zero_dim_constant(node, factory) and _is_operand(node, parents.get(node)):
+            continue
+        has_dtype = any(k.arg == "dtype" for k in node.keywords)
+        if _device_from_an_input(node) and (has_dtype or factory not in FLOATING_FACTORIES):
             continue
         if _marked(node, comments, lines):
             continue
@@ -191,11 +231,44 @@ def test_checker_reports_a_buffer_made_without_a_device():
 def test_checker_reports_aliases_and_names_imported_from_torch():
     source = ("import torch as th\n"
               "from torch import arange as ar, randn\n"
-              "a = th.ones(3, device=x.device)\n"
+              "a = th.ones(3, dtype=x.dtype, device=x.device)\n"
               "b = th.empty(3)\n"
               "c = ar(5)\n"
               "d = randn(2, generator=g)\n")
     assert [line for line, _ in off_device_calls(source)] == [4, 5, 6]
+
+
+def test_checker_resolves_plain_aliases_getattr_and_refuses_a_star_import():
+    source = ("import torch\n"
+              "t = torch\n"
+              "E = torch.empty\n"
+              "a = t.zeros(3)\n"
+              "b = E(3)\n"
+              "c = getattr(torch, 'zeros')(3)\n"
+              "from torch import *\n")
+    assert [line for line, _ in off_device_calls(source)] == [4, 5, 6, 7]
+
+
+def test_checker_knows_the_less_common_factories():
+    source = ("import torch\n"
+              "a = torch.asarray([1.0])\n"
+              "b = torch.Tensor([1.0])\n"
+              "c = torch.LongTensor([1])\n"
+              "d = torch.normal(0.0, 1.0, size=(3,))\n"
+              "e = torch.hann_window(8)\n")
+    assert [line for line, _ in off_device_calls(source)] == [2, 3, 4, 5, 6]
+
+
+def test_checker_wants_the_device_of_an_input_and_a_dtype_for_floating_buffers():
+    """``device="cpu"`` or ``device=None`` is not taken from an input; a float32 default
+    buffer under a float64 input is the dtype half of the same defect."""
+    source = ("import torch\n"
+              "a = torch.zeros(3, dtype=x.dtype, device='cpu')\n"
+              "b = torch.zeros(3, dtype=x.dtype, device=None)\n"
+              "c = torch.zeros(x.shape, device=x.device)\n"
+              "d = torch.arange(3, device=x.device)\n"      # integer indices: no dtype needed
+              "e = torch.zeros(x.shape, dtype=x.dtype, device=x.device)\n")
+    assert [line for line, _ in off_device_calls(source)] == [2, 3, 4]
 
 
 def test_checker_accepts_a_device_keyword_and_the_like_factories():
