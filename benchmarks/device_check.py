@@ -77,8 +77,9 @@ products included, where the dense one multiplies in bfloat16 and only then conv
 logits: on a GPU whose bfloat16 products are much faster, that costs it time.
 
 Exit status: 0 when every check passes; 1 on a value or gradient mismatch or a device error
-(an exception, or an output off the device); 2 when the device is not available (``--device
-cuda`` without CUDA).
+(an exception, or an output off the device, in the check or in the dense or chunked benchmark);
+2 when the device is not available (``--device cuda`` without CUDA). A missed speed or memory
+target is a ``FAIL`` row of the table, a measurement, not an error.
 """
 
 from __future__ import annotations
@@ -593,11 +594,13 @@ def _bench_variant(variant, device, tokens, vocab, hidden, chunk, repeats):
 
 
 def benchmark(device, sizes, repeats, judge):
-    """Rows of the benchmark part of the table: each variant, then the two targets."""
+    """The benchmark part of the table, ``(rows, problems)``: each variant, then the two
+    targets. A device error of the dense or the chunked loss is a problem (the exit status says
+    so); dense running out of memory is a measurement, and TRL's failure is TRL's."""
     variants = ["dense", "chunked"]
     if importlib.util.find_spec("trl") is not None:
         variants.append("trl")
-    results, rows = {}, []
+    results, rows, problems = {}, [], []
     for variant in variants:
         try:
             results[variant] = _bench_variant(variant, device, sizes["tokens"], sizes["vocab"],
@@ -615,6 +618,8 @@ def benchmark(device, sizes, repeats, judge):
                          "", f"loss {r['loss']:.6f}"))
         else:
             rows.append((f"bench {variant}", "", r, "", ""))
+            if variant == "chunked" or (variant == "dense" and r != "out of memory"):
+                problems.append(f"bench {variant}: {r}")
     if "trl" not in variants:
         rows.append(("bench trl", "", "", "", "not run: trl not installed"))
     dense, chunked = results["dense"], results["chunked"]
@@ -632,7 +637,7 @@ def benchmark(device, sizes, repeats, judge):
             verdict = ("pass" if ratio <= limit else "FAIL") if judge else \
                 "not judged (CUDA at full sizes only)"
             rows.append((name, "", f"{ratio:.3f}", "", verdict))
-    return rows
+    return rows, problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,7 +745,9 @@ def main(argv=None, cases=None) -> int:
           f"H = {bench['hidden']:,}, chunk_size {bench['chunk']}, best of {repeats}; "
           f"memory: added peak torch.cuda.max_memory_allocated")
     rows, problems = run_checks(device, sizes, cases, meta_default=device.type == "cpu")
-    rows += benchmark(device, bench, repeats, judge=device.type == "cuda" and not args.quick)
+    bench_rows, bench_problems = benchmark(device, bench, repeats,
+                                           judge=device.type == "cuda" and not args.quick)
+    rows, problems = rows + bench_rows, problems + bench_problems
     header = ("row", *(_DTYPE_NAMES[d] for d in CHECK_DTYPES), "result")
     print(format_table([header, *rows]))
     for problem in problems:

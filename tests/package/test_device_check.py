@@ -109,6 +109,19 @@ def test_a_mismatching_function_makes_the_check_exit_non_zero(capsys):
     assert "problem: opd.kl_estimator float32" in out
 
 
+def test_a_device_error_in_the_chunked_benchmark_makes_the_check_exit_non_zero(capsys,
+                                                                            monkeypatch):
+    from opd_literate.large_vocab import chunked
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(chunked, "chunked_reverse_kl", broken)
+    assert dc.main(["--device", "cpu", "--quick"], cases=[_case_off_by(0.0)]) == 1
+    out = capsys.readouterr().out
+    assert "problem: bench chunked: error: RuntimeError: CUDA error" in out
+
+
 def test_a_tensor_made_without_a_device_is_a_device_error_on_the_cpu():
     # under the check's meta default device, torch.zeros(3) is a meta tensor
     case = dc.Case("opd.kl_estimator", dc._token_pair,
