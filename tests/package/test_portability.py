@@ -17,7 +17,7 @@ import pytest
 import opd_literate
 
 PACKAGE = pathlib.Path(opd_literate.__file__).parent
-MAX_DIGITS = 8
+MAX_DIGITS = 6
 """The most significant digits a doctest may state for a float."""
 
 FLOAT = re.compile(r"(?<![\w.])-?(\d+\.\d+)(?:e[-+]?\d+)?")
