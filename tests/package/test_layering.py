@@ -116,3 +116,33 @@ def test_importing_the_package_imports_no_submodule():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _package_imports(module: str) -> set[str]:
+    """The package's modules that ``module`` imports, dotted below ``opd_literate``."""
+    parents = module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(_path(module).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = parents[:len(parents) - (node.level - 1)]
+            if node.module:
+                found.add(".".join(base + node.module.split(".")))
+            else:  # from . import tinylm
+                found.update(".".join(base + [alias.name]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("opd_literate."):
+            found.add(node.module.removeprefix("opd_literate."))
+    return found & set(THIRD_PARTY)
+
+
+def test_numerics_imports_nothing_of_the_package():
+    """CONTRIBUTING.md: an import never goes up; ``_numerics`` is the bottom layer."""
+    assert _package_imports("_numerics") == set()
+
+
+@pytest.mark.parametrize("module", ["experiment.train", "experiment.ensemble"])
+def test_the_training_code_never_imports_the_process_workers(module):
+    """CONTRIBUTING.md: process management stays in ``_workers``; the loss, the step and the
+    loop never import it (``run`` drives the workers)."""
+    assert "experiment._workers" not in _package_imports(module)
+    assert "experiment.run" in {m for m in THIRD_PARTY if "experiment._workers"
+                                in _package_imports(m)}
