@@ -2,8 +2,8 @@
 
 The seed (``../shared/seeds/003_*.txt``, the mismatch lab's given ``make_toy``,
 ``sample_from_sampler`` and ``estimator_moments``) is not part of the repository, so
-``tests/test_toy.py`` compares ``opd_literate.mismatch.toy`` with the arrays saved here instead. Run
-from the repository root when the seed is at hand:
+``tests/mismatch/test_toy.py`` compares ``opd_literate.mismatch.toy`` with the arrays saved here
+instead. Run from the repository root when the seed is at hand:
 
     python tools/regenerate_toy_fixture.py [path/to/003_seed.txt]
 

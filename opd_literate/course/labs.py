@@ -63,7 +63,7 @@ LABS = {
         title="Training-inference mismatch: rollout-correction estimators",
         student_modules=("estimators",),
         given_modules=("toy", "_numerics"),
-        tests=("tests/test_estimators.py",),
+        tests=("tests/mismatch/test_lab_estimators.py",),
         summary="Implement the weights of eight gradient estimators for a sampler that is not "
                 "the trainer, and check their exact bias on the enumerable toy.",
     ),

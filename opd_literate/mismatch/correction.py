@@ -26,10 +26,11 @@ $$
 mask less the rejected tokens) and ``metrics``, named as verl logs them. A trainer multiplies
 its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; on the toy,
 ``weights * keep`` is exactly the weight $w_t$ of the matching numpy estimator
-(``tests/test_correction.py`` checks all sixteen). The PPO-style losses of verl's *bypass mode*
-(the sampler's log-probabilities as the PPO anchor) are here as losses whose autograd gradient
-is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with verl's dual clip),
-[opd_literate.mismatch.correction.cispo_loss][], [opd_literate.mismatch.correction.gspo_loss][] and
+(``tests/mismatch/test_correction.py`` checks all sixteen). The PPO-style losses of verl's
+*bypass mode* (the sampler's log-probabilities as the PPO anchor) are here as losses whose
+autograd gradient is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with
+verl's dual clip), [opd_literate.mismatch.correction.cispo_loss][],
+[opd_literate.mismatch.correction.gspo_loss][] and
 [opd_literate.mismatch.correction.reinforce_loss][]. [opd_literate.mismatch.correction.kl_penalty][]
 adds the straight-through ``"k1+"`` / ``"k3+"`` estimators.
 

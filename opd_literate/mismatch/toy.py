@@ -53,8 +53,8 @@ $\pi_t$ and $\mu_t$ depend on the sampled prefix:
 
 The numbers (how large each bias is) are those of this toy, not of a language model.
 [opd_literate.mismatch.toy.make_ar_toy][] builds the autoregressive counterpart: there the product
-formula and the exactness of the token ratio fail (``tests/test_ar_toy*.py``), and the score of
-token $t$ is a row of the parameters $\theta_{t, p}$ of the state $p$ it was written in.
+formula and the exactness of the token ratio fail (``tests/mismatch/test_ar_toy.py``), and the
+score of token $t$ is a row of the parameters $\theta_{t, p}$ of the state $p$ it was written in.
 
 The sampler's logits must stay finite with room to spare: ``make_toy`` accepts
 $|\epsilon| \le$ ``MAX_MISMATCH`` $= 10^6$ (at $10^{308}$ the logits $\epsilon b$ overflow to

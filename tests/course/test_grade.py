@@ -60,7 +60,7 @@ def gamed(tmp_path_factory):
     victim = root / "victim"
     victim.mkdir()
     (victim / "keep.txt").write_text("mine")
-    tests = folder / "tests" / "test_estimators.py"
+    tests = folder / "tests" / "test_lab_estimators.py"
     # Emptied test bodies: every test passes on the student's copy.
     tests.write_text("import pytest\n\n\n@pytest.mark.task(4)\ndef test_naive():\n    pass\n")
     (folder / "conftest.py").write_text(CONFTEST_THAT_PASSES_EVERYTHING)
@@ -142,7 +142,7 @@ def test_the_instructor_tests_are_used_and_the_changes_reported(gamed):
     assert {n for n, t in result["tasks"].items() if t["status"] == "passed"} == {1, 2, 4, 7}
     assert result["score"] == 4 and result["total"] == 8
     assert result["tasks"][4]["tests"] == 3 and result["tasks"][7]["tests"] == 3
-    assert result["files"] == {"tests/test_estimators.py": "modified",
+    assert result["files"] == {"tests/test_lab_estimators.py": "modified",
                                "conftest.py": "modified", "pytest.ini": "modified",
                                "extra/conftest.py": "ignored"}
     assert "files that differ from the handout" in format_grade(result)
@@ -178,11 +178,11 @@ def test_a_forged_record_is_not_a_pass(gamed):
 def test_a_wrong_task_fails_with_the_first_line_of_its_assertion(gamed):
     task = gamed["result"]["tasks"][8]
     assert task["status"] == "failed" and task["passed"] < task["tests"]
-    assert all(m.startswith("tests/test_estimators.py::test_geo_rs") for m in task["messages"])
+    assert all(m.startswith("tests/test_lab_estimators.py::test_geo_rs") for m in task["messages"])
     assert all("\n" not in m for m in task["messages"])
     assert any("AssertionError: Not equal to tolerance" in m for m in task["messages"])
     report = format_grade(gamed["result"])
-    assert "- Task 8: tests/test_estimators.py::test_geo_rs[0.999-1.001]: " in report
+    assert "- Task 8: tests/test_lab_estimators.py::test_geo_rs[0.999-1.001]: " in report
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
 from opd_literate.opd import REDUCTIONS, kl_estimator
 
-FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" /
+FIXTURE = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" /
                       "verl_rollout_correction.json").read_text())
 
 TOYS = {
