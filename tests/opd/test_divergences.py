@@ -25,14 +25,10 @@ from opd_literate.opd import (
     reverse_kl_per_position,
     reverse_kl_rewards,
 )
+from tests.opd._inputs import ONES, D, _grad_of, _kl, _logits, _logp, _softmax_logs
 from tests.opd.test_lab_opd import DOUBLE, analytic_reverse_kl_grad, random_batch
 
-
 # ------------------------------------------------------------------- k1, k2, k3 gradients
-def _grad_of(fn, z):
-    z = z.detach().clone().requires_grad_(True)
-    fn(z).backward()
-    return z.grad
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -256,19 +252,12 @@ class TestBadInput:
 # names the right argument; defaults checked against values computed here in float64.
 
 
-D = torch.float64
 
 
-def _logits(B=2, T=3, V=4, seed=0, dtype=D):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
 
 
-def _logp(B=2, T=3, seed=0):
-    return torch.log_softmax(_logits(B, T, 4, seed), -1)[..., 0]
 
 
-ONES = torch.ones(2, 3)
 
 
 # (name, call taking the arguments by name, the valid arguments)
@@ -404,13 +393,8 @@ def test_messages_in_full(call, message):
 # -------------------------------------------------------------------------------------------
 # Defaults, against float64 formulas
 # -------------------------------------------------------------------------------------------
-def _softmax_logs(z):
-    z = z.to(D)
-    return z - torch.logsumexp(z, -1, keepdim=True)
 
 
-def _kl(log_a, log_b):
-    return (log_a.exp() * (log_a - log_b)).sum(-1)
 
 
 def test_kl_estimator_default_is_k1_and_each_kind_is_its_formula():

@@ -29,6 +29,7 @@ from opd_literate.opd import (
     reverse_kl_rewards,
     sampled_token_opd_loss,
 )
+from tests.opd._inputs import ONES, D, _logp
 
 INF = math.inf
 
@@ -297,19 +298,12 @@ def test_an_infinite_reverse_kl_position_has_zero_gradient_and_leaves_the_others
 # Found by mutation testing (docs/mutation.md): the lab's losses compute in the promoted dtype.
 
 
-D = torch.float64
 
 
-def _logits(B=2, T=3, V=4, seed=0, dtype=D):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
 
 
-def _logp(B=2, T=3, seed=0):
-    return torch.log_softmax(_logits(B, T, 4, seed), -1)[..., 0]
 
 
-ONES = torch.ones(2, 3)
 
 
 def test_pg_loss_computes_in_the_promoted_dtype():

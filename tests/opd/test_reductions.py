@@ -22,6 +22,7 @@ from opd_literate.opd import (
     reverse_kl_rewards,
     sampled_token_opd_loss,
 )
+from tests.opd._inputs import D, _grad_of, _kl, _logits, _logp, _softmax_logs
 from tests.opd.test_lab_opd import random_batch
 
 # The claims of the reductions, on an enumerable two-step model with <eos>: the student writes
@@ -243,10 +244,6 @@ def test_task2_differs_from_task3_in_expectation_with_token_mean():
 
 
 # ------------------------------------------------------------------- k1, k2, k3 gradients
-def _grad_of(fn, z):
-    z = z.detach().clone().requires_grad_(True)
-    fn(z).backward()
-    return z.grad
 
 
 # ------------------------------------------------------------------- discount, reductions
@@ -330,31 +327,19 @@ class TestDiscountAndReductions:
 # Found by mutation testing (docs/mutation.md): each reduction written out by hand, the defaults.
 
 
-D = torch.float64
 
 
-def _logits(B=2, T=3, V=4, seed=0, dtype=D):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
 
 
-def _logp(B=2, T=3, seed=0):
-    return torch.log_softmax(_logits(B, T, 4, seed), -1)[..., 0]
 
 
-ONES = torch.ones(2, 3)
 
 
 # -------------------------------------------------------------------------------------------
 # Defaults, against float64 formulas
 # -------------------------------------------------------------------------------------------
-def _softmax_logs(z):
-    z = z.to(D)
-    return z - torch.logsumexp(z, -1, keepdim=True)
 
 
-def _kl(log_a, log_b):
-    return (log_a.exp() * (log_a - log_b)).sum(-1)
 
 
 def _hand_reductions(x, m):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from opd_literate import opd
+from tests.opd._inputs import ONES, D, _kl, _softmax_logs
 
 PER_POSITION = {
     "reverse": lambda s, t, m, **kw: opd.reverse_kl_per_position(s, t, m, **kw),
@@ -128,7 +129,6 @@ def test_a_tiny_temperature_is_exact_or_refused_never_nan():
 # Found by mutation testing (docs/mutation.md).
 
 
-D = torch.float64
 
 
 def _float64_logits(B=2, T=3, V=4, seed=0, dtype=D):
@@ -136,19 +136,13 @@ def _float64_logits(B=2, T=3, V=4, seed=0, dtype=D):
     return torch.randn(B, T, V, generator=g, dtype=D).to(dtype)
 
 
-ONES = torch.ones(2, 3)
 
 
 # -------------------------------------------------------------------------------------------
 # Defaults, against float64 formulas
 # -------------------------------------------------------------------------------------------
-def _softmax_logs(z):
-    z = z.to(D)
-    return z - torch.logsumexp(z, -1, keepdim=True)
 
 
-def _kl(log_a, log_b):
-    return (log_a.exp() * (log_a - log_b)).sum(-1)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
