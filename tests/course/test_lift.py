@@ -128,7 +128,13 @@ def _run_alone(folder: pathlib.Path, node_ids: list[str]) -> None:
     assert passed and int(passed.group(1)) == len(node_ids) + 1, result.stdout[-2000:]
 
 
-@pytest.mark.parametrize("module", COPY_READY_MODULES)
+def _opd_fast_rest_slow(modules):
+    """Each module a case; the OPD module's in the fast tier, the others' in the slow one (each
+    runs a pytest of its own)."""
+    return [pytest.param(m, marks=() if m == "opd" else pytest.mark.slow) for m in modules]
+
+
+@pytest.mark.parametrize("module", _opd_fast_rest_slow(COPY_READY_MODULES))
 def test_snippets_run_alone_with_their_doctests(module, tmp_path):
     folder = tmp_path / module
     _run_alone(folder, _write_module_snippets(module, folder))
@@ -337,7 +343,7 @@ def test_cli_compact(capsys):
     assert capsys.readouterr().out == snippet("opd.full_vocab_reverse_kl", compact=True)
 
 
-@pytest.mark.parametrize("module", sorted({m for m, _ in LAB_FUNCTIONS}))
+@pytest.mark.parametrize("module", _opd_fast_rest_slow(sorted({m for m, _ in LAB_FUNCTIONS})))
 def test_compact_snippets_run_alone_with_their_doctests(module, tmp_path):
     folder = tmp_path / module
     functions = [f for m, f in LAB_FUNCTIONS if m == module]

@@ -307,6 +307,7 @@ def test_every_page_loads_offline_with_rendered_math(site, server, browser):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_search_finds_reverse_kl(server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(f"{server}/", wait_until="networkidle")
