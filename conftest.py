@@ -6,10 +6,18 @@ Fixing the print options here keeps doctest output stable across numpy and torch
 the doctests show values a reader can check, so their reprs must not drift.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import settings
+
+# pytest-xdist runs one worker process a core: one intra-op thread each, so that the workers do
+# not fight over the same cores (on 2 cores the fast tier took 50 s with torch's default of a
+# thread a core, 44 s like this). The suite passes with either (README, "What repeats exactly").
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # Hypothesis profiles for the property tests that take their example count from the profile
 # (marker `properties`, tests/opd/test_properties.py): "fast" for the normal suite, "ci" for the
