@@ -38,8 +38,14 @@ adds the straight-through ``"k1+"`` / ``"k3+"`` estimators.
 $[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
 ratio lies in $[e^{-20}, e^{20}] \approx [2 \cdot 10^{-9}, 4.9 \cdot 10^{8}]$ and never overflows,
 even in float32. The price: a sequence ratio beyond $e^{20}$ is reported as $e^{20}$, and the
-clamp has zero derivative outside its range, so a loss term whose log-ratio is clamped sends no
-gradient (verl behaves the same).
+clamp has zero derivative outside its range. In the losses whose gradient flows through the
+ratio ([opd_literate.mismatch.correction.ppo_clip_loss][] and
+[opd_literate.mismatch.correction.gspo_loss][]) a term whose log-ratio is clamped therefore
+sends no gradient. [opd_literate.mismatch.correction.cispo_loss][] and
+[opd_literate.mismatch.correction.reinforce_loss][] detach the weight and differentiate
+$\log \pi$ alone, so such a term still sends its weighted score: at $\log \rho = 25$ and
+$A = 1$, CISPO's gradient is $-1.2$ (its weight capped at $1 + \epsilon$) and REINFORCE with
+the truncated weight (2) gives $-2$.
 
 **Conventions** (those of [opd_literate.opd][]). Inputs are validated, with errors that name the
 argument; a half-precision input is computed in float32; positions with ``mask == 0`` may hold

@@ -567,3 +567,23 @@ def test_the_module_cites_the_verl_commit_of_the_fixture():
     assert C.SAFETY_BOUND == FIXTURE["safety_bound"]
     assert C.RS_OPTIONS == tuple(FIXTURE["rollout_rs_options"])
     assert {k.rstrip("+") for k in C.KL_PENALTIES} <= set(FIXTURE["kl_penalty_names"])
+
+
+@pytest.mark.parametrize("loss, expected", [("ppo_clip_loss", 0.0), ("gspo_loss", 0.0),
+                                            ("cispo_loss", -1.2), ("reinforce_loss", -2.0)])
+def test_a_clamped_log_ratio_stops_the_gradient_only_where_it_flows_through_the_ratio(loss,
+                                                                                    expected):
+    """The module docstring's Overflow paragraph, at log rho = 25 > SAFETY_BOUND and A = 1.
+    PPO: the clipped branch, a constant; GSPO: exp of a clamped log-ratio; CISPO: the detached
+    weight min(rho, 1 + 0.2) = 1.2 times the score; REINFORCE: the truncated weight min(rho, 2)."""
+    f64 = torch.float64
+    trainer = torch.tensor([[25.0]], dtype=f64, requires_grad=True)
+    sampler, ones, advantage = (torch.zeros(1, 1, dtype=f64), torch.ones(1, 1, dtype=f64),
+                                torch.tensor([1.0], dtype=f64))
+    if loss == "reinforce_loss":
+        weights, _ = C.importance_weights(trainer.detach(), sampler, ones)
+        value = C.reinforce_loss(trainer, advantage, ones, weights=weights)
+    else:
+        value, _ = getattr(C, loss)(trainer, sampler, advantage, ones)
+    value.backward()
+    assert trainer.grad.item() == pytest.approx(expected, abs=1e-12)
