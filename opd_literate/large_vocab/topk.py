@@ -48,8 +48,10 @@ it.) With $(a, b, A) = (p, q, P)$ for the reverse KL and $(q, p, Q)$ for the for
   the omitted tail sum is at least $(1 - A)\log\frac{1 - A}{1 - B}$, so (c) $\le \mathrm{KL}$
   whenever $1 - A \ge 1 - B$: **a lower bound of the reverse KL when the student's tail mass is
   at least the teacher's, and of the forward KL when the teacher's tail mass is at least the
-  student's.** Without that condition it is no bound (it can be negative, and it can exceed
-  the true KL; the tests enumerate both).
+  student's.** There it can be negative. Without that condition it is no lower bound: the
+  log-sum inequality applied on $S$ gives (c) $\ge A \log(A / B) > 0$, so it is positive, and
+  it can exceed the true KL (the tests enumerate a negative lower bound and a value above the
+  KL).
 
 No approximation is an upper bound: the teacher's tail is unknown, and any tail distribution is
 consistent with what was reported.
@@ -118,7 +120,8 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     r"""$\sum a (\log a - \log b)$ over the last axis: $0 \log 0 = 0$; $+\infty$ if $a > 0 = b$.
 
-    Not clamped at 0: approximation (c) is a partial sum that can be negative.
+    Not clamped at 0: approximation (c) is a partial sum that can be negative (where it is a
+    lower bound, see the module docstring).
     """
     support = log_a > -math.inf
     both = support & (log_b > -math.inf)

@@ -87,9 +87,14 @@ def test_exhaustive_small_cases_match_enumeration_and_satisfy_the_bounds():
                     # (b) is a lower bound, and A (a) <= (b)
                     assert ref["tail"] <= D + 1e-12
                     assert A * ref["renormalize"] <= ref["tail"] + 1e-12
-                    # (c) is a lower bound when a's tail mass is at least b's
+                    # (c) is a lower bound when a's tail mass is at least b's; otherwise, by
+                    # the log-sum inequality, at least A log(A / B) > 0: never negative there
                     if 1 - A >= 1 - B:
                         assert ref["ignore"] <= D + 1e-12
+                    else:
+                        assert ref["ignore"] >= A * math.log(A / B) - 1e-12 > -1e-12
+                        negative_outside_the_condition = ref["ignore"] < 0
+                        assert not negative_outside_the_condition
                     checked += 1
     assert checked > 5000
 
