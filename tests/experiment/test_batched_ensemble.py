@@ -13,11 +13,10 @@ from opd_literate.experiment import tinylm as lm
 from opd_literate.experiment.config import DEFAULT
 from opd_literate.experiment.ensemble import BatchedAdam, sum_of_model_losses
 from opd_literate.opd import full_vocab_reverse_kl
+from tests.experiment._tiny import TINY as TINY_ONE_LR
 
-TINY = dataclasses.replace(
-    DEFAULT, seeds=2, steps=2, batch_size=8, lrs=(1e-3, 3e-3), eval_every=1, eval_prompts=16,
-    val_prompts=8, teacher_hidden=8, teacher_layers=1, teacher_steps=2, teacher_batch=8,
-    student_hidden=8, student_layers=1, student_pretrain_steps=1, student_pretrain_batch=8)
+# The plumbing tests' tiny configuration with two learning rates: one per student of a batch.
+TINY = dataclasses.replace(TINY_ONE_LR, lrs=(1e-3, 3e-3))
 
 
 def _models(n, hidden=16, layers=2, seed=0):
