@@ -15,10 +15,15 @@ only parsed), and a numpy function's snippet never imports torch.
 A snippet is ready for course material: a solution region keeps both markers (the
 ``### END SOLUTION`` after the last statement is a comment the syntax tree leaves out), the
 site's cross-references read as plain text, and an import inside a helper (``_numerics``
-loads torch lazily) joins the import block. ``compact=True`` (``--compact``) is for handouts:
-the function keeps its docstring, the helpers keep their summary line, every ``if ...: raise``
-of a helper is an ``assert``, and a call of a check (a helper named ``check_*`` or ``_check*``,
-recognised by what it is) that only raises becomes the asserts it amounts to.
+loads torch lazily) joins the import block. ``compact=True`` (``--compact``) is for handouts,
+which sit beside a lab folder or the installed package: the function keeps its docstring; a name
+of the public API or of the shared numerics (which every lab folder holds whole) is imported,
+not copied (on a line marked ``noqa: F401`` where only the examples use it); the private helpers
+that remain keep their summary line, and every ``if ...: raise`` of theirs is an ``assert``; a
+call of a check (a helper named ``check_*`` or ``_check*``, recognised by what it is) that only
+raises becomes the asserts it amounts to. A lab function's compact snippet is at most twice the
+function's length, and runs in the lab folder once ``course.labs.flatten_imports`` has made its
+package imports flat, as for the student module.
 
 Command line::
 
@@ -458,10 +463,39 @@ def _render(definition: _Definition, *, compact: bool = False, whole_docstring: 
     return _TITLED_REFERENCE.sub(lambda m: m.group("text"), text)
 
 
-def _collect(target: _Definition):
+# What a handout has at hand besides the package's public API: the shared numerics, which
+# every lab folder holds whole as a given module (``course.labs.LABS``; a test keeps it so).
+HANDOUT_GIVEN = ("_numerics",)
+
+
+def _importable_in_handout(definition: _Definition) -> bool:
+    """A name a compact snippet imports instead of copying: in its module's ``__all__``, the
+    module public or one that every lab hands out whole (``HANDOUT_GIVEN``)."""
+    public = not any(part.startswith("_") for part in definition.module.split("."))
+    return ((public or definition.module in HANDOUT_GIVEN)
+            and definition.name in _parse(definition.module).all_names)
+
+
+def _raises_only(definition: _Definition) -> bool:
+    """A check that only raises (each statement an ``if ...: raise``): a compact snippet turns
+    its calls into asserts, so it is copied (and then dropped), not imported."""
+    node = definition.node
+    if not (_is_check(definition.name) and isinstance(node, ast.FunctionDef)):
+        return False
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return all(isinstance(s, (ast.Import, ast.ImportFrom)) or (
+        isinstance(s, ast.If) and not s.orelse and isinstance(s.body[-1], ast.Raise))
+        for s in body)
+
+
+def _collect(target: _Definition, compact: bool = False):
     """What ``target`` needs, and what only its examples need, each before its first user.
 
     Returns two lists of definitions (the first ends with ``target``) and the set of imports.
+    ``compact``: a name of the public API or the shared numerics (other than ``target``, and
+    other than a check that only raises) is imported, not copied.
     """
     imports, visiting, done = set(), set(), {}
 
@@ -473,7 +507,10 @@ def _collect(target: _Definition):
         imports.update(_inner_imports(definition))
         for name in _names_used([definition.node, *extra]):
             found = _resolve(definition.module, name)
-            if isinstance(found, _Definition):
+            if (compact and isinstance(found, _Definition) and found is not target
+                    and _importable_in_handout(found) and not _raises_only(found)):
+                imports.add(("from", f"{PACKAGE}.{found.module}", found.name))
+            elif isinstance(found, _Definition):
                 visit(found, order)
             elif found is not None:
                 imports.add(found)
@@ -520,25 +557,53 @@ def _unused_removed(target, needed, for_examples, imports, texts):
     return ([d for d in needed if d in kept], [d for d in for_examples if d in kept], imports)
 
 
-def _import_block(imports) -> str:
-    """The imports, grouped and sorted as ruff's isort rule wants them (stdlib, then others)."""
+def _import_block(imports, examples_only=frozenset()) -> str:
+    """The imports, grouped and sorted as ruff's isort rule wants them: the standard library,
+    then third parties, then this package (a compact snippet's imports of the public API). A
+    name in ``examples_only`` is used by a docstring's examples alone, which ruff does not
+    read: its line says so (``noqa: F401``)."""
     stdlib = getattr(sys, "stdlib_module_names", frozenset())
-    groups = {True: ([], {}), False: ([], {})}
+    groups = {"stdlib": ([], {}), "other": ([], {}), "package": ([], {})}
     for kind, module, name in imports:
-        straight, froms = groups[module.split(".")[0] in stdlib]
+        top = module.split(".")[0]
+        straight, froms = groups["stdlib" if top in stdlib else
+                                 "package" if top == PACKAGE else "other"]
+        noqa = "  # noqa: F401 (the examples use it)"
         if kind == "import":
-            straight.append(f"import {module}" + (f" as {name}" if name else ""))
+            bound = name or module.split(".")[0]
+            straight.append(f"import {module}" + (f" as {name}" if name else "")
+                            + (noqa if bound in examples_only else ""))
         else:
             froms.setdefault(module, set()).add(name)
     blocks = []
-    for is_stdlib in (True, False):
-        straight, froms = groups[is_stdlib]
+    for group in ("stdlib", "other", "package"):
+        straight, froms = groups[group]
         lines = sorted(set(straight), key=lambda line: line.split()[1].lower())
         for module in sorted(froms, key=str.lower):
-            lines.append(f"from {module} import {', '.join(sorted(froms[module]))}")
+            names = sorted(froms[module], key=_isort_key)
+            line = f"from {module} import {', '.join(names)}"
+            flag = noqa if set(names) & examples_only else ""
+            if len(line + flag) <= 100:
+                lines.append(line + flag)
+            else:  # one name a line, as ruff wraps a long import
+                lines += ([f"from {module} import ("]
+                          + [f"    {n},{noqa if n in examples_only else ''}" for n in names]
+                          + [")"])
         if lines:
             blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _isort_key(name: str):
+    """isort's order of the names of one import: constants, then classes, then the rest."""
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return (kind, name)
+
+
+def _code_names(code: str) -> set:
+    """The names the code itself loads (docstrings, and so their examples, are not code)."""
+    return {node.id for node in ast.walk(ast.parse(code))
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
 def _split_qualname(qualname: str) -> tuple[str, str]:
@@ -586,12 +651,9 @@ def snippet(qualname: str, compact: bool = False) -> str:
     target = _resolve(module, name)
     if not isinstance(target, _Definition):
         raise CopyError(f"{PACKAGE}.{module} defines no {name!r}")
-    needed, for_examples, imports = _collect(target)
+    needed, for_examples, imports = _collect(target, compact=compact)
     future = any(_parse(d.module).future_annotations for d in needed + for_examples)
     head = ["from __future__ import annotations"] if future else []
-    block = _import_block(imports)
-    if block:
-        head.append(block)
     checks = {d.name: d.node for d in needed + for_examples
               if compact and _is_check(d.name) and isinstance(d.node, ast.FunctionDef)}
     texts = {id(d): _render(d, compact=compact, whole_docstring=d is target, checks=checks)
@@ -606,6 +668,12 @@ def snippet(qualname: str, compact: bool = False) -> str:
     body = "\n\n\n".join(map(text, needed))
     if for_examples:
         body += "\n\n\n" + _EXAMPLES_BANNER + "\n" + "\n\n\n".join(map(text, for_examples))
+    used = _code_names(body)
+    bound = {name if kind != "import" else (name or module.split(".")[0])
+             for kind, module, name in imports}
+    block = _import_block(imports, bound - used)
+    if block:
+        head.append(block)
     if not head:
         return body + "\n"
     # ruff's isort rule: two blank lines after the imports before a def or class, else one
@@ -635,8 +703,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("qualname", help="MODULE.NAME or opd_literate.MODULE.NAME")
     parser.add_argument("--compact", action="store_true",
-                        help="for a handout: the argument checks as one-line asserts, the "
-                             "helpers' docstrings cut to their summary")
+                        help="for a handout: the public API and the shared numerics imported, "
+                             "the argument checks as one-line asserts, the helpers' "
+                             "docstrings cut to their summary")
     args = parser.parse_args(argv)
     try:
         code = snippet(args.qualname, compact=args.compact)

@@ -10,6 +10,7 @@ subprocess per module, not one per function, keeps this to a few seconds.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import pathlib
 import re
@@ -92,10 +93,8 @@ def _function_node(module: str, function: str) -> ast.FunctionDef:
     return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
 
 
-def _write_module_snippets(module: str, folder: pathlib.Path, compact: bool = False,
-                           functions=None) -> list[str]:
-    folder.mkdir()
-    uses_torch = module not in NUMPY_ONLY
+def _isolate(folder: pathlib.Path, uses_torch: bool) -> None:
+    """The conftest that hides this package, and the project's doctest flags, in ``folder``."""
     (folder / "conftest.py").write_text(ISOLATING_CONFTEST.format(repo=str(REPO),
                                                                   torch=uses_torch))
     (folder / "pytest.ini").write_text(textwrap.dedent("""\
@@ -103,6 +102,13 @@ def _write_module_snippets(module: str, folder: pathlib.Path, compact: bool = Fa
         doctest_optionflags = NUMBER ELLIPSIS NORMALIZE_WHITESPACE
         filterwarnings = error::RuntimeWarning
         """))
+
+
+def _write_module_snippets(module: str, folder: pathlib.Path, compact: bool = False,
+                           functions=None) -> list[str]:
+    folder.mkdir()
+    uses_torch = module not in NUMPY_ONLY
+    _isolate(folder, uses_torch)
     node_ids, names = [], []
     for function in functions or public_functions(module):
         name = f"snippet_{module.replace('.', '_')}_{function}"
@@ -244,11 +250,11 @@ def test_python_dash_m_entry_point():
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
 
 
+@functools.cache  # built once per process: three tests read every snippet
 def _every_snippet():
-    for module in COPY_READY_MODULES:
-        for function in public_functions(module):
-            for compact in (False, True):
-                yield f"{module}.{function}", snippet(f"{module}.{function}", compact=compact)
+    return tuple((f"{module}.{function}", snippet(f"{module}.{function}", compact=compact))
+                 for module in COPY_READY_MODULES for function in public_functions(module)
+                 for compact in (False, True))
 
 
 def test_solution_markers_are_balanced_and_strip():
@@ -311,21 +317,63 @@ def _lab_functions():
 
 
 LAB_FUNCTIONS = _lab_functions()
-# Measured: the compact snippets of the mismatch lab are 4.9 to 7.4 times their function (the
-# estimators are 26 to 38 lines; the shared ratio, score and toy helpers they need, and the toy
-# builders their examples use, are most of it), and full_vocab_reverse_kl's 2.6 times.
-OVER_TWICE = {("opd", "full_vocab_reverse_kl")} | {
-    (m, f) for m, f in LAB_FUNCTIONS if m == "mismatch.estimators"}
 
 
-@pytest.mark.parametrize("module, function", [
-    pytest.param(m, f, marks=pytest.mark.xfail(strict=True, reason="measured over twice"))
-    if (m, f) in OVER_TWICE else (m, f) for m, f in LAB_FUNCTIONS])
+@pytest.mark.parametrize("module, function", LAB_FUNCTIONS)
 def test_compact_snippet_is_at_most_twice_the_function(module, function):
     own = len(lift._parse(module).definitions[function].text.splitlines())
     compact = snippet(f"{module}.{function}", compact=True).splitlines()
     assert len(compact) < len(snippet(f"{module}.{function}").splitlines())
     assert len(compact) <= 2 * own, (len(compact), own)
+
+
+def test_compact_snippets_import_only_what_every_lab_hands_out():
+    """A compact snippet imports the package's public API and the shared numerics, never a
+    private name, and every lab folder holds the shared numerics whole (``HANDOUT_GIVEN``)."""
+    from opd_literate.course.labs import LABS
+
+    assert all(set(lift.HANDOUT_GIVEN) <= set(lab.given_modules) for lab in LABS.values())
+    imported = set()
+    for module, function in LAB_FUNCTIONS:
+        tree = ast.parse(snippet(f"{module}.{function}", compact=True))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("opd_literate"):
+                below = node.module.removeprefix("opd_literate.")
+                imported.add(below)
+                assert not any(a.name.startswith("_") for a in node.names), ast.unparse(node)
+                assert (below in lift.HANDOUT_GIVEN
+                        or not any(p.startswith("_") for p in below.split("."))), below
+                # not a task of the lab: a handout's student module has a stub there
+                assert not {a.name for a in node.names} & {f for _, f in LAB_FUNCTIONS}
+    assert {"_numerics", "mismatch.toy"} <= imported
+
+
+@pytest.mark.parametrize("lab_name", ["opd", pytest.param("mismatch", marks=pytest.mark.slow)])
+def test_compact_snippets_run_in_the_lab_folder(lab_name, tmp_path):
+    """Each lab function's compact snippet, its imports flattened as the lab writer flattens
+    the student module's, passes its doctests inside the lab folder (the student module with
+    its stubs and the given modules beside it), in an interpreter without this package."""
+    from opd_literate.course.labs import LABS, flatten_imports, write_lab
+
+    folder = tmp_path / lab_name
+    write_lab(lab_name, folder)
+    lab = LABS[lab_name]
+    uses_torch = lab_name == "opd"
+    _isolate(folder, uses_torch)  # replaces the lab's conftest.py and pytest.ini
+    node_ids, names = [], []
+    modules = {m.split(".")[-1] for m in lab.student_modules}
+    for module, function in LAB_FUNCTIONS:
+        if module.split(".")[-1] not in modules:
+            continue
+        name = f"compact_{function}"
+        (folder / f"{name}.py").write_text(
+            flatten_imports(snippet(f"{module}.{function}", compact=True)))
+        names.append(name)
+        node_ids.append(f"{name}.py::{name}.{function}")
+    (folder / "test_isolated.py").write_text(ISOLATION_TEST.format(names=names,
+                                                                   torch=uses_torch))
+    assert node_ids
+    _run_alone(folder, node_ids)
 
 
 def test_compact_form_asserts_instead_of_checks():
@@ -343,8 +391,4 @@ def test_cli_compact(capsys):
     assert capsys.readouterr().out == snippet("opd.full_vocab_reverse_kl", compact=True)
 
 
-@pytest.mark.parametrize("module", _opd_fast_rest_slow(sorted({m for m, _ in LAB_FUNCTIONS})))
-def test_compact_snippets_run_alone_with_their_doctests(module, tmp_path):
-    folder = tmp_path / module
-    functions = [f for m, f in LAB_FUNCTIONS if m == module]
-    _run_alone(folder, _write_module_snippets(module, folder, compact=True, functions=functions))
+
