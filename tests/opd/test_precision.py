@@ -14,21 +14,6 @@ import torch.nn.functional as F
 
 from opd_literate import opd
 from opd_literate._numerics import check_finite_number
-from opd_literate.opd import (
-    aggregate_loss,
-    discounted_returns,
-    expected_kl_estimator_gradient,
-    forward_kl,
-    forward_kl_per_position,
-    full_vocab_reverse_kl,
-    generalized_jsd,
-    generalized_jsd_per_position,
-    kl_estimator,
-    opd_pg_loss,
-    reverse_kl_per_position,
-    reverse_kl_rewards,
-    sampled_token_opd_loss,
-)
 from tests.opd._inputs import ONES, D, _logp
 
 INF = math.inf
@@ -38,13 +23,13 @@ DOUBLE = torch.float64
 
 
 FULL_VOCAB_LOSSES = {
-    "reverse": full_vocab_reverse_kl,
-    "forward": forward_kl,
-    "jsd_0.5": lambda s, t, m: generalized_jsd(s, t, m, beta=0.5),
-    "jsd_0.1_normalized": lambda s, t, m: generalized_jsd(s, t, m, beta=0.1, normalize=True),
-    "reverse_per_position": lambda s, t, m: reverse_kl_per_position(s, t, m).sum(),
-    "forward_per_position": lambda s, t, m: forward_kl_per_position(s, t, m).sum(),
-    "jsd_per_position": lambda s, t, m: generalized_jsd_per_position(s, t, 0.3, mask=m).sum(),
+    "reverse": opd.full_vocab_reverse_kl,
+    "forward": opd.forward_kl,
+    "jsd_0.5": lambda s, t, m: opd.generalized_jsd(s, t, m, beta=0.5),
+    "jsd_0.1_normalized": lambda s, t, m: opd.generalized_jsd(s, t, m, beta=0.1, normalize=True),
+    "reverse_per_position": lambda s, t, m: opd.reverse_kl_per_position(s, t, m).sum(),
+    "forward_per_position": lambda s, t, m: opd.forward_kl_per_position(s, t, m).sum(),
+    "jsd_per_position": lambda s, t, m: opd.generalized_jsd_per_position(s, t, 0.3, mask=m).sum(),
 }
 
 
@@ -100,7 +85,7 @@ def test_padded_vocabulary_entry_gives_finite_jsd_gradients(beta):
     pad = torch.full((1, 1, 2), -INF, dtype=DOUBLE)
     student = torch.cat([student_real, pad], -1).requires_grad_(True)
     teacher = torch.cat([teacher_real, pad], -1)
-    loss = generalized_jsd(student, teacher, torch.ones(1, 1), beta=beta)
+    loss = opd.generalized_jsd(student, teacher, torch.ones(1, 1), beta=beta)
     loss.backward()
     assert torch.isfinite(student.grad).all() and (student.grad[..., 3:] == 0).all()
     # equals the JSD on the 3 real entries, value and gradient
@@ -136,7 +121,7 @@ def enumerated_expected_gradient(z, zt, kind, mode):
 def test_expected_k_gradient_is_finite_and_right_in_float32(kind, mode):
     z = torch.tensor([0.0, -90.0, 0.0])  # e^{90} overflows float32
     zt = torch.zeros(3)  # d_v = -89.6 for the rare entry: e^{-d} = 9e38 > float32 max
-    got = expected_kl_estimator_gradient(z, zt, kind, mode)
+    got = opd.expected_kl_estimator_gradient(z, zt, kind, mode)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     expected = enumerated_expected_gradient(z, zt, kind, mode)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-7)
@@ -147,7 +132,7 @@ def test_expected_k_gradient_is_finite_and_right_in_float32(kind, mode):
 def test_expected_k_gradient_with_an_impossible_student_entry(kind, mode):
     z = torch.tensor([[0.2, -INF, 1.0, -0.4]], dtype=DOUBLE)
     zt = torch.tensor([[0.0, 0.5, -1.0, 0.3]], dtype=DOUBLE)
-    got = expected_kl_estimator_gradient(z, zt, kind, mode)
+    got = opd.expected_kl_estimator_gradient(z, zt, kind, mode)
     assert torch.isfinite(got).all() and got[0, 1].item() == 0.0
     torch.testing.assert_close(got[0], enumerated_expected_gradient(z[0], zt[0], kind, mode),
                                rtol=1e-12, atol=1e-14)
@@ -167,18 +152,18 @@ def test_half_precision_token_losses_are_computed_in_float32(dtype):
     s64, t64 = s.double(), t.double()  # the exact values the function received
     mask = torch.ones(8, 512)
     r64 = t64 - s64
-    # opd_pg_loss: -mean(r * logp), about 33 for uniform [-20, 0] draws; fp16 overflows
+    # opd.opd_pg_loss: -mean(r * logp), about 33 for uniform [-20, 0] draws; fp16 overflows
     expected = -(r64 * s64).mean()
     assert 30 < expected.item() < 36
     checks = [
-        (opd_pg_loss(s, t - s, mask), -((t - s).double() * s64).mean()),
-        (sampled_token_opd_loss(s, t, mask), expected),
-        (sampled_token_opd_loss(s, t, mask, gamma=1.0, reduction="seq-mean-token-sum"),
+        (opd.opd_pg_loss(s, t - s, mask), -((t - s).double() * s64).mean()),
+        (opd.sampled_token_opd_loss(s, t, mask), expected),
+        (opd.sampled_token_opd_loss(s, t, mask, gamma=1.0, reduction="seq-mean-token-sum"),
          -(r64.flip(1).cumsum(1).flip(1) * s64).sum(1).mean()),
-        (aggregate_loss(s * t, mask, "sum"), (s64 * t64).sum()),
-        (kl_estimator(s, t, "k3"), torch.expm1(t64 - s64) + s64 - t64),
-        (reverse_kl_rewards(s, t, mask), r64),
-        (discounted_returns(t, mask, 1.0), t64.flip(1).cumsum(1).flip(1)),
+        (opd.aggregate_loss(s * t, mask, "sum"), (s64 * t64).sum()),
+        (opd.kl_estimator(s, t, "k3"), torch.expm1(t64 - s64) + s64 - t64),
+        (opd.reverse_kl_rewards(s, t, mask), r64),
+        (opd.discounted_returns(t, mask, 1.0), t64.flip(1).cumsum(1).flip(1)),
     ]
     for got, ref in checks:
         assert got.dtype == torch.float32, got.dtype
@@ -189,13 +174,13 @@ def test_half_precision_token_losses_are_computed_in_float32(dtype):
 def test_half_precision_gradient_flows_back_in_the_input_dtype():
     s, t = logp_batch(torch.float16, T=16)
     s.requires_grad_(True)
-    sampled_token_opd_loss(s, t, torch.ones(8, 16)).backward()
+    opd.sampled_token_opd_loss(s, t, torch.ones(8, 16)).backward()
     assert s.grad.dtype == torch.float16 and torch.isfinite(s.grad).all()
 
 
 def test_gamma_zero_keeps_a_finite_reward_before_an_infinite_one():
     # G_0 = r_0 at gamma = 0; the recursion r_0 + 0 * G_1 gave NaN when G_1 = -inf
-    returns = discounted_returns(torch.tensor([[1.0, -INF]]), torch.ones(1, 2), 0.0)
+    returns = opd.discounted_returns(torch.tensor([[1.0, -INF]]), torch.ones(1, 2), 0.0)
     assert returns.tolist() == [[1.0, -INF]]
 
 
@@ -204,14 +189,14 @@ def test_gamma_zero_keeps_a_finite_reward_before_an_infinite_one():
 def test_empty_batches_give_zero_losses_and_empty_results(shape):
     s = torch.zeros(shape, requires_grad=True)
     t, m = torch.zeros(shape), torch.ones(shape)
-    assert discounted_returns(t, m, 0.5).shape == shape
-    assert reverse_kl_rewards(s, t, m).shape == shape
+    assert opd.discounted_returns(t, m, 0.5).shape == shape
+    assert opd.reverse_kl_rewards(s, t, m).shape == shape
     for reduction in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm", "sum"):
-        loss = sampled_token_opd_loss(s, t, m, gamma=1.0, reduction=reduction)
+        loss = opd.sampled_token_opd_loss(s, t, m, gamma=1.0, reduction=reduction)
         loss.backward()
         assert loss.item() == 0.0
-    assert opd_pg_loss(s, t, m).item() == 0.0
+    assert opd.opd_pg_loss(s, t, m).item() == 0.0
     logits = torch.zeros(*shape, 4, requires_grad=True)
     for loss_fn in FULL_VOCAB_LOSSES.values():
         loss = loss_fn(logits, torch.zeros(*shape, 4), m)
@@ -221,7 +206,7 @@ def test_empty_batches_give_zero_losses_and_empty_results(shape):
 
 def test_empty_vocabulary_is_refused():
     with pytest.raises(ValueError, match=r"vocabulary of at least 1 entry.*V = 0"):
-        full_vocab_reverse_kl(torch.zeros(1, 2, 0), torch.zeros(1, 2, 0), torch.ones(1, 2))
+        opd.full_vocab_reverse_kl(torch.zeros(1, 2, 0), torch.zeros(1, 2, 0), torch.ones(1, 2))
 
 
 # ------------------------------------------------------------------------ bad arguments
@@ -234,9 +219,10 @@ def test_mask_none_is_a_type_error_naming_mask_for_the_losses(name):
 
 def test_mask_none_in_token_losses():
     z = torch.zeros(1, 2)
-    for call in (lambda: opd_pg_loss(z, z, None), lambda: sampled_token_opd_loss(z, z, None),
-                 lambda: aggregate_loss(z, None), lambda: discounted_returns(z, None, 0.5),
-                 lambda: reverse_kl_rewards(z, z, None)):
+    for call in (lambda: opd.opd_pg_loss(z, z, None),
+                 lambda: opd.sampled_token_opd_loss(z, z, None),
+                 lambda: opd.aggregate_loss(z, None), lambda: opd.discounted_returns(z, None, 0.5),
+                 lambda: opd.reverse_kl_rewards(z, z, None)):
         with pytest.raises(TypeError, match="mask must be a torch.Tensor, got NoneType"):
             call()
 
@@ -250,11 +236,11 @@ def test_check_finite_number_refuses_bools_and_strings(value):
 def test_bool_and_string_arguments_are_refused_by_name():
     z = torch.zeros(1, 1, 3)
     with pytest.raises(TypeError, match="beta must be a real number, got bool True"):
-        generalized_jsd(z, z, torch.ones(1, 1), beta=True)
+        opd.generalized_jsd(z, z, torch.ones(1, 1), beta=True)
     with pytest.raises(TypeError, match="gamma must be a real number, got str '0.5'"):
-        discounted_returns(torch.zeros(1, 2), torch.ones(1, 2), "0.5")
+        opd.discounted_returns(torch.zeros(1, 2), torch.ones(1, 2), "0.5")
     with pytest.raises(TypeError, match="normalize must be a bool"):
-        generalized_jsd(z, z, torch.ones(1, 1), beta=0.5, normalize=1)
+        opd.generalized_jsd(z, z, torch.ones(1, 1), beta=0.5, normalize=1)
     from opd_literate.mismatch import estimators
 
     one = estimators.toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))
@@ -283,7 +269,7 @@ def test_an_infinite_reverse_kl_position_has_zero_gradient_and_leaves_the_others
     student = torch.tensor([[[0.1, 0.2, 0.3], [0.5, -0.5, 0.0]]], dtype=torch.float64,
                            requires_grad=True)
     teacher = torch.tensor([[[0.0, 0.0, -math.inf], [0.0, 1.0, -1.0]]], dtype=torch.float64)
-    loss = full_vocab_reverse_kl(student, teacher, torch.ones(1, 2))
+    loss = opd.full_vocab_reverse_kl(student, teacher, torch.ones(1, 2))
     loss.backward()
     assert loss.item() == math.inf
     assert student.grad[0, 0].tolist() == [0.0, 0.0, 0.0]

@@ -23,18 +23,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opd_literate.opd import (
-    REDUCTIONS,
-    forward_kl,
-    full_vocab_reverse_kl,
-    generalized_jsd,
-    generalized_jsd_per_position,
-    kl_estimator,
-    opd_pg_loss,
-    reverse_kl_per_position,
-    reverse_kl_rewards,
-    sampled_token_opd_loss,
-)
+from opd_literate import opd
 
 # Every test here takes its example count from the Hypothesis profile (conftest.py): .ci/run
 # runs them again with `-m properties --hypothesis-profile=ci`.
@@ -138,12 +127,12 @@ def check_loss(name, loss_fn, student, teacher, mask, reference):
 @given(logits_case())
 def test_full_vocabulary_losses_against_float64(case):
     student, teacher, mask = case
-    check_loss("full_vocab_reverse_kl", full_vocab_reverse_kl, student, teacher, mask,
+    check_loss("full_vocab_reverse_kl", opd.full_vocab_reverse_kl, student, teacher, mask,
                reference_divergence(student, teacher, mask, "reverse"))
-    check_loss("forward_kl", forward_kl, student, teacher, mask,
+    check_loss("forward_kl", opd.forward_kl, student, teacher, mask,
                reference_divergence(student, teacher, mask, "forward"))
     check_loss("reverse_kl_per_position",
-               lambda s, t, m: reverse_kl_per_position(s, t, m).sum() / m.sum().clamp_min(1),
+               lambda s, t, m: opd.reverse_kl_per_position(s, t, m).sum() / m.sum().clamp_min(1),
                student, teacher, mask, reference_divergence(student, teacher, mask, "reverse"))
 
 
@@ -151,11 +140,11 @@ def test_full_vocabulary_losses_against_float64(case):
 def test_generalized_jsd_against_float64(case, beta):
     student, teacher, mask = case
     check_loss(f"generalized_jsd beta={beta}",
-               lambda s, t, m: generalized_jsd(s, t, m, beta=beta),
+               lambda s, t, m: opd.generalized_jsd(s, t, m, beta=beta),
                student, teacher, mask, reference_divergence(student, teacher, mask, "jsd", beta))
     if beta in (0.1, 0.5, 0.9):  # where the float64 reference itself is accurate after / beta
         check_loss(f"generalized_jsd normalize beta={beta}",
-                   lambda s, t, m: generalized_jsd(s, t, m, beta=beta, normalize=True),
+                   lambda s, t, m: opd.generalized_jsd(s, t, m, beta=beta, normalize=True),
                    student, teacher, mask,
                    reference_divergence(student, teacher, mask, "jsd", beta) / beta / (1 - beta))
 
@@ -200,16 +189,17 @@ def reference_sampled_token(student, teacher, mask, gamma, reduction):
     return per_token.sum()
 
 
-@given(token_case(), st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from(REDUCTIONS))
+@given(token_case(), st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from(opd.REDUCTIONS))
 def test_sampled_token_losses_against_float64(case, gamma, reduction):
     student, teacher, mask = case
     reference = reference_sampled_token(student, teacher, mask, gamma, reduction)
     check_loss(f"sampled_token_opd_loss {reduction}",
-               lambda s, t, m: sampled_token_opd_loss(s, t, m, gamma=gamma, reduction=reduction),
+               lambda s, t, m: opd.sampled_token_opd_loss(s, t, m, gamma=gamma,
+                                                          reduction=reduction),
                student, teacher, mask, reference)
     if gamma == 0.0 and reduction == "token-mean":
         check_loss("opd_pg_loss",
-                   lambda s, t, m: opd_pg_loss(s, reverse_kl_rewards(s, t, m), m),
+                   lambda s, t, m: opd.opd_pg_loss(s, opd.reverse_kl_rewards(s, t, m), m),
                    student, teacher, mask, reference)
 
 
@@ -220,7 +210,7 @@ def test_kl_estimators_against_float64(case, kind):
     s, t = student[finite], teacher[finite]
     d = (s.double() - t.double()).numpy()
     reference = {"k1": d, "k2": 0.5 * d**2, "k3": np.expm1(-d) + d}[kind].sum()
-    check_loss(f"kl_estimator {kind}", lambda a, b, m: kl_estimator(a, b, kind).sum(),
+    check_loss(f"kl_estimator {kind}", lambda a, b, m: opd.kl_estimator(a, b, kind).sum(),
                s, t, None, float(reference))
 
 
@@ -236,7 +226,7 @@ def test_hypothesis_counts_are_reported():
 @given(logits_case(), st.floats(0.01, 0.99))
 def test_jsd_is_bounded_by_the_binary_entropy_of_beta(case, beta):
     student, teacher, mask = case
-    jsd = generalized_jsd_per_position(student, teacher, beta=beta, mask=mask)
+    jsd = opd.generalized_jsd_per_position(student, teacher, beta=beta, mask=mask)
     entropy = -beta * math.log(beta) - (1 - beta) * math.log(1 - beta)
     assert (jsd <= entropy * (1 + 1e-5) + 1e-6).all() and entropy <= math.log(2)
 
@@ -245,8 +235,8 @@ def test_jsd_is_bounded_by_the_binary_entropy_of_beta(case, beta):
 def test_invariant_to_a_constant_added_to_the_logits(case, shift):
     student, teacher, mask = case
     student, teacher = student.double(), teacher.double()
-    base = reverse_kl_per_position(student, teacher, mask)
-    shifted = reverse_kl_per_position(student + shift, teacher - shift, mask)
+    base = opd.reverse_kl_per_position(student, teacher, mask)
+    shifted = opd.reverse_kl_per_position(student + shift, teacher - shift, mask)
     finite = torch.isfinite(base)
     assert torch.equal(finite, torch.isfinite(shifted))
     # log_softmax of a shifted row loses about |shift| * eps of absolute precision.
