@@ -16,18 +16,16 @@ gradient-agreement table from
 
 from __future__ import annotations
 
-import io
 import json
 import pathlib
 import re
 import tempfile
 
-import matplotlib
+import numpy as np
+import torch
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from opd_literate._figures import new_figure, svg_bytes
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
 OUT = DOCS / "generated"
@@ -47,14 +45,6 @@ def _write(name: str, data) -> None:
         path.write_bytes(payload)
 
 
-def _figure_bytes(fig) -> bytes:
-    buffer = io.BytesIO()
-    # No "Software" entry (it names the matplotlib version): same figure, same bytes.
-    fig.savefig(buffer, format="png", dpi=110, metadata={"Software": None})
-    plt.close(fig)
-    return buffer.getvalue()
-
-
 def _estimators():
     from opd_literate.mismatch.estimators import comparison_table, format_table, mismatch_sweep
     from opd_literate.mismatch.toy import make_toy
@@ -68,27 +58,29 @@ def _estimators():
 
     names = ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis",
              "icepop", "ppo_clip_bypass", "gspo"]
+    # solid: the textbook weights; dashed: the weights of the framework losses built on them
+    framework = {"icepop", "ppo_clip_bypass", "gspo"}
     mismatches = np.round(np.linspace(0.0, 1.5, 16), 3)
     sweep = mismatch_sweep(mismatches, names=names, N=64)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = new_figure(1, 2, height=3.9)
     for i, name in enumerate(names):
         bias = [rows_m[i]["rel_bias"] for rows_m in sweep.values()]
         rmse = [rows_m[i]["rel_rmse"] for rows_m in sweep.values()]
-        style = "-" if i < 7 else "--"
+        style = "--" if name in framework else "-"
         axes[0].plot(mismatches, bias, style, marker=".", label=name)
         axes[1].plot(mismatches, rmse, style, marker=".", label=name)
     axes[0].set(xlabel="mismatch $\\epsilon$", ylabel="relative bias", title="exact bias")
     axes[1].set(xlabel="mismatch $\\epsilon$", ylabel="relative RMSE, N = 64",
                 title="exact error of a batch of 64", yscale="log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    _write("mismatch_sweep.png", _figure_bytes(fig))
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5,
+               bbox_to_anchor=(0.5, -0.02), columnspacing=1.0, handlelength=2.2,
+               title="solid: textbook weights; dashed: framework losses")
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    _write("mismatch_sweep.svg", svg_bytes(fig))
 
     # Relative RMSE against the batch size at the default mismatch: where variance stops
     # mattering and bias takes over.
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_figure(height=3.6)
     batch = np.logspace(0, 4, 30)
     grad_norm = float(np.linalg.norm(toy["true_grad"]))
     for name in ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "seq_mis"]:
@@ -97,10 +89,10 @@ def _estimators():
         ax.loglog(batch, np.sqrt(row["bias"] ** 2 + row["var"] / batch) / grad_norm, label=name)
     ax.set(xlabel="batch size N (sequences)", ylabel="relative RMSE",
            title="bias floor against variance, mismatch 0.3")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.grid(True, which="both")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    _write("rmse_vs_batch.png", _figure_bytes(fig))
+    _write("rmse_vs_batch.svg", svg_bytes(fig))
 
 
 def _opd_mismatch():
@@ -112,18 +104,17 @@ def _opd_mismatch():
     header = "| student log-prob in the reward | weight | " + " | ".join(
         f"ε = {m:g}" for m in mismatches) + " |"
     lines = [header, "| --- | --- | " + " | ".join("---:" for _ in mismatches) + " |"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_figure(height=3.6)
     for logp, weight in recipes:
         bias = [r["rel_bias"] for r in rows if (r["logp"], r["weight"]) == (logp, weight)]
         lines.append(f"| {logp} | {weight} | " + " | ".join(f"{b:.4f}" for b in bias) + " |")
         ax.plot(mismatches, bias, marker=".", label=f"{logp} log-prob, {weight}")
     ax.set(xlabel="mismatch $\\epsilon$", ylabel="relative bias of the OPD gradient",
            title="sampled-token OPD, tokens from the sampler")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(loc="upper left", title="student log-prob, weight")
     fig.tight_layout()
     _write("opd_mismatch_table.md", "\n".join(lines) + "\n")
-    _write("opd_mismatch.png", _figure_bytes(fig))
+    _write("opd_mismatch.svg", svg_bytes(fig))
 
 
 AR_SIZE = dict(T=5, V=3)  # the autoregressive section's toys (V = 3, T up to 8)
@@ -181,23 +172,29 @@ def _ar_bias_against_length():
     toys = {"autoregressive, <eos>": dict(autoregressive=True, eos=True),
             "autoregressive, fixed length": dict(autoregressive=True, eos=False),
             "independent": dict(autoregressive=False)}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = new_figure(1, 2, height=3.9, sharey=True)
     # colour: the toy; solid with circles: the plain ratio; dashed with crosses: truncated at 2
-    for colour, (label, kwargs) in zip(("C0", "C1", "C2"), toys.items()):
+    colours = dict(zip(toys, ("C0", "C1", "C2")))
+    for label, kwargs in toys.items():
         sweep = length_sweep(AR_LENGTHS, AR_SWEEP_NAMES, mismatch=0.3, V=3, **kwargs)
         for ax, pair in zip(axes, (AR_SWEEP_NAMES[:2], AR_SWEEP_NAMES[2:])):
             for name in pair:
                 plain = name in ("token_is", "seq_is")
                 ax.plot(AR_LENGTHS, [sweep[T][name] for T in AR_LENGTHS],
-                        "-o" if plain else "--x", color=colour, label=f"{name}, {label}")
+                        "-o" if plain else "--x", color=colours[label], markersize=4)
     axes[0].set(xlabel="response length T", ylabel="relative bias (median of 5 seeds)",
-                title="token-level corrections")
-    axes[1].set(xlabel="response length T", title="sequence-level corrections")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    _write("ar_bias_vs_length.png", _figure_bytes(fig))
+                title="token level: token_is, token_tis")
+    axes[1].set(xlabel="response length T", title="sequence level: seq_is, seq_tis")
+    # Two legends, one a channel: the colour names the toy, the line style the weight.
+    toy_handles = [Line2D([], [], color=c, label=t) for t, c in colours.items()]
+    style_handles = [Line2D([], [], color="0.3", ls="-", marker="o", markersize=4,
+                            label="plain ratio (token_is, seq_is)"),
+                     Line2D([], [], color="0.3", ls="--", marker="x",
+                            label="truncated at 2 (token_tis, seq_tis)")]
+    fig.legend(handles=toy_handles + style_handles, loc="lower center", ncol=2,
+               bbox_to_anchor=(0.5, -0.02))
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    _write("ar_bias_vs_length.svg", svg_bytes(fig))
 
 
 def _ar_reductions():
@@ -268,7 +265,7 @@ def _experiment():
     # Plot outside docs/ (a rewritten file there would make `mkdocs serve` rebuild forever),
     # then copy in only what changed.
     with tempfile.TemporaryDirectory() as tmp:
-        for path in write_plots(results, tmp):
+        for path in write_plots(results, tmp, format="svg"):
             _write(f"experiment_{path.name}", path.read_bytes())
     _write("experiment_headline.md", format_headline(results) + "\n")
     # The learning-rate search, on the validation prompts: mean final validation accuracy,
@@ -291,7 +288,7 @@ def _experiment():
     # The second regime (--long): its headline and accuracy plot.
     long = json.loads(EXPERIMENT_LONG.read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        for path in write_plots(long, tmp):
+        for path in write_plots(long, tmp, format="svg"):
             _write(f"experiment_long_{path.name}", path.read_bytes())
     _write("experiment_long_headline.md", format_headline(long) + "\n")
     # The same study on every machine: the committed run and each rerun, side by side.

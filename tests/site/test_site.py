@@ -18,10 +18,12 @@ import sys
 import threading
 from urllib.parse import urlparse
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+import explorables  # noqa: E402
 import typeset  # noqa: E402
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -318,3 +320,148 @@ def test_search_finds_reverse_kl(server, browser):
     meta = page.inner_text(".md-search-result__meta")
     page.close()
     assert results > 0, meta
+
+
+# The explorable figures: the slider of figure ``div_id`` moved by the mouse to step ``index``
+# (a click on the rail under that step's label, as a reader would), then the numbers of the
+# traces it shows and the slider's current-value text.
+_SLIDER_STATE = """(id) => {
+  const gd = document.getElementById(id);
+  const shown = gd.data.filter(t => t.visible === true);
+  // a horizontal bar chart plots its numbers on x, a line chart on y
+  return {values: shown.map(t => Array.from(t.orientation === 'h' ? t.x : t.y, Number)),
+          current: gd.querySelector('.slider-container .slider-group > .slider-label').textContent,
+          active: gd.layout.sliders[0].active};
+}"""
+
+
+_STEP_LABELS = ".slider-container .slider-label-group .slider-label"
+
+
+def _move_slider(page, div_id, index):
+    labels = page.locator(f"#{div_id} {_STEP_LABELS}")
+    label = labels.nth(index).bounding_box()
+    rail = page.locator(f"#{div_id} .slider-container .slider-rail-rect").bounding_box()
+    page.mouse.click(label["x"] + label["width"] / 2, rail["y"] + rail["height"] / 2)
+    page.wait_for_timeout(150)
+    return page.evaluate(_SLIDER_STATE, div_id)
+
+
+def _mismatch_numbers(mismatch):
+    """The library's numbers for the mismatch explorer at one position, computed here."""
+    from opd_literate.mismatch.estimators import comparison_table
+    from opd_literate.mismatch.toy import make_toy
+
+    rows = comparison_table(make_toy(mismatch=mismatch), names=list(explorables.MISMATCH_NAMES),
+                            N=explorables.BATCH)
+    return [[r["rel_bias"] for r in rows], [r["rel_rmse"] for r in rows]]
+
+
+def _threshold_numbers(cap):
+    from opd_literate.mismatch import estimators
+    from opd_literate.mismatch.toy import estimator_moments, make_toy
+
+    toy = make_toy(mismatch=explorables.THRESHOLD_MISMATCH)
+    moments = [estimator_moments(toy, e) for e in (
+        estimators.token_tis(toy, cap=cap), estimators.seq_tis(toy, cap=cap),
+        estimators.token_mis(toy, high=cap), estimators.seq_mis(toy, high=cap))]
+    return [[m["rel_bias"] for m in moments],
+            [m["rel_rmse"](explorables.BATCH) for m in moments]]
+
+
+def _experiment_numbers(position):
+    """Position 0: the mean over seeds of each method's accuracy curve; k: seed k - 1's."""
+    import json
+
+    results = json.loads((ROOT / "docs/data/experiment/results.json").read_text())
+    curves = []
+    for record in results["methods"].values():
+        seeds = record["accuracy"]
+        curves.append([sum(c) / len(c) for c in zip(*seeds)] if position == 0
+                      else list(seeds[position - 1]))
+    return curves
+
+
+# (page, figure, its positions, the label of each, the library's numbers at a position)
+EXPLORABLES = [
+    ("mismatch", "explore-mismatch", "MISMATCHES", lambda m: f"{m:g}", _mismatch_numbers),
+    ("mismatch", "explore-threshold", "THRESHOLDS", lambda c: f"{c:g}", _threshold_numbers),
+    ("experiment", "explore-experiment", None, None, _experiment_numbers),
+]
+
+
+def _check_explorable(browser, server, page_path, div_id, positions_name, label_of, numbers,
+                      color_scheme="light"):
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme=color_scheme)
+    errors = []
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{server}/{page_path}/", wait_until="load")
+    page.locator(f"#{div_id} .slider-container").scroll_into_view_if_needed()
+    count = page.locator(f"#{div_id} {_STEP_LABELS}").count()
+    positions = (getattr(explorables, positions_name) if positions_name
+                 else list(range(count)))
+    assert count == len(positions) >= 3
+    problems = []
+    for index in (0, len(positions) // 2, len(positions) - 1):  # three positions, both ends
+        state = _move_slider(page, div_id, index)
+        expected = numbers(positions[index])
+        if state["active"] != index:
+            problems.append(f"{div_id}: slider at {state['active']}, not {index}")
+        if label_of and not state["current"].endswith(label_of(positions[index])):
+            problems.append(f"{div_id}: shows {state['current']!r} at {positions[index]}")
+        if len(state["values"]) != len(expected) or any(
+                len(a) != len(b) or any(abs(x - y) > 1e-12 * max(1.0, abs(y))
+                                        for x, y in zip(a, b))
+                for a, b in zip(state["values"], expected)):
+            problems.append(f"{div_id} at position {index}: plotted {state['values']!r:.300}, "
+                            f"the library gives {expected!r:.300}")
+    box = page.locator(f"#{div_id}").bounding_box()
+    column = page.evaluate("document.querySelector('article.md-content__inner').clientWidth")
+    if box["width"] > column + 0.5:
+        problems.append(f"{div_id}: {box['width']:.0f} px wide in a {column} px column")
+    page.close()
+    return problems + [f"{div_id}: console error {e}" for e in errors]
+
+
+def _built_figure(site, page_path, div_id):
+    """The traces and layout that a built page hands to ``Plotly.newPlot`` for ``div_id``."""
+    import json
+
+    html = (site / page_path / "index.html").read_text(encoding="utf-8")
+    call = re.search(r'Plotly\.newPlot\(\s*"' + re.escape(div_id) + r'",\s*', html)
+    assert call, f"{page_path}: no figure {div_id}"
+    decoder = json.JSONDecoder()
+    traces, end = decoder.raw_decode(html, call.end())
+    layout, _ = decoder.raw_decode(html, re.compile(r",\s*").match(html, end).end())
+    return traces, layout
+
+
+def test_every_explorable_position_holds_the_librarys_numbers(site):
+    """Without a browser: at every position of every explorable slider, the traces the step
+    shows hold the numbers the library computes for it (recomputed here), to 1e-12."""
+    for page_path, div_id, positions_name, label_of, numbers in EXPLORABLES:
+        traces, layout = _built_figure(site, page_path, div_id)
+        steps = layout["sliders"][0]["steps"]
+        positions = (getattr(explorables, positions_name) if positions_name
+                     else list(range(len(steps))))
+        assert len(steps) == len(positions) >= 3, div_id
+        for position, step in zip(positions, steps):
+            shown = [t for t, v in zip(traces, step["args"][0]["visible"]) if v]
+            values = [t["x"] if t.get("orientation") == "h" else t["y"] for t in shown]
+            expected = numbers(position)
+            assert len(values) == len(expected), (div_id, position)
+            for got, want in zip(values, expected):
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=0,
+                                           err_msg=f"{div_id} at {position}")
+            if label_of:
+                assert step["label"] == label_of(position)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("color_scheme", ["light", "dark"])
+def test_every_explorable_shows_the_librarys_numbers(site, server, browser, color_scheme):
+    problems = []
+    for explorable in EXPLORABLES:
+        problems += _check_explorable(browser, server, *explorable, color_scheme=color_scheme)
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,190 @@
+"""MkDocs hook: the explorable figures, computed by the library and drawn by plotly.js.
+
+Each figure is a plotly figure with a slider; every position of the slider holds the numbers the
+library computes for that setting (an exact sum on the toy, or the committed experiment's
+curves), so the page shows exactly those numbers and nothing is interpolated in the browser.
+The hook writes, into ``docs/generated/``:
+
+* ``plotly.min.js``: the plotly.js bundle that ships inside the ``plotly`` wheel, copied once,
+  so that the site works offline (nothing is fetched at view time);
+* ``explore_<name>.html``: a ``<div>`` and the script that draws it, which a page includes with
+  ``--8<-- "generated/explore_<name>.html"``; each loads the bundle by a path relative to its page
+  (every chapter is one folder below the site's root).
+
+``tests/site/test_explorables.py`` moves each slider to three positions in the browser and
+compares the plotted numbers with the library's, recomputed in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+DOCS = pathlib.Path(__file__).resolve().parents[1]
+OUT = DOCS / "generated"
+EXPERIMENT = DOCS / "data" / "experiment" / "results.json"
+
+# The mismatch explorer: the estimators of the static sweep, at the same mismatches.
+MISMATCH_NAMES = ("naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis",
+                  "icepop", "ppo_clip_bypass", "gspo")
+MISMATCHES = tuple(float(m) for m in np.round(np.linspace(0.0, 1.5, 16), 3))
+MISMATCH_START = MISMATCHES.index(0.3)  # the chapter's default toy
+BATCH = 64
+
+# The threshold explorer: truncation at C and masking above C, at a mismatch where they matter.
+THRESHOLD_MISMATCH = 1.0
+THRESHOLDS = (1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+THRESHOLD_START = THRESHOLDS.index(2.0)  # the estimators' default
+THRESHOLD_NAMES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+
+PLOTLY_CONFIG = {"displaylogo": False, "responsive": True,
+                 "modeBarButtonsToRemove": ["select2d", "lasso2d", "toImage"]}
+
+
+def mismatch_explorer_data() -> dict:
+    """``{mismatch: {"rel_bias": [...], "rel_rmse": [...]}}`` for ``MISMATCH_NAMES`` (in that
+    order), exact on ``make_toy(mismatch=...)`` (``mismatch_sweep``, baseline 0, N = 64)."""
+    from opd_literate.mismatch.estimators import mismatch_sweep
+
+    sweep = mismatch_sweep(list(MISMATCHES), names=list(MISMATCH_NAMES), N=BATCH)
+    return {float(m): {"rel_bias": [r["rel_bias"] for r in rows],
+                       "rel_rmse": [r["rel_rmse"] for r in rows]}
+            for m, rows in sweep.items()}
+
+
+def threshold_explorer_data() -> dict:
+    """``{C: {"rel_bias": [...], "rel_rmse": [...]}}`` for ``THRESHOLD_NAMES`` at
+    ``make_toy(mismatch=THRESHOLD_MISMATCH)``: ``token_tis`` and ``seq_tis`` truncated at
+    ``cap=C``, ``token_mis`` and ``seq_mis`` masked outside ``[0, C]``; exact moments."""
+    from opd_literate.mismatch import estimators
+    from opd_literate.mismatch.toy import estimator_moments, make_toy
+
+    toy = make_toy(mismatch=THRESHOLD_MISMATCH)
+    data = {}
+    for cap in THRESHOLDS:
+        estimates = (estimators.token_tis(toy, cap=cap), estimators.seq_tis(toy, cap=cap),
+                     estimators.token_mis(toy, high=cap), estimators.seq_mis(toy, high=cap))
+        moments = [estimator_moments(toy, e) for e in estimates]
+        data[cap] = {"rel_bias": [m["rel_bias"] for m in moments],
+                     "rel_rmse": [m["rel_rmse"](BATCH) for m in moments]}
+    return data
+
+
+def _bars_with_slider(data: dict, names, start: int, slider_label: str, title: str):
+    """Two bar charts (relative bias, relative RMSE at N = 64) and one slider over ``data``."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
+                        subplot_titles=("relative bias", f"relative RMSE, N = {BATCH}"))
+    keys = list(data)
+    for i, key in enumerate(keys):
+        for column, metric in enumerate(("rel_bias", "rel_rmse"), start=1):
+            fig.add_trace(go.Bar(
+                x=data[key][metric], y=list(names), orientation="h", visible=i == start,
+                name=f"{metric} {key:g}", showlegend=False,
+                marker_color="#3f51b5" if metric == "rel_bias" else "#e8710a",
+                hovertemplate="%{y}: %{x:.4g}<extra></extra>"), row=1, col=column)
+    steps = []
+    for i, key in enumerate(keys):
+        visible = [j // 2 == i for j in range(2 * len(keys))]
+        steps.append({"method": "restyle", "args": [{"visible": visible}], "label": f"{key:g}"})
+    fig.update_layout(
+        title={"text": title, "font": {"size": 15}},
+        sliders=[{"active": start, "steps": steps, "currentvalue": {"prefix": slider_label}}],
+        height=470, margin={"l": 10, "r": 20, "t": 70, "b": 20},
+        paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
+    )
+    fig.update_yaxes(autorange="reversed", gridcolor="rgba(0,0,0,0.12)")
+    fig.update_xaxes(gridcolor="rgba(0,0,0,0.12)", zerolinecolor="rgba(0,0,0,0.3)")
+    # One scale for every position, so that moving the slider shows growth, not a new axis.
+    biases = [x for key in keys for x in data[key]["rel_bias"]]
+    errors = [x for key in keys for x in data[key]["rel_rmse"]]
+    fig.update_xaxes(range=[0, 1.05 * max(biases)], row=1, col=1)
+    fig.update_xaxes(type="log", row=1, col=2,
+                     range=[np.log10(min(errors)) - 0.05, np.log10(max(errors)) + 0.05])
+    fig.update_yaxes(showticklabels=False, row=1, col=2)
+    return fig
+
+
+def experiment_explorer_data() -> dict:
+    """The committed experiment's accuracy curves: for each method its samples, the mean over
+    seeds and each seed's curve (``docs/data/experiment/results.json``)."""
+    results = json.loads(EXPERIMENT.read_text())
+    methods = {}
+    for method, record in results["methods"].items():
+        curves = [list(map(float, c)) for c in record["accuracy"]]
+        mean = [float(np.mean(column)) for column in zip(*curves)]
+        methods[method] = {"samples": list(record["samples"]), "seeds": curves, "mean": mean}
+    return {"methods": methods, "seeds": results["config"]["seeds"]}
+
+
+def _experiment_figure(data: dict):
+    """One line per method; the slider picks the mean over seeds or one seed's curve."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    positions = ["mean"] + [f"seed {s}" for s in range(data["seeds"])]
+    methods = list(data["methods"])
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+    for p in range(len(positions)):
+        for m, method in enumerate(methods):
+            record = data["methods"][method]
+            y = record["mean"] if p == 0 else record["seeds"][p - 1]
+            fig.add_trace(go.Scatter(
+                x=record["samples"], y=y, mode="lines+markers", name=method,
+                legendgroup=method, showlegend=p == 0, visible=p == 0,
+                line={"color": palette[m % len(palette)]}, marker={"size": 4},
+                hovertemplate=f"{method}<br>%{{x}} samples: %{{y:.3f}}<extra></extra>"))
+    steps = []
+    for p, position in enumerate(positions):
+        visible = [j // len(methods) == p for j in range(len(positions) * len(methods))]
+        steps.append({"method": "restyle", "args": [{"visible": visible}], "label": position})
+    fig.update_layout(
+        title={"text": "Greedy accuracy on the test prompts: the mean, or one seed",
+               "font": {"size": 15}},
+        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "curve: "}}],
+        xaxis_title="student samples", yaxis_title="greedy accuracy (test prompts)",
+        height=470, margin={"l": 10, "r": 20, "t": 60, "b": 20},
+        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom"},
+        paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
+    )
+    fig.update_xaxes(gridcolor="rgba(0,0,0,0.12)")
+    fig.update_yaxes(gridcolor="rgba(0,0,0,0.12)")
+    return fig
+
+
+def _html(fig, div_id: str) -> str:
+    """The figure's ``<div>`` and script, after the tag that loads the site's plotly.js."""
+    body = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                       config=PLOTLY_CONFIG)
+    return (f'<div class="explorable" markdown="0">\n'
+            f'<script src="../generated/plotly.min.js"></script>\n{body}\n</div>\n')
+
+
+def _write(name: str, data) -> None:
+    path = OUT / name
+    payload = data.encode() if isinstance(data, str) else data
+    if not path.exists() or path.read_bytes() != payload:
+        path.write_bytes(payload)
+
+
+def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
+    import plotly
+
+    OUT.mkdir(exist_ok=True)
+    bundle = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    _write("plotly.min.js", bundle.read_bytes())
+    _write("explore_mismatch.html", _html(_bars_with_slider(
+        mismatch_explorer_data(), MISMATCH_NAMES, MISMATCH_START, "mismatch ε = ",
+        "Every estimator, exactly, as the mismatch grows (baseline 0)"), "explore-mismatch"))
+    _write("explore_threshold.html", _html(_bars_with_slider(
+        threshold_explorer_data(), THRESHOLD_NAMES, THRESHOLD_START, "threshold C = ",
+        f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}"),
+        "explore-threshold"))
+    _write("explore_experiment.html", _html(_experiment_figure(experiment_explorer_data()),
+                                            "explore-experiment"))
