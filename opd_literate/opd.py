@@ -779,10 +779,12 @@ def kl_estimator(student_logp, teacher_logp, kind="k1"):
     expected gradients over $y \sim p$ are
 
     $$
-    \mathbb{E}[\nabla k_1] = \mathbb{E}[\nabla \log p_y] = 0, \quad
-    \mathbb{E}[\nabla k_2] = \mathbb{E}[d\,\nabla \log p_y] = \nabla \mathrm{KL}(p \,\|\, q), \quad
-    \mathbb{E}[\nabla k_3] = \mathbb{E}[(1 - e^{-d}) \nabla \log p_y]
-    = -\sum_v q_v \nabla \log p_v = \nabla \mathrm{KL}(q \,\|\, p).
+    \begin{aligned}
+    \mathbb{E}[\nabla k_1] &= \mathbb{E}[\nabla \log p_y] = 0, \\
+    \mathbb{E}[\nabla k_2] &= \mathbb{E}[d\,\nabla \log p_y] = \nabla \mathrm{KL}(p \,\|\, q), \\
+    \mathbb{E}[\nabla k_3] &= \mathbb{E}[(1 - e^{-d}) \nabla \log p_y] \\
+    &= -\sum_v q_v \nabla \log p_v = \nabla \mathrm{KL}(q \,\|\, p).
+    \end{aligned}
     $$
 
     So $k_1$ as a loss does nothing on average, $k_2$ as a loss gives the reverse-KL gradient,

@@ -564,3 +564,17 @@ def test_stated_rerun_times_match_the_reruns():
             assert (f"On a 2-core AMD EPYC with AVX2 the default run took "
                     f"{round(seconds['default'])} s and `--long` {round(seconds['long'])} s"
                     in readme), name
+
+
+def test_the_home_pages_chapter_list_is_the_navigations():
+    """The numbered list under "The chapters" names the pages of the navigation's "Chapters",
+    in its order, with the same titles."""
+    import yaml
+
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
+    chapters = next(item["Chapters"] for item in config["nav"] if "Chapters" in item)
+    nav = [(title, page) for entry in chapters for title, page in entry.items()]
+    home = (ROOT / "docs" / "index.md").read_text()
+    section = home.split("## The chapters", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\d+\. \[([^\]]+)\]\(([^)]+)\)", section, re.M)
+    assert listed == nav

@@ -158,8 +158,8 @@ _VISIBLE_TEXT_WITH_TEX = """() => {
   return bad;
 }"""
 
-# Every math box, with the content column's width: none may be wider (a long display scrolls
-# inside its own box).
+# Every math box, with the content column's width: none may be wider, and no display's content
+# either (its box would scroll: a long display is broken into aligned lines instead).
 _MATH_BOXES = """() => {
   const article = document.querySelector('article.md-content__inner');
   const style = getComputedStyle(article);
@@ -170,7 +170,8 @@ _MATH_BOXES = """() => {
     .map(m => {
       const r = m.getBoundingClientRect();
       const tex = (m.querySelector('mjx-assistive-mml') || m).textContent.slice(0, 60);
-      return {width: r.width, height: r.height, column: column, tex: tex};
+      return {width: Math.max(r.width, m.scrollWidth), height: r.height, column: column,
+              tex: tex};
     });
 }"""
 
