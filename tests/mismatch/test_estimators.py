@@ -924,6 +924,11 @@ def test_format_table_by_hand():
         "| `x` | 0.1235 | 1234 | 0.5000 | 25.0% | 100.0% | yes |\n"
         "| `y` | 0.1235 | 1234 | 0.5000 | 25.0% | 100.0% | no |")
     assert "(N=64)" in format_table([])
+    # the variance column at four significant digits whatever its size, trailing zeros kept
+    variances = [0.283, 0.0007223, 2646.0, 123456.0]
+    cells = [format_table([dict(row, var=v)]).splitlines()[-1].split(" | ")[2]
+             for v in variances]
+    assert cells == ["0.2830", "0.0007223", "2646", "1.235e+05"]
 
 
 def test_k3_mean_is_over_the_responses_own_tokens():
