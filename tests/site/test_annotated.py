@@ -92,3 +92,4 @@ def test_numpy_sections_and_examples_become_markdown():
     assert "**Parameters**" in text and "----" not in text
     assert "- `x` (int): The first." in text and "- `y` (int): The second." in text
     assert "```pycon\n>>> 1 + 1\n2\n```" in text
+
