@@ -61,6 +61,9 @@ the package's own modules), so that a reader knows what a lifted module drags al
   * ``opd_literate.course.lift``: ``opd-copy NAME`` prints a public function with every
     helper, constant and import it needs, to lift into course material (imports: nothing).
 
+* ``opd_literate._figures``: the one style of every static figure, at the site's column width,
+  as SVG (imports: matplotlib; only when a figure is drawn).
+
 All of them share the argument checks and numerics of ``opd_literate._numerics``, which loads
 torch only when a torch tensor is checked: the numpy modules never load torch.
 Importing the package, or one of its chapter packages, runs nothing and imports no submodule.

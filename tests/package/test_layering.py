@@ -22,6 +22,7 @@ PACKAGE = pathlib.Path(opd_literate.__file__).parent
 # (the standard library and the package's own modules are always allowed).
 THIRD_PARTY = {
     "_numerics": {"torch"},  # imported inside the tensor checks only (see the test below)
+    "_figures": {"matplotlib"},  # imported inside its functions only
     "opd": {"torch"},
     "mismatch.toy": {"numpy"},
     "mismatch.estimators": {"numpy"},
@@ -37,7 +38,7 @@ THIRD_PARTY = {
     "experiment._cache": {"torch", "filelock"},
     "experiment._workers": {"torch", "tqdm"},
     "experiment.stats": {"numpy"},
-    "experiment.plots": {"matplotlib"},
+    "experiment.plots": {"matplotlib"},  # through _figures, and for the PNGs
     "experiment.cli": set(),
     "course.markers": set(),
     "course.labs": set(),
