@@ -56,6 +56,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
     sandbox (imports: nothing).
   * ``opd_literate.course._harness``: the grading harness, a program the grader copies into the
     sandbox and runs there (imports: pytest; never this package).
+  * ``opd_literate.course.sandbox``: the operating-system sandbox the grader runs student
+    code in: bubblewrap, resource limits, capped output (imports: nothing).
   * ``opd_literate.course.cli``: ``python -m opd_literate.course`` (``opd-handout``) writes or
     grades labs (imports: nothing).
   * ``opd_literate.course.lift``: ``opd-copy NAME`` prints a public function with every
