@@ -141,11 +141,11 @@ def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
     return found
 
 
-def _environment(work: pathlib.Path) -> dict:
-    """The whole environment of the runner: nothing from the grader's but PATH."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work / "home"),
-            "TMPDIR": str(work / "tmp"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def _environment() -> dict:
+    """The variables of the runner, over the sandbox's scrubbed ``PATH``, ``HOME``, ``TMPDIR``
+    and ``LANG``: nothing of the grader's environment reaches it."""
+    return {"PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}
 
 
 def _encode(lab_cases, module_of: dict) -> tuple[dict, dict]:
@@ -198,13 +198,21 @@ def _read_file(folder_fd: int, name: str, limit: int) -> bytes | None:
         return None
     except OSError as error:
         raise _Malformed(f"{name} cannot be opened ({error.strerror})") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a folder, a FIFO that would block the grader
             raise _Malformed(f"{name} is not a regular file")
         if info.st_size > limit:
             raise _Malformed(f"{name} holds {info.st_size} bytes, more than {limit}")
-        return file.read(limit + 1)[:limit]
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, 1 << 20)):  # it may grow meanwhile
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise _Malformed(f"{name} holds more than {limit} bytes")
+    return b"".join(chunks)
 
 
 def _read_arrays(data: bytes | None) -> dict:
@@ -457,7 +465,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     work = pathlib.Path(tempfile.mkdtemp(prefix="opd-grade-"))
     try:
         lab_copy = work / "lab"
-        for sub in (lab_copy, work / "home", work / "tmp", work / "out"):
+        for sub in (lab_copy, work / "out"):
             sub.mkdir()
         ignored = _copy_student_files(folder, lab_copy)
         for name, text in notebook.items():
@@ -469,10 +477,11 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
         (work / "runner.py").write_bytes(RUNNER_PATH.read_bytes())
         rounds = -(-len(tasks_numbers) // jobs)
         wall = 30 + rounds * (timeout + 5)
-        limits = sandbox.Limits(wall_s=wall, cpu_s=wall, memory_bytes=MEMORY_LIMIT,
-                                file_bytes=FILE_LIMIT, processes=64, output_bytes=1 << 20)
-        result = sandbox.run([sys.executable, "-I", "runner.py"], str(work), limits=limits,
-                             trusted=trusted, env=_environment(work))
+        limits = sandbox.Limits(wall_seconds=wall, cpu_seconds=math.ceil(wall),
+                                memory_bytes=MEMORY_LIMIT, file_bytes=FILE_LIMIT)
+        # -s: no user site; the runner drops its own folder from sys.path before student code
+        result = sandbox.run([sys.executable, "-s", "runner.py"], work, limits=limits,
+                             trusted=trusted, env=_environment())
         folder_fd = os.open(work / "out", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             try:
@@ -524,6 +533,8 @@ def format_grade(result: dict) -> str:
     if result.get("files"):
         lines += ["", "files that differ from the handout (the instructor's copy was used):"]
         lines += [f"- {name}: {state}" for name, state in sorted(result["files"].items())]
+    if result.get("trusted"):
+        lines += ["", "graded with --trusted: the student's code ran without the sandbox"]
     lines += ["", f"score: {result['score']}/{result['total']}"]
     return "\n".join(lines)
 
