@@ -77,7 +77,8 @@ class Case:
 class Output:
     """What one call returned, validated by the grader: the values (a numeric array), the dtype
     the runner reported, whether the result required a gradient or had a ``grad_fn``, and the
-    gradient of each input that required one (``None`` where none reached it)."""
+    gradient of each input that required one, ``(values, dtype)`` (absent where none reached
+    it)."""
 
     function: str
     values: np.ndarray
@@ -88,7 +89,8 @@ class Output:
 
     def tensor(self) -> torch.Tensor:
         """The values as the torch tensor the student's function returned."""
-        return torch.from_numpy(self.values.copy()).to(TORCH_DTYPES.get(self.dtype, torch.float64))
+        values = torch.from_numpy(self.values.copy())  # CPU by design: the judge's own copy
+        return values.to(TORCH_DTYPES.get(self.dtype, torch.float64))
 
     def item(self) -> float:
         if self.values.size != 1:
@@ -97,12 +99,14 @@ class Output:
         return self.values.reshape(()).item()
 
     def grad(self, argument) -> torch.Tensor:
-        """The gradient of input ``argument`` (its position, or its keyword)."""
-        grad = self.grads.get(str(argument))
-        if grad is None:
+        """The gradient of input ``argument`` (its position, or its keyword), in its dtype."""
+        found = self.grads.get(str(argument))
+        if found is None:
             raise AssertionError(f"no gradient of {self.function}'s result reached its input "
                                  f"{argument}")
-        return grad
+        values, dtype = found
+        grad = torch.from_numpy(values.copy())  # CPU by design: the judge's own copy
+        return grad.to(TORCH_DTYPES[dtype])
 
 
 def _tensor(values) -> torch.Tensor:
@@ -171,7 +175,8 @@ def _full_vocab_gradient(z, zt):
     from ..opd import full_vocab_reverse_kl
 
     z_full = _tensor(z).reshape(1, 1, -1).requires_grad_(True)
-    full_vocab_reverse_kl(z_full, _tensor(zt).reshape(1, 1, -1), torch.ones(1, 1)).backward()
+    mask = torch.ones(1, 1)  # CPU by design: the judge's own input, as the lab test's
+    full_vocab_reverse_kl(z_full, _tensor(zt).reshape(1, 1, -1), mask).backward()
     return z_full.grad.reshape(-1)
 
 
@@ -226,7 +231,7 @@ def _opd_task1():
         r = out["r"].tensor()
         expected = torch.tensor([[-1.0, 0.75, 0.0], [-0.3, 0.0, 0.0]])  # CPU by design
         torch.testing.assert_close(r, expected)
-        assert (r[torch.from_numpy(m) == 0] == 0).all()
+        assert (r[_tensor(m) == 0] == 0).all()
 
     def detached(out):
         assert not out["r"].requires_grad and not out["r"].grad_fn
@@ -422,7 +427,7 @@ def _opd_identities():
             assert (exact_var > 0).all()  # the sampled-token estimator is noisy...
             n = 20_000
             tokens = np.random.default_rng(12).choice(len(z), size=n, p=p.numpy())
-            mc_mean = per_token[torch.from_numpy(tokens)].mean(0)
+            mc_mean = per_token[tokens].mean(0)
             tolerance = 5 * torch.sqrt(exact_var / n)  # P(|z| > 5) < 6e-7 per coordinate
             assert ((mc_mean - exact_mean).abs() < tolerance).all()
             # ...while the full-vocabulary gradient at this state is its mean, with no variance.

@@ -254,9 +254,7 @@ def _check_array(array, what: str, dtype: str | None = None, shape=None):
 
 def _output(key: str, call: dict, record, arrays: dict, inputs: dict):
     """The validated output of one call, or the student's exception as ``(type, message)``."""
-    import torch
-
-    from .cases import TORCH_DTYPES, Output
+    from .cases import Output
 
     if not isinstance(record, dict):
         raise _Malformed("no record of this call")
@@ -288,7 +286,7 @@ def _output(key: str, call: dict, record, arrays: dict, inputs: dict):
             source = inputs[argument["tensor"]]
             _check_array(grad, f"the gradient of input {name}",
                          _OUTPUT_DTYPES[argument["dtype"]], source.shape)
-            grads[name] = torch.from_numpy(grad.copy()).to(TORCH_DTYPES[argument["dtype"]])
+            grads[name] = (grad, argument["dtype"])
     return Output(function=call["function"], values=values, dtype=dtype, grads=grads, **flags)
 
 
