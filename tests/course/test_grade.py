@@ -76,31 +76,43 @@ def judge_in_process(lab, module):
 
 
 # ------------------------------------------------------------------ the cases and the lab tests
-COLLECT = """
-import json, sys
-import pytest
+def _lab_test_ids(path):
+    """``{(node id as in the lab folder, task)}`` of a lab test file, from its pytest marks:
+    every test function (in a class or not) with the tasks of its ``task`` marks, once per
+    parameter set of its ``parametrize`` marks, with the ids pytest gives them (the values'
+    ``str`` joined by ``-``, the innermost mark's first)."""
+    import importlib.util
+    import itertools
 
-class Collect:
-    def pytest_collection_modifyitems(self, items):
-        self.found = [(item.nodeid, sorted({n for m in item.iter_markers("task")
-                                            for n in m.args})) for item in items]
-
-collect = Collect()
-code = pytest.main(["--co", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                    *sys.argv[1:]], plugins=[collect])
-print("RESULT" + json.dumps(collect.found))
-"""
+    spec = importlib.util.spec_from_file_location(f"_lab_tests_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = set()
+    owners = [(None, module)] + [(name, owner) for name, owner in vars(module).items()
+                                 if name.startswith("Test") and isinstance(owner, type)]
+    for owner_name, owner in owners:
+        for name, function in vars(owner).items():
+            if not (name.startswith("test_") and callable(function)):
+                continue
+            marks = getattr(function, "pytestmark", []) + getattr(owner, "pytestmark", [])
+            tasks = {n for mark in marks if mark.name == "task" for n in mark.args}
+            sets = [[value if isinstance(value, tuple) else (value,) for value in mark.args[1]]
+                    for mark in marks if mark.name == "parametrize"]
+            ids = ["-".join(str(v) for values in combination for v in values)
+                   for combination in itertools.product(*sets)] if sets else [None]
+            node = f"tests/{path.name}::" + (f"{owner_name}::" if owner_name else "") + name
+            found |= {(node + (f"[{i}]" if i is not None else ""), task)
+                      for i in ids for task in tasks}
+    return found
 
 
 def test_every_lab_test_has_its_case_for_each_of_its_tasks():
-    """The lab tests as pytest collects them (node id and task marks) against the cases: one
-    case per (test, task), named as in the lab folder (``tests/<file>::<test>``)."""
-    files = [t for lab in LABS.values() for t in lab.tests]
-    run = subprocess.run([sys.executable, "-c", COLLECT, *files], capture_output=True,
-                         text=True, cwd=labs.REPO, timeout=300)
-    line = next(x for x in run.stdout.split("\n") if x.startswith("RESULT"))
-    collected = {(f"tests/{node.split('/')[-1]}", task)
-                 for node, tasks in json.loads(line[len("RESULT"):]) for task in tasks}
+    """The lab tests, read from their pytest marks, against the cases: one case per (test,
+    task), named as in the lab folder (``tests/<file>::<test>[<parameters>]``)."""
+    collected = set()
+    for lab in LABS.values():
+        for test in lab.tests:
+            collected |= _lab_test_ids(labs.REPO / test)
     cases = {(case.name, case.task) for lab in LABS for case in cases_of(lab)}
     assert cases == collected
     assert len(cases) == 32 + 27  # (10 + 12 + 10) OPD, 27 mismatch (one case per test each)
