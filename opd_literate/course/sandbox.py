@@ -77,11 +77,12 @@ command = sys.argv[2:]
 if config["cgroup_procs"]:
     with open(config["cgroup_procs"], "w") as procs:
         procs.write(str(os.getpid()))
-for name, value in config["rlimits"].items():
+for name, (soft, hard) in config["rlimits"].items():
     which = getattr(resource, name)
-    hard = resource.getrlimit(which)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(which, (value, value))
+    allowed = resource.getrlimit(which)[1]
+    if allowed != resource.RLIM_INFINITY:
+        soft, hard = min(soft, allowed), min(hard, allowed)
+    resource.setrlimit(which, (soft, hard))
 status_fd = config["status_fd"]
 if status_fd is None:
     os.execv(command[0], command)
@@ -405,10 +406,12 @@ def _tasks_of_user(uid: int) -> int:
     return count
 
 
-def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, int]:
-    """The ``setrlimit`` values, by ``resource`` name."""
-    rlimits = {"RLIMIT_AS": limits.memory_bytes, "RLIMIT_FSIZE": limits.file_bytes,
-               "RLIMIT_CPU": limits.cpu_seconds, "RLIMIT_CORE": 0}
+def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, tuple[int, int]]:
+    """The ``setrlimit`` (soft, hard) values, by ``resource`` name."""
+    rlimits = {"RLIMIT_AS": (limits.memory_bytes,) * 2, "RLIMIT_FSIZE": (limits.file_bytes,) * 2,
+               # SIGXCPU at the soft limit; SIGKILL a second later, if it was caught or ignored.
+               "RLIMIT_CPU": (limits.cpu_seconds, limits.cpu_seconds + 1),
+               "RLIMIT_CORE": (0, 0)}
     if os.getuid() != 0:
         # RLIMIT_NPROC counts the processes of the real user: in the sandbox's own user
         # namespace only its own (Linux 5.14+), elsewhere every process of the user, which
@@ -416,7 +419,7 @@ def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, int]:
         processes = limits.processes
         if not (inside_user_namespace and _kernel_counts_processes_per_user_namespace()):
             processes += _tasks_of_user(os.getuid())
-        rlimits["RLIMIT_NPROC"] = processes
+        rlimits["RLIMIT_NPROC"] = (processes, processes)
     return rlimits
 
 
