@@ -365,11 +365,14 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
             command += [*sized(4096), "--tmpfs", str(path)]
         else:
             command += ["--ro-bind", "/dev/null", str(path)]
-    for folder in mask_folders:
-        command += ["--remount-ro", str(folder)]
     command += ["--proc", "/proc", "--dev", "/dev",
+                *sized(limits.file_bytes), "--tmpfs", "/dev/shm",
                 *sized(limits.file_bytes), "--tmpfs", "/tmp",
                 "--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR]
+    # bwrap's root and /dev are tmpfs of the size of the machine's memory, writable: read-only
+    # once the mount points exist, so that only /tmp, /dev/shm and /sandbox can be written.
+    for folder in (*mask_folders, pathlib.Path("/dev"), pathlib.Path("/")):
+        command += ["--remount-ro", str(folder)]
     launcher = {"cgroup_procs": None, "rlimits": _rlimits(limits, inside_user_namespace=True),
                 "status_fd": status_fd}
     command += ["--", sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher), *argv]

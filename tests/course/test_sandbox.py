@@ -116,6 +116,47 @@ def test_canary_outside_the_workdir_is_never_written(tmp_path, workdir):
 
 
 @needs_bwrap
+def test_only_the_workdir_tmp_and_shm_are_writable(workdir):
+    places = ["/sandbox", "/tmp", "/dev/shm", "/", "/etc", "/dev", "/usr", "/proc",
+              str(pathlib.Path(sys.prefix).resolve()), str(pathlib.Path.home())]
+    argv = _script(workdir, f"""
+        import os
+        for place in {places!r}:
+            try:
+                open(os.path.join(place, "written.txt"), "w").close()
+                print(place, "written")
+            except OSError as error:
+                print(place, type(error).__name__)
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    outcome = dict(line.rsplit(" ", 1) for line in result.stdout.decode().splitlines())
+    assert {place for place, what in outcome.items() if what == "written"} == {
+        "/sandbox", "/tmp", "/dev/shm"}
+    assert len(outcome) == len(places)
+
+
+@needs_bwrap
+def test_tmp_and_shm_hold_at_most_file_bytes(workdir):
+    limits = Limits(file_bytes=2**20)
+    argv = _script(workdir, """
+        import errno
+        for place in ("/tmp", "/dev/shm"):
+            written = 0
+            try:
+                for index in range(8):
+                    with open(f"{place}/part{index}", "wb") as part:
+                        part.write(b"x" * 2**19)
+                    written += 2**19
+            except OSError as error:
+                print(place, written, errno.errorcode[error.errno])
+    """)
+    result = sandbox.run(argv, workdir, limits=limits)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"/tmp 1048576 ENOSPC\n/dev/shm 1048576 ENOSPC\n"
+
+
+@needs_bwrap
 def test_the_library_and_the_repository_cannot_be_read(workdir):
     targets = [PACKAGE / "opd.py", PACKAGE / "course" / "grade.py", REPOSITORY / ".git",
                REPOSITORY / "tests", pathlib.Path("/work/main/opd_literate/opd.py"),
@@ -514,6 +555,24 @@ def test_trusted_times_out_and_kills_its_session(workdir, marker):
     assert _survivors(marker) == []
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not sandbox.process_limit(trusted=True).startswith("pids cgroup"),
+                    reason="needs a pids cgroup this process may create")
+def test_trusted_kills_a_daemon_through_its_cgroup(workdir, marker):
+    argv = _script(workdir, """
+        import os, sys
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+            os._exit(0)
+        os.wait()
+    """, marker)
+    result = sandbox.run(argv, workdir, limits=QUICK, trusted=True)
+    assert result.returncode == 0, result.stderr
+    assert _survivors(marker) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad arguments.
 
@@ -615,16 +674,20 @@ def _run_as_nobody(tmp_path):
         result = sandbox.run([sys.executable, "attack.py"], pathlib.Path({str(work)!r}),
                              limits=sandbox.Limits(wall_seconds=20.0, processes=16))
         print(result.returncode, result.stdout, result.stderr)
+        loop = sandbox.run([sys.executable, "-c", "while True: pass"], pathlib.Path({str(work)!r}),
+                           limits=sandbox.Limits(wall_seconds=1.0))
+        print(loop.timed_out, loop.returncode)
     """)
     completed = subprocess.run(
         ["setpriv", f"--reuid={_UNPRIVILEGED}", f"--regid={_UNPRIVILEGED}", "--clear-groups",
          _SYSTEM_PYTHON, "-I", "-c", driver], capture_output=True, text=True, timeout=60,
         env={"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}, check=False)
     assert completed.returncode == 0, completed.stderr
-    reason, mechanism, outcome = completed.stdout.splitlines()
+    reason, mechanism, outcome, loop = completed.stdout.splitlines()
     if reason != "None":
         pytest.skip(f"unprivileged user namespaces are unavailable here: {reason}")
     assert mechanism.startswith(("RLIMIT_NPROC", "pids cgroup"))
     # bwrap's init, the launcher and the script are three of the 16.
     assert outcome == (f"0 b'refused FileNotFoundError\\n{16 - 3} {_UNPRIVILEGED}\\n' b''")
     assert not canary.exists()
+    assert loop == "True -9"
