@@ -12,6 +12,7 @@ import os
 import pathlib
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -161,6 +162,10 @@ def test_the_library_and_the_repository_cannot_be_read(workdir):
     targets = [PACKAGE / "opd.py", PACKAGE / "course" / "grade.py", REPOSITORY / ".git",
                REPOSITORY / "tests", pathlib.Path("/work/main/opd_literate/opd.py"),
                pathlib.Path("/etc/shadow")]
+    # What an installation of the library leaves in site-packages (here, the editable one).
+    targets += [entry for folder in map(pathlib.Path, site.getsitepackages())
+                if folder.is_dir() for entry in folder.iterdir()
+                if "opd_literate" in entry.name.replace("-", "_")]
     argv = _script(workdir, f"""
         import os
         for path in {[str(p) for p in targets]!r}:
