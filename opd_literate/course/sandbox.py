@@ -77,11 +77,12 @@ command = sys.argv[2:]
 if config["cgroup_procs"]:
     with open(config["cgroup_procs"], "w") as procs:
         procs.write(str(os.getpid()))
-for name, value in config["rlimits"].items():
+for name, (soft, hard) in config["rlimits"].items():
     which = getattr(resource, name)
-    hard = resource.getrlimit(which)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(which, (value, value))
+    allowed = resource.getrlimit(which)[1]
+    if allowed != resource.RLIM_INFINITY:
+        soft, hard = min(soft, allowed), min(hard, allowed)
+    resource.setrlimit(which, (soft, hard))
 status_fd = config["status_fd"]
 if status_fd is None:
     os.execv(command[0], command)
@@ -364,11 +365,14 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
             command += [*sized(4096), "--tmpfs", str(path)]
         else:
             command += ["--ro-bind", "/dev/null", str(path)]
-    for folder in mask_folders:
-        command += ["--remount-ro", str(folder)]
     command += ["--proc", "/proc", "--dev", "/dev",
+                *sized(limits.file_bytes), "--tmpfs", "/dev/shm",
                 *sized(limits.file_bytes), "--tmpfs", "/tmp",
                 "--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR]
+    # bwrap's root and /dev are tmpfs of the size of the machine's memory, writable: read-only
+    # once the mount points exist, so that only /tmp, /dev/shm and /sandbox can be written.
+    for folder in (*mask_folders, pathlib.Path("/dev"), pathlib.Path("/")):
+        command += ["--remount-ro", str(folder)]
     launcher = {"cgroup_procs": None, "rlimits": _rlimits(limits, inside_user_namespace=True),
                 "status_fd": status_fd}
     command += ["--", sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher), *argv]
@@ -405,10 +409,12 @@ def _tasks_of_user(uid: int) -> int:
     return count
 
 
-def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, int]:
-    """The ``setrlimit`` values, by ``resource`` name."""
-    rlimits = {"RLIMIT_AS": limits.memory_bytes, "RLIMIT_FSIZE": limits.file_bytes,
-               "RLIMIT_CPU": limits.cpu_seconds, "RLIMIT_CORE": 0}
+def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, tuple[int, int]]:
+    """The ``setrlimit`` (soft, hard) values, by ``resource`` name."""
+    rlimits = {"RLIMIT_AS": (limits.memory_bytes,) * 2, "RLIMIT_FSIZE": (limits.file_bytes,) * 2,
+               # SIGXCPU at the soft limit; SIGKILL a second later, if it was caught or ignored.
+               "RLIMIT_CPU": (limits.cpu_seconds, limits.cpu_seconds + 1),
+               "RLIMIT_CORE": (0, 0)}
     if os.getuid() != 0:
         # RLIMIT_NPROC counts the processes of the real user: in the sandbox's own user
         # namespace only its own (Linux 5.14+), elsewhere every process of the user, which
@@ -416,7 +422,7 @@ def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, int]:
         processes = limits.processes
         if not (inside_user_namespace and _kernel_counts_processes_per_user_namespace()):
             processes += _tasks_of_user(os.getuid())
-        rlimits["RLIMIT_NPROC"] = processes
+        rlimits["RLIMIT_NPROC"] = (processes, processes)
     return rlimits
 
 
