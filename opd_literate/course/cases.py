@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Tensor", "Toy", "Call", "Case", "Output", "TORCH_DTYPES", "cases_of"]
+__all__ = ["Tensor", "Toy", "Call", "Case", "Output", "TORCH_DTYPES", "CASES", "cases_of"]
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
@@ -578,12 +578,28 @@ def _mismatch_cases():
     return cases
 
 
-def cases_of(lab: str) -> list[Case]:
-    """Every case of a lab (``"opd"`` or ``"mismatch"``), in the order of its lab tests."""
-    if lab == "opd":
-        cases = _opd_task1() + _opd_task2() + _opd_task3() + _opd_identities()
-    elif lab == "mismatch":
-        cases = _mismatch_cases()
-    else:
-        raise ValueError(f"unknown lab {lab!r}; the grading cases cover 'opd' and 'mismatch'")
+CASES = {
+    "tests/opd/test_lab_opd.py": lambda: (_opd_task1() + _opd_task2() + _opd_task3()
+                                          + _opd_identities()),
+    "tests/mismatch/test_lab_estimators.py": _mismatch_cases,
+}
+"""The cases of each lab test file, by its path in the repository: a builder of its cases."""
+
+
+def cases_of(lab) -> list[Case]:
+    """Every case of a lab (a [Lab][opd_literate.course.labs.Lab], or its name), those of each
+    of its test files in turn, each task's in the order of its lab tests. A test file without
+    cases is a ValueError: its tests would otherwise go unjudged."""
+    from .labs import LABS
+
+    if isinstance(lab, str):
+        if lab not in LABS:
+            raise ValueError(f"unknown lab {lab!r}; choose from {', '.join(LABS)}")
+        lab = LABS[lab]
+    cases = []
+    for test in lab.tests:
+        if test not in CASES:
+            raise ValueError(f"lab {lab.name!r}: no grading cases for {test}; write them in "
+                             "opd_literate/course/cases.py (CASES)")
+        cases += CASES[test]()
     return sorted(cases, key=lambda case: case.task)  # stable: each task's in test order

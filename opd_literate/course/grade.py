@@ -448,7 +448,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     for number, name, module in all_tasks:
         functions.setdefault(number, []).append(name)
         module_of[name] = module
-    lab_cases = cases_of(lab.name)
+    lab_cases = cases_of(lab)
     notebook = _notebook_modules(folder, lab)
     checked = {name: text for name, text in instructor.items()
                if name.endswith(".py") and pathlib.PurePosixPath(name).stem

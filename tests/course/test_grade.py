@@ -118,6 +118,16 @@ def test_every_lab_test_has_its_case_for_each_of_its_tasks():
     assert len(cases) == 32 + 27  # (10 + 12 + 10) OPD, 27 mismatch (one case per test each)
 
 
+def test_a_test_file_without_cases_is_refused():
+    import dataclasses
+
+    lab = dataclasses.replace(LABS["opd"], tests=LABS["opd"].tests + ("tests/opd/new.py",))
+    with pytest.raises(ValueError, match="no grading cases for tests/opd/new.py"):
+        cases_of(lab)
+    with pytest.raises(ValueError, match="unknown lab 'rlhf'"):
+        cases_of("rlhf")
+
+
 def test_every_case_name_is_unique_within_its_task():
     for lab in LABS:
         names = [(case.task, case.name) for case in cases_of(lab)]
