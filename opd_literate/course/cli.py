@@ -55,7 +55,7 @@ def _grade_main(argv: list) -> int:
     if not folders:
         parser.error(f"{args.lab_dir!r} is not a lab folder (no lab.json)")
 
-    def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the harness group is killed
+    def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the sandbox is killed
         raise KeyboardInterrupt(number)
 
     previous = signal.signal(signal.SIGTERM, stop)
