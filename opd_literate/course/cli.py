@@ -41,7 +41,7 @@ def _grade_main(argv: list) -> int:
     parser.add_argument("--json", metavar="PATH",
                         help="also write the report as JSON to PATH ('-' for standard output)")
     parser.add_argument("--timeout", type=float, default=GRADE_TIMEOUT,
-                        help=f"seconds each task's tests may run (default {GRADE_TIMEOUT:g})")
+                        help=f"seconds each task's calls may run (default {GRADE_TIMEOUT:g})")
     parser.add_argument("--trusted", action="store_true",
                         help="grade without the sandbox (the student's code then runs as your "
                              "user, unisolated): only for code you trust, on a machine where "

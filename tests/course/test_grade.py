@@ -355,3 +355,16 @@ def test_the_runner_needs_only_the_standard_library_numpy_and_torch():
             assert node.level == 0, "a relative import in the runner"
             imported.add(node.module.split(".")[0])
     assert imported - set(sys.stdlib_module_names) == {"numpy", "torch"}
+
+
+@pytest.mark.slow
+def test_a_trusted_grade_runs_without_the_sandbox_and_says_so(tmp_path, monkeypatch):
+    """``trusted=True`` grades where no sandbox runs (here: told there is none), with the same
+    judgement: the full OPD solution gets full marks, and the report says how it was graded."""
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    text, _ = strip_solutions(labs.source_of("opd").read_text(), keep={1, 2, 3})
+    (folder / "opd.py").write_text(labs.flatten_imports(text))
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "no bwrap in this test")
+    result = grader.grade(folder, trusted=True)
+    assert result["trusted"] is True and result["score"] == result["total"] == 3
+    assert "graded with --trusted" in grader.format_grade(result)

@@ -254,7 +254,11 @@ def hostile(tmp_path_factory):
     canary.mkdir()
     (canary / "keep.txt").write_text("mine")
     marker = f"opd-grade-attack-{uuid.uuid4().hex}"
-    test_file = str(REPO / "tests" / "opd" / "test_lab_opd.py")
+    # The instructor's tests, as a copy outside the folder (a failing sandbox must not cost the
+    # repository its file): the student's code tries to overwrite them, and the lab copy's.
+    (root / "instructor" / "tests").mkdir(parents=True)
+    test_file = str(root / "instructor" / "tests" / "test_lab_opd.py")
+    shutil.copyfile(REPO / "tests" / "opd" / "test_lab_opd.py", test_file)
     before_test_file = hashlib.sha256(pathlib_read(test_file)).hexdigest()
     _student(folder, "opd", {
         # Task 1: a shell, a process in a new session, and daemons that try to outlive the
@@ -429,3 +433,13 @@ def test_stopping_the_grader_leaves_no_process_behind(tmp_path):
     while [p for p in _processes_with(marker) if _process_state(p) not in (None, "Z")]:
         assert time.monotonic() < deadline, "a student process outlived its grader"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("lab", ["opd", "mismatch"])
+def test_an_honest_solution_gets_full_marks(lab, tmp_path):
+    folder = write_lab(lab, tmp_path / "lab")[0]
+    for module in labs.LABS[lab].student_modules:
+        _student(folder, module, {}, keep=set(range(1, 9)))
+    result = grade(folder)
+    assert result["score"] == result["total"] == len(result["tasks"]), format_grade(result)
+    assert all(t["passed"] == t["tests"] == len(t["cases"]) > 0 for t in result["tasks"].values())
