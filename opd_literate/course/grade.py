@@ -46,8 +46,9 @@ MEMORY_LIMIT = 2 << 30
 takes about 0.8 GiB, a lab's inputs and outputs a few dozen MiB."""
 
 FILE_LIMIT = 256 << 20
-"""Bytes the runner may write to one file (``RLIMIT_FSIZE``) and the grader reads back of one:
-the largest output of these labs, the mismatch lab's estimates of one task, is about 40 MiB."""
+"""Bytes the runner may write to one file (``RLIMIT_FSIZE``) and the grader reads back of one
+task's arrays: the largest of these labs, the estimates of the mismatch lab's Task 3, take
+10 MiB."""
 
 # What a grading folder never receives from the student's folder.
 _SKIPPED_NAMES = {"__pycache__", ".pytest_cache", "conftest.py", "pytest.ini", "tox.ini",
