@@ -11,7 +11,9 @@ and how it ended as a [Result][opd_literate.course.sandbox.Result]. The command 
   editable-install finder and ``.pth`` files that name it); a minimal ``/etc`` (the dynamic
   linker's cache and configuration, ``/etc/alternatives``, the time zone, and a synthetic
   ``passwd``, ``group`` and ``hosts``);
-* fresh: ``/proc`` of its own PID namespace, a minimal ``/dev``, a ``tmpfs`` on ``/tmp``;
+* fresh: ``/proc`` of its own PID namespace, a minimal ``/dev``, and on ``/tmp`` and
+  ``/dev/shm`` a ``tmpfs`` each of ``file_bytes`` (everything else is read-only, bwrap's own
+  root included);
 * nothing else: not the repository, not the instructor's files, not ``$HOME``, no network
   (its own network namespace has only a loopback), its own IPC and UTS namespaces, no
   capabilities, and (bubblewrap 0.8 or later) no further user namespaces.
@@ -122,7 +124,8 @@ class Limits:
     memory_bytes: int = 4 * 2**30
     """Address space per process (``RLIMIT_AS``): an allocation past it fails (``MemoryError``)."""
     file_bytes: int = 64 * 2**20
-    """Largest file a process may write (``RLIMIT_FSIZE``), and the size of ``/tmp``."""
+    """Largest file a process may write (``RLIMIT_FSIZE``); also the size of ``/tmp`` and of
+    ``/dev/shm``."""
     processes: int = 64
     """Processes and threads at once, all of the sandbox's together."""
     output_bytes: int = 1 * 2**20
@@ -183,7 +186,7 @@ def unavailable_reason() -> str | None:
     """Why the sandbox cannot run here, or None when ``bwrap`` works.
 
     Checked by starting a sandbox like ``run``'s (the result is remembered per ``bwrap``
-    executable, so the check costs one start, about 30 ms, per process).
+    executable, so the check costs one start, tens of milliseconds, per process).
 
     Returns
     -------
@@ -656,9 +659,9 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
             raise ValueError(f"argv[0] {argv[0]!r} is not visible inside the sandbox (read-only "
                              f"roots: /usr, {', '.join(map(str, roots))})")
     cgroup = _open_cgroup(limits)
-    mechanism = process_limit(trusted)
-    if cgroup is None and mechanism.startswith("none"):
-        notes.append(f"process count not bounded: {mechanism}")
+    if cgroup is None and os.getuid() == 0:
+        notes.append("process count not bounded: running as root (the kernel does not apply "
+                     "RLIMIT_NPROC to root) without a pids cgroup this process may create")
     launcher = {"cgroup_procs": str(cgroup.procs) if cgroup else None,
                 "rlimits": rlimits or {}, "status_fd": None}
     launcher_argv = [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher)]
@@ -718,11 +721,11 @@ def _supervise(command, workdir, limits, fds, status_read, info_read, cgroup, en
         os.close(fds.pop())
     out, err = _CappedStream(limits.output_bytes), _CappedStream(limits.output_bytes)
     sinks = {process.stdout.fileno(): out.feed, process.stderr.fileno(): err.feed}
-    status, info = bytearray(), bytearray()
+    status, first = bytearray(), _FirstProcess()
     if status_read is not None:
         sinks[status_read] = functools.partial(_append_capped, status)
     if info_read is not None:
-        sinks[info_read] = functools.partial(_append_capped, info)
+        sinks[info_read] = first.feed
     selector = selectors.DefaultSelector()
     for fd in sinks:
         os.set_blocking(fd, False)
@@ -742,7 +745,7 @@ def _supervise(command, workdir, limits, fds, status_read, info_read, cgroup, en
                 if ended_at is not None or timed_out:
                     break
                 timed_out = True
-                _kill(process, info, cgroup)
+                _kill(process, first, cgroup)
                 deadline = now + _DRAIN_SECONDS
                 continue
             for key, _ in selector.select(timeout=limit - now):
@@ -757,10 +760,11 @@ def _supervise(command, workdir, limits, fds, status_read, info_read, cgroup, en
     finally:
         selector.close()
         # Before the leader is reaped, its process group cannot be another's.
-        _kill(process, info, cgroup)
+        _kill(process, first, cgroup)
         process.wait()
         process.stdout.close()
         process.stderr.close()
+        first.close()
     returncode = process.returncode
     if bytes(status).isdigit():
         returncode = os.waitstatus_to_exitcode(int(status))
@@ -783,23 +787,60 @@ def _has_exited(process: subprocess.Popen) -> bool:
         return True
 
 
-def _kill(process: subprocess.Popen, info: bytearray, cgroup: _PidsCgroup | None):
+class _FirstProcess:
+    """The sandbox's first process, from ``bwrap --info-fd``, held by a pidfd once known (a
+    pidfd names that process even after its PID is reused, so a late kill cannot miss)."""
+
+    def __init__(self):
+        self.info, self.pidfd, self.pid = bytearray(), None, None
+
+    def feed(self, data: bytes):
+        _append_capped(self.info, data)
+        if self.pid is not None:
+            return
+        try:
+            pid = json.loads(bytes(self.info).decode())["child-pid"]
+        except (ValueError, KeyError, TypeError):
+            return  # not all of it yet
+        if not isinstance(pid, int) or pid <= 1:
+            return
+        self.pid = pid
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.pidfd = None  # Linux before 5.3: kill by PID while bwrap runs (see _kill)
+
+    def kill(self) -> bool:
+        """SIGKILL it; whether a signal was sent."""
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            elif self.pid is not None:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                return False
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self):
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _kill(process: subprocess.Popen, first: _FirstProcess, cgroup: _PidsCgroup | None):
     """SIGKILL what is left of the run: the sandbox's first process, the session, the cgroup.
 
-    The sandbox's first process (its PID, from ``bwrap --info-fd``) is killed first: the kernel
-    then kills every process of its PID namespace, and ``bwrap`` exits only once it has reaped
-    it, so that when ``bwrap`` has been waited for, nothing of the sandbox runs. The session
-    (``bwrap`` itself, or the trusted command and its children) is killed next; it is called
-    before ``bwrap`` is reaped, so its process group cannot be another's."""
+    The sandbox's first process is killed first: the kernel then kills every process of its
+    PID namespace, and ``bwrap`` exits only once it has reaped it, so that when ``bwrap`` has
+    been waited for, nothing of the sandbox runs. The session (``bwrap`` itself, or the trusted
+    command and its children) is killed next; this runs before ``bwrap`` is reaped, so that its
+    process group cannot be another's."""
     if process.returncode is not None:
         return
-    first = _sandbox_first_pid(info)
-    if first is not None and not _has_exited(process):
-        # While bwrap has not exited, its child's PID cannot have been reused.
-        try:
-            os.kill(first, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # Without a pidfd, the PID is only safe to use while bwrap, its parent, has not exited.
+    if (first.pidfd is not None or not _has_exited(process)) and first.kill():
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -811,11 +852,3 @@ def _kill(process: subprocess.Popen, info: bytearray, cgroup: _PidsCgroup | None
             pass
     if cgroup is not None:
         cgroup.kill_all()
-
-
-def _sandbox_first_pid(info: bytearray) -> int | None:
-    try:
-        pid = json.loads(bytes(info).decode())["child-pid"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return pid if isinstance(pid, int) and pid > 1 else None

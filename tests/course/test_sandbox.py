@@ -35,6 +35,8 @@ if _REASON is not None and os.environ.get("OPD_REQUIRE_SANDBOX") == "1":
     raise RuntimeError(f"OPD_REQUIRE_SANDBOX=1 but the sandbox is unavailable: {_REASON}")
 needs_bwrap = pytest.mark.skipif(_REASON is not None, reason=f"no sandbox here: {_REASON}")
 
+_UNPRIVILEGED = 65534  # nobody
+
 # Short limits for the attacks that would otherwise run until the default 60 s.
 QUICK = Limits(wall_seconds=5.0, cpu_seconds=5, processes=16)
 
@@ -135,6 +137,21 @@ def test_only_the_workdir_tmp_and_shm_are_writable(workdir):
     assert {place for place, what in outcome.items() if what == "written"} == {
         "/sandbox", "/tmp", "/dev/shm"}
     assert len(outcome) == len(places)
+
+
+@needs_bwrap
+def test_dev_holds_only_the_harmless_devices(workdir):
+    argv = _script(workdir, """
+        import os, stat
+        print(sorted(name for name in os.listdir("/dev")
+                     if stat.S_ISCHR(os.lstat(f"/dev/{name}").st_mode)))
+        print(sorted(name for name in os.listdir("/dev")
+                     if stat.S_ISDIR(os.lstat(f"/dev/{name}").st_mode)))
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode().splitlines() == [
+        str(["full", "null", "random", "tty", "urandom", "zero"]), str(["pts", "shm"])]
 
 
 @needs_bwrap
@@ -241,16 +258,26 @@ def test_environment_is_scrubbed(workdir, monkeypatch):
     assert "OPD_SECRET_TOKEN" not in environment and b"hunter2" not in result.stdout
     assert environment["OMP_NUM_THREADS"] == "1"
     assert environment["HOME"] == "/tmp" and environment["LANG"] == "C.UTF-8"
-    # bwrap sets PWD (its --chdir); Python may set LC_CTYPE (PEP 538).
-    assert set(environment) <= {"PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS",
-                                "PYTHONPATH", "LC_CTYPE", "PWD"}
+    # bwrap sets PWD (its --chdir); PYTHONPATH only names site folders outside the Python
+    # installation, where numpy or torch was found there.
+    assert set(environment) - {"PYTHONPATH"} == {"PATH", "HOME", "TMPDIR", "LANG", "PWD",
+                                                  "OMP_NUM_THREADS"}
+    prefixes = [pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve()]
+    for folder in environment.get("PYTHONPATH", "").split(os.pathsep) if "PYTHONPATH" in \
+            environment else []:
+        assert not any(prefix in pathlib.Path(folder).parents for prefix in prefixes)
+
+
+NAMESPACES = ("user", "pid", "net", "ipc", "uts", "mnt")
 
 
 @needs_bwrap
 @pytest.mark.slow
-def test_no_capabilities_and_no_new_user_namespaces(workdir):
-    argv = _script(workdir, """
-        import ctypes, os
+def test_own_namespaces_and_session_no_capabilities_no_new_user_namespaces(workdir):
+    argv = _script(workdir, f"""
+        import ctypes, os, socket
+        print([os.stat(f"/proc/self/ns/{{name}}").st_ino for name in {NAMESPACES!r}])
+        print(socket.gethostname(), os.getsid(0) != os.getpid(), os.getsid(0))
         status = dict(line.split(":", 1) for line in open("/proc/self/status"))
         print(int(status["CapEff"], 16), int(status["CapBnd"], 16))
         libc = ctypes.CDLL(None, use_errno=True)
@@ -259,7 +286,13 @@ def test_no_capabilities_and_no_new_user_namespaces(workdir):
     """)
     result = sandbox.run(argv, workdir)
     assert result.returncode == 0, result.stderr
-    capabilities, user_namespace = result.stdout.decode().splitlines()
+    inodes, host_and_session, capabilities, user_namespace = result.stdout.decode().splitlines()
+    ours = [os.stat(f"/proc/self/ns/{name}").st_ino for name in NAMESPACES]
+    assert all(a != b for a, b in zip(eval(inodes), ours, strict=True)), (inodes, ours)
+    # A session whose leader is inside the PID namespace (bwrap's --new-session): a session
+    # led from outside it would read as 0.
+    hostname, not_leader, session = host_and_session.split()
+    assert (hostname, not_leader) == ("sandbox", "True") and int(session) >= 1
     assert capabilities == "0 0"
     if "--disable-userns" in sandbox._bwrap_options(os.path.realpath(sandbox._bwrap_path())):
         assert user_namespace == "-1 True"
@@ -505,6 +538,16 @@ def test_cpu_seconds_are_limited(workdir):
     result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=30.0, cpu_seconds=1))
     assert not result.timed_out
     assert result.returncode == -signal.SIGXCPU
+    # Ignoring SIGXCPU buys one second: then the hard limit's SIGKILL.
+    argv = _script(workdir, """
+        import signal
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        while True:
+            pass
+    """)
+    result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=30.0, cpu_seconds=1))
+    assert not result.timed_out
+    assert result.returncode == -signal.SIGKILL
 
 
 @needs_bwrap
@@ -513,6 +556,59 @@ def test_a_signal_is_told_from_an_exit_status(workdir):
     killed = sandbox.run([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], workdir)
     exited = sandbox.run([sys.executable, "-c", "raise SystemExit(137)"], workdir)
     assert (killed.returncode, exited.returncode) == (-9, 137)
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.skipif(not sandbox.process_limit().startswith("pids cgroup"),
+                    reason="needs a pids cgroup this process may create")
+def test_the_runs_cgroup_is_removed_after_it(workdir, monkeypatch):
+    created = []
+    original = sandbox._PidsCgroup.__init__
+
+    def recording(self, parent, processes):
+        original(self, parent, processes)
+        created.append((self.folder, (self.folder / "pids.max").read_text().strip()))
+
+    monkeypatch.setattr(sandbox._PidsCgroup, "__init__", recording)
+    result = sandbox.run([sys.executable, "-c", "pass"], workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    assert [(folder.exists(), limit) for folder, limit in created] == [
+        (False, str(QUICK.processes))]
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0, reason="as root only")
+def test_as_root_without_a_cgroup_the_notes_say_the_count_is_unbounded(workdir, monkeypatch):
+    monkeypatch.setattr(sandbox, "_pids_cgroup_parent", lambda: None)
+    assert sandbox.process_limit().startswith("none")
+    result = sandbox.run([sys.executable, "-c", "pass"], workdir, limits=QUICK)
+    assert result.returncode == 0 and result.sandboxed
+    assert [note for note in result.notes if "process count not bounded" in note]
+
+
+def test_nproc_leaves_room_for_the_users_processes_where_the_kernel_counts_them_all(
+        monkeypatch):
+    """Before Linux 5.14 (commit 21d1c5e386bc, RLIMIT_NPROC on ucounts), and outside a user
+    namespace, RLIMIT_NPROC counts every process of the user: the limit adds them."""
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: _UNPRIVILEGED)
+    monkeypatch.setattr(sandbox, "_tasks_of_user", lambda uid: 100 if uid == _UNPRIVILEGED else 0)
+    monkeypatch.setattr(sandbox, "_kernel_counts_processes_per_user_namespace", lambda: True)
+    assert sandbox._rlimits(QUICK, inside_user_namespace=True)["RLIMIT_NPROC"] == (16, 16)
+    assert sandbox._rlimits(QUICK, inside_user_namespace=False)["RLIMIT_NPROC"] == (116, 116)
+    monkeypatch.setattr(sandbox, "_kernel_counts_processes_per_user_namespace", lambda: False)
+    assert sandbox._rlimits(QUICK, inside_user_namespace=True)["RLIMIT_NPROC"] == (116, 116)
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: 0)
+    assert "RLIMIT_NPROC" not in sandbox._rlimits(QUICK, inside_user_namespace=True)
+
+
+@pytest.mark.parametrize(("release", "per_namespace"), [
+    ("5.13.19-generic", False), ("5.14.0-687.12.1.el9_8", True), ("6.18.44-fc", True),
+    ("4.19.0", False), ("unknown", False)])
+def test_kernel_release_parsing(monkeypatch, release, per_namespace):
+    monkeypatch.setattr(sandbox.platform, "release", lambda: release)
+    assert sandbox._kernel_counts_processes_per_user_namespace() is per_namespace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,7 +721,6 @@ def test_a_program_invisible_inside_is_refused(tmp_path, workdir):
 # ---------------------------------------------------------------------------------------------
 # The same guarantees for a user other than root (the usual instructor's machine).
 
-_UNPRIVILEGED = 65534  # nobody
 _SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 
 
