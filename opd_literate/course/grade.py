@@ -477,7 +477,8 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
         rounds = -(-len(tasks_numbers) // jobs)
         wall = 30 + rounds * (timeout + 5)
         limits = sandbox.Limits(wall_seconds=wall, cpu_seconds=math.ceil(wall),
-                                memory_bytes=MEMORY_LIMIT, file_bytes=FILE_LIMIT)
+                                memory_bytes=MEMORY_LIMIT, file_bytes=FILE_LIMIT,
+                                processes=64)  # processes and threads of the runner, together
         # -s: no user site; the runner drops its own folder from sys.path before student code
         result = sandbox.run([sys.executable, "-s", "runner.py"], work, limits=limits,
                              trusted=trusted, env=_environment())

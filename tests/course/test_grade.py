@@ -326,6 +326,31 @@ def test_without_a_sandbox_the_grader_refuses_unless_trusted(tmp_path, monkeypat
     assert err.count("\n") == 1 and "without the sandbox: bwrap is not installed" in err
 
 
+def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_error(
+        tmp_path, monkeypatch):
+    """The limits the instructors page states; a runner that dies before writing anything (here
+    a stand-in for sandbox.run) makes every task an error that quotes its last line."""
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    seen = {}
+
+    def run(argv, workdir, *, limits, trusted, env):
+        seen.update(limits=limits, files=sorted(p.name for p in workdir.iterdir()), env=env)
+        return sandbox.Result(returncode=1, stdout=b"", stderr=b"Traceback\nboom\n",
+                              timed_out=False, truncated=False)
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(sandbox, "run", run)
+    result = grader.grade(folder, timeout=10)
+    limits = seen["limits"]
+    assert (limits.memory_bytes, limits.file_bytes, limits.processes) == (2 << 30, 256 << 20, 64)
+    assert limits.wall_seconds == 30 + 2 * (10 + 5)  # 3 tasks, two at a time: two rounds
+    assert seen["files"] == ["inputs.npz", "lab", "out", "runner.py", "spec.json"]
+    assert "OPD_GRADER_SECRET" not in seen["env"] and seen["env"]["OMP_NUM_THREADS"] == "1"
+    for task in result["tasks"].values():
+        assert task["status"] == "error" and task["messages"] == [
+            "the task's process ended without a result; the runner said: boom"]
+
+
 @pytest.mark.parametrize("kwargs, error", [(dict(trusted="yes"), TypeError),
                                            (dict(timeout=0), ValueError),
                                            (dict(timeout=float("nan")), ValueError)])
