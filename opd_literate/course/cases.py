@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Tensor", "Toy", "Call", "Case", "Output", "TORCH_DTYPES", "CASES", "cases_of"]
+__all__ = ["Tensor", "Toy", "Call", "Raised", "Case", "Output", "TORCH_DTYPES", "CASES", "cases_of"]
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
@@ -52,12 +52,25 @@ class Toy:
 @dataclass(frozen=True)
 class Call:
     """One call of a student's function: ``function(*args, **kwargs)``, then ``backward()`` on
-    the result when ``backward`` (a scalar that requires a gradient)."""
+    the result when ``backward`` (a scalar that requires a gradient). An exception fails the
+    case, unless ``raises``: then the judge receives it as a
+    [Raised][opd_literate.course.cases.Raised] (a check such as "a bad mask is a ValueError")."""
 
     function: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     backward: bool = False
+    raises: bool = False
+
+
+@dataclass(frozen=True)
+class Raised:
+    """What a call with ``raises`` raised, as the sandbox reports it: the exception's type name
+    and the first line of its message (``raised`` is False when it returned instead)."""
+
+    type: str = ""
+    message: str = ""
+    raised: bool = True
 
 
 @dataclass(frozen=True)

@@ -330,11 +330,16 @@ _STUB = re.compile(r"Task (\d+):")
 def _judge_case(case, index: int, outputs: dict) -> dict:
     """``{"name", "passed", "message", "stub"}`` for one case: its calls' outputs, judged. A
     call that raised fails the case with the exception's first line (``stub``: the task whose
-    ``NotImplementedError("Task N: ...")`` it was); so does a malformed output, or a judge that
-    cannot run on the values that came back."""
+    ``NotImplementedError("Task N: ...")`` it was), unless the call ``raises``: its judge then
+    gets a ``Raised``; a malformed output fails it too, and so does a judge that cannot run on
+    the values that came back."""
+    from .cases import Raised
+
     own = {}
     for key, call in case.calls.items():
         output = outputs[f"{index}:{key}"]
+        if call.raises:  # the judge asks what happened: an exception, or none
+            output = Raised(*output) if isinstance(output, tuple) else Raised(raised=False)
         if isinstance(output, _Malformed):
             return dict(name=case.name, passed=False, stub=None,
                         message=f"{case.name}: {call.function} gave a malformed output: {output}")

@@ -48,12 +48,12 @@ def student_module(lab, keep=(), replace=None):
     return module
 
 
-def judge_in_process(lab, module):
+def judge_in_process(lab, module, lab_cases=None):
     """``{task: status dict}``: every case's calls made by the runner's ``run_call`` on
     ``module``, the records through JSON and the arrays through ``.npz`` as from the sandbox,
     then validated and judged by the grader."""
     module_of = {name: m for _, name, m in tasks_of(LABS[lab])}
-    lab_cases = cases_of(lab)
+    lab_cases = cases_of(lab) if lab_cases is None else lab_cases
     spec, arrays = grader._encode(lab_cases, module_of)
     statuses = {}
     for task in sorted({case.task for case in lab_cases}):
@@ -197,6 +197,29 @@ def test_a_task_that_calls_another_tasks_stub_is_blocked():
     assert statuses[2]["status"] == "blocked"
     assert all("NotImplementedError: Task 1: reverse_kl_rewards" in m
                for m in statuses[2]["messages"])
+
+
+def test_a_check_that_needs_more_than_a_value_is_a_case_judged_here():
+    """"A mask of the wrong shape is a ValueError that names it": the sandbox reports what the
+    call raised (type name, first line), the judge decides. Right when the student's function
+    raises it, wrong when it returns, or raises something else."""
+    from opd_literate.course.cases import Call, Case, Tensor
+
+    def judge(out):
+        assert out["r"].raised and out["r"].type == "ValueError", out["r"]
+        assert "mask" in out["r"].message, out["r"].message
+
+    case = Case("a bad mask", 1, {"r": Call("reverse_kl_rewards", (
+        Tensor(np.zeros((2, 3))), Tensor(np.zeros((2, 3))), Tensor(np.ones((3, 2)))),
+        raises=True)}, judge)
+    checked = student_module("opd", keep={1})
+    assert judge_in_process("opd", checked, [case])[1]["status"] == "passed"
+    unchecked = student_module("opd", keep={1}, replace={
+        '    """\n    mask = _check_token_pair(student_logp, teacher_logp, mask)\n    dtype':
+            '    """\n    mask = torch.ones_like(student_logp, dtype=torch.bool)\n    dtype'})
+    status = judge_in_process("opd", unchecked, [case])[1]
+    assert status["status"] == "failed" and "Raised(type='', message='', raised=False)" in (
+        status["messages"][0])
 
 
 @pytest.mark.parametrize("trick", [
