@@ -190,6 +190,32 @@ def test_a_wrong_solution_fails_its_task_only(mistake):
     assert {n for n, s in statuses.items() if s["status"] != "passed"} == {task}
 
 
+# The cases whose lab test asserts a property that an affine change of the values keeps.
+KEPT_UNDER_AN_AFFINE_CHANGE = {
+    "tests/test_lab_opd.py::TestTask1Rewards::test_no_gradient_attached",  # detached, still
+    "tests/test_lab_opd.py::TestTask1Rewards::test_bool_mask_equals_float_mask",  # both moved
+    "tests/test_lab_opd.py::TestTask2PolicyGradientLoss::test_no_gradient_reaches_rewards",
+    # the Monte Carlo mean against the exact mean of the same (changed) estimates
+    "tests/test_lab_estimators.py::test_seq_is_monte_carlo_within_four_standard_errors",
+}
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_every_judge_fails_on_values_that_are_off(lab):
+    """Mutation testing of the judges: every task function of the reference, its result
+    changed to ``1.5 * result + 0.1`` (gradients scaled too), fails every case but those whose
+    lab test checks something such a change keeps."""
+    reference = student_module(lab, keep=SOLVED)
+    changed = types.ModuleType("changed")
+    for _, name, _ in tasks_of(LABS[lab]):
+        function = getattr(reference, name)
+        setattr(changed, name, lambda *a, function=function, **k: 1.5 * function(*a, **k) + 0.1)
+    passing = {case["name"] for status in judge_in_process(lab, changed).values()
+               for case in status["cases"] if case["passed"]}
+    assert passing == {name for name in KEPT_UNDER_AN_AFFINE_CHANGE
+                       if name.startswith(cases_of(lab)[0].name.split("::")[0])}
+
+
 def test_a_task_that_calls_another_tasks_stub_is_blocked():
     statuses = judge_in_process("opd", student_module("opd", replace={
         'raise NotImplementedError("Task 2: opd_pg_loss")':
