@@ -754,6 +754,18 @@ def test_run_rejects_bad_workdir_limits_and_env(tmp_path, workdir):
         sandbox.run([sys.executable], workdir, env={"N": 1}, trusted=True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_program_that_cannot_be_executed_exits_127(workdir, trusted):
+    if not trusted and _REASON is not None:
+        pytest.skip(f"no sandbox here: {_REASON}")
+    # A file of the Python installation (visible inside), but not executable.
+    result = sandbox.run([os.__file__], workdir, trusted=trusted)
+    assert result.returncode == 127
+    assert result.stderr.startswith(b"sandbox: cannot run")
+    assert b"Permission denied" in result.stderr
+
+
 @needs_bwrap
 def test_a_program_invisible_inside_is_refused(tmp_path, workdir):
     program = tmp_path / "tool"
