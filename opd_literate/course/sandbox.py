@@ -63,7 +63,7 @@ _LIBRARY_NAMES = ("opd_literate", "opd-literate")
 _SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_BINDS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
               "/etc/localtime")
-_PROCESS_ROOT_NAME = "opd-sandbox"
+_CGROUP_PREFIX = "opd-sandbox"
 # After the command ends, how long its output pipes may stay open before the rest is dropped
 # (only a process that left the sandbox's control can hold them: see the trusted mode).
 _DRAIN_SECONDS = 1.0
@@ -85,17 +85,19 @@ for name, (soft, hard) in config["rlimits"].items():
     if allowed != resource.RLIM_INFINITY:
         soft, hard = min(soft, allowed), min(hard, allowed)
     resource.setrlimit(which, (soft, hard))
-status_fd = config["status_fd"]
-if status_fd is None:
-    os.execv(command[0], command)
-pid = os.fork()
-if pid == 0:
-    os.close(status_fd)
+def execute():
     try:
         os.execv(command[0], command)
     except OSError as error:
         print(f"sandbox: cannot run {command[0]!r}: {error}", file=sys.stderr)
         os._exit(127)
+status_fd = config["status_fd"]
+if status_fd is None:
+    execute()
+pid = os.fork()
+if pid == 0:
+    os.close(status_fd)
+    execute()
 _, status = os.waitpid(pid, 0)
 os.write(status_fd, str(status).encode())
 code = os.waitstatus_to_exitcode(status)
@@ -248,7 +250,10 @@ def _python_roots() -> list[pathlib.Path]:
         folder = _site_dir_of(name)
         if folder is not None:
             roots.add(folder)
-    # Keep the outermost roots: a root inside another is already bound with it.
+    # Keep the outermost roots: a root inside another is already bound with it. "/" is never
+    # one (it would bind the whole machine): Python then is not found inside, and the probe
+    # says so.
+    roots.discard(pathlib.Path("/"))
     kept = [root for root in roots if not any(other != root and _is_under(root, other)
                                               for other in roots)]
     return sorted(kept)
@@ -463,7 +468,7 @@ class _PidsCgroup:
     """A child cgroup whose ``pids.max`` bounds every process started in it."""
 
     def __init__(self, parent: pathlib.Path, processes: int):
-        self.folder = parent / f"{_PROCESS_ROOT_NAME}-{uuid.uuid4().hex[:12]}"
+        self.folder = parent / f"{_CGROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
         self.folder.mkdir()
         try:
             (self.folder / "pids.max").write_text(str(processes))

@@ -61,6 +61,17 @@ def _survivors(marker: str) -> list[int]:
     return found
 
 
+def _shell_runs(marker: str) -> bool:
+    """Whether a ``/bin/sh`` whose command line holds ``marker`` runs on the machine."""
+    for pid in _survivors(marker):
+        try:
+            if pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/sh\0"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.fixture
 def workdir(tmp_path):
     folder = tmp_path / "work"
@@ -459,6 +470,40 @@ def test_an_infinite_loop_times_out_and_everything_is_killed(workdir, marker):
 
 @needs_bwrap
 @pytest.mark.slow
+def test_the_sandbox_dies_with_a_grader_killed_by_sigkill(workdir, marker):
+    """A grader killed by SIGKILL runs no cleanup: bwrap's --die-with-parent ends the sandbox."""
+    argv = _script(workdir, """
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+        print("started", flush=True)
+        time.sleep(30)
+    """, marker)
+    grader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, sys
+        sys.path.insert(0, {str(REPOSITORY)!r})
+        from opd_literate.course import sandbox
+        sandbox.run({argv!r}, pathlib.Path({str(workdir)!r}))
+    """)], env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    try:
+        # Kill it once the student's shell runs (bwrap's own command line holds the marker too,
+        # and SIGKILL during bwrap's setup is another case: see the instructors page).
+        deadline = time.monotonic() + 20
+        while not _shell_runs(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _shell_runs(marker)
+    finally:
+        grader.kill()
+        grader.wait()
+    deadline = time.monotonic() + 5
+    while _survivors(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _survivors(marker) == []
+
+
+@needs_bwrap
+@pytest.mark.slow
 def test_sleeping_past_the_wall_clock_times_out(workdir):
     argv = _script(workdir, "import time\ntime.sleep(60)\n")
     result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=0.5))
@@ -707,6 +752,18 @@ def test_run_rejects_bad_workdir_limits_and_env(tmp_path, workdir):
         sandbox.run([sys.executable], workdir, limits={"wall_seconds": 1}, trusted=True)
     with pytest.raises(TypeError, match="env must be a dict of str to str"):
         sandbox.run([sys.executable], workdir, env={"N": 1}, trusted=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_program_that_cannot_be_executed_exits_127(workdir, trusted):
+    if not trusted and _REASON is not None:
+        pytest.skip(f"no sandbox here: {_REASON}")
+    # A file of the Python installation (visible inside), but not executable.
+    result = sandbox.run([os.__file__], workdir, trusted=trusted)
+    assert result.returncode == 127
+    assert result.stderr.startswith(b"sandbox: cannot run")
+    assert b"Permission denied" in result.stderr
 
 
 @needs_bwrap
