@@ -52,10 +52,14 @@ the package's own modules), so that a reader knows what a lifted module drags al
     solutions (imports: nothing).
   * ``opd_literate.course.labs``: the labs, and the lab folders (modules with TODO stubs, tests,
     a README, or a notebook) written from this source (imports: nothing).
-  * ``opd_literate.course.grade``: the grader, task by task, with the instructor's tests in a
-    sandbox (imports: nothing).
-  * ``opd_literate.course._harness``: the grading harness, a program the grader copies into the
-    sandbox and runs there (imports: pytest; never this package).
+  * ``opd_literate.course.grade``: the grader, task by task: the student's functions run in
+    the sandbox, the verdict is computed in the grader's process (imports: numpy).
+  * ``opd_literate.course.cases``: the grading cases, one per lab test and task: the calls the
+    sandbox makes and the judge of what comes back (imports: numpy, torch).
+  * ``opd_literate.course._runner``: the grading runner, a program the grader copies into the
+    sandbox and runs there (imports: numpy, torch; never this package).
+  * ``opd_literate.course.sandbox``: the operating-system sandbox the grader runs student
+    code in: bubblewrap, resource limits, capped output (imports: nothing).
   * ``opd_literate.course.cli``: ``python -m opd_literate.course`` (``opd-handout``) writes or
     grades labs (imports: nothing).
   * ``opd_literate.course.lift``: ``opd-copy NAME`` prints a public function with every

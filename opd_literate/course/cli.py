@@ -3,7 +3,7 @@ r"""Lab handouts and a grader, generated from the library itself (one source for
 The command line of the course tools (``opd-handout``, ``python -m opd_literate.course``)::
 
     python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format notebook] [--force]
-    python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS]
+    python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS] [--trusted]
 
 The first writes lab folders ([write_lab][opd_literate.course.labs.write_lab]); ``OUTDIR``
 receives a ``.opd-handout`` marker that lists the files written and their SHA-256, and
@@ -41,7 +41,11 @@ def _grade_main(argv: list) -> int:
     parser.add_argument("--json", metavar="PATH",
                         help="also write the report as JSON to PATH ('-' for standard output)")
     parser.add_argument("--timeout", type=float, default=GRADE_TIMEOUT,
-                        help=f"seconds each task's tests may run (default {GRADE_TIMEOUT:g})")
+                        help=f"seconds each task's calls may run (default {GRADE_TIMEOUT:g})")
+    parser.add_argument("--trusted", action="store_true",
+                        help="grade without the sandbox (the student's code then runs as your "
+                             "user, unisolated): only for code you trust, on a machine where "
+                             "bubblewrap cannot run")
     args = parser.parse_args(argv)
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
@@ -51,14 +55,14 @@ def _grade_main(argv: list) -> int:
     if not folders:
         parser.error(f"{args.lab_dir!r} is not a lab folder (no lab.json)")
 
-    def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the harness group is killed
+    def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the sandbox is killed
         raise KeyboardInterrupt(number)
 
     previous = signal.signal(signal.SIGTERM, stop)
     reports = []
     try:
         for lab_folder in folders:
-            result = grade(lab_folder, timeout=args.timeout)
+            result = grade(lab_folder, timeout=args.timeout, trusted=args.trusted)
             reports.append(dict(folder=str(lab_folder), **result))
             if args.json != "-":
                 print(format_grade(result), flush=True)
@@ -85,7 +89,8 @@ def main(argv=None) -> int:
 
     Bad arguments (an unknown lab, a non-empty OUTDIR without ``--force``, ``--force`` on a
     folder this tool did not write or on a symbolic link, an OUTDIR that cannot be written, a
-    folder without ``lab.json``) exit with code 2 and a one-line message.
+    folder without ``lab.json``, ``grade`` without a working sandbox and without
+    ``--trusted``) exit with code 2 and a one-line message.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:

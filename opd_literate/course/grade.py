@@ -1,57 +1,67 @@
-r"""The grader: a student's lab folder, graded task by task with the instructor's tests.
+r"""The grader: a lab folder graded task by task, with a verdict that student code cannot reach.
 
-[grade][opd_literate.course.grade.grade] copies the student's folder into a temporary sandbox
-without its tests, ``conftest.py``, ``pytest.ini``, compiled files or links, puts the
-instructor's tests and given modules (rendered from the library by ``course.labs``) in their
-place, and starts the grading harness there (``course/_harness.py``, a program of its own that
-the grader copies into the sandbox: it runs with the standard library and pytest only, and
-never imports this package). It reports each task as passed, not implemented, blocked, failed,
-timed out, error, or without tests. See ``docs/instructors.md`` for what the sandbox does and
-does not protect.
+[grade][opd_literate.course.grade.grade] copies the student's own files into a temporary
+folder (without tests, ``conftest.py``, pytest configuration, compiled files or links), puts
+the instructor's given modules beside them, and starts the grading runner there inside the
+sandbox (``course/sandbox.py``): ``course/_runner.py``, a program that imports the standard
+library, numpy and torch only. The runner calls the student's functions on the inputs of the
+grading cases (``course/cases.py``) and writes back what came out as plain arrays. This process
+reads them back (``allow_pickle=False``), validates them, and judges them against the lab
+tests' expectations with the library's reference functions: no reference code and no judge
+ever runs where the student's code runs. It reports each task as passed, not implemented,
+blocked, failed, timed out, error, or without tests. See ``docs/instructors.md``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
 import os
 import pathlib
 import re
-import subprocess
+import stat
 import sys
 import tempfile
 
-from .labs import (
-    LABS,
-    MARKER,
-    PACKAGE,
-    Lab,
-    flatten_imports,
-    read_source,
-    render_lab,
-    sha256_of,
-    source_of,
-    tasks_of,
-)
+from . import sandbox
+from .labs import LABS, MARKER, Lab, render_lab, sha256_of, tasks_of
 
-__all__ = ["GRADE_TIMEOUT", "STATUSES", "HARNESS_PATH", "grade", "format_grade"]
+__all__ = ["GRADE_TIMEOUT", "STATUSES", "RUNNER_PATH", "MEMORY_LIMIT", "FILE_LIMIT", "grade",
+           "format_grade"]
 
 GRADE_TIMEOUT = 60.0
-"""Seconds each task's tests may run (``--timeout``); past it the task is *timed out*."""
+"""Seconds each task's calls may run (``--timeout``); past it the task is *timed out*."""
 
 STATUSES = ("passed", "not implemented", "blocked", "failed", "timed out", "error", "no tests")
 """Every status ``grade`` gives a task (see [opd_literate.course.grade.grade][])."""
 
+RUNNER_PATH = pathlib.Path(__file__).with_name("_runner.py")
+"""The grading runner, a program of its own: copied into each grading folder as ``runner.py``
+and run there in the sandbox; it imports the standard library, numpy and torch only."""
 
-HARNESS_PATH = pathlib.Path(__file__).with_name("_harness.py")
-"""The grading harness, a program of its own: copied into each sandbox as ``harness.py`` and
-run there, it imports the standard library and pytest only (never this package)."""
+MEMORY_LIMIT = 2 << 30
+"""Bytes of address space of the runner and each task's process (``RLIMIT_AS``): torch itself
+takes about 0.8 GiB, a lab's inputs and outputs a few dozen MiB."""
 
-# What a grading sandbox never receives from the student's folder.
+FILE_LIMIT = 256 << 20
+"""Bytes the runner may write to one file (``RLIMIT_FSIZE``) and the grader reads back of one
+task's arrays: the largest of these labs, the estimates of the mismatch lab's Task 3, take
+10 MiB."""
+
+# What a grading folder never receives from the student's folder.
 _SKIPPED_NAMES = {"__pycache__", ".pytest_cache", "conftest.py", "pytest.ini", "tox.ini",
                   "setup.cfg", "pyproject.toml", "sitecustomize.py", "usercustomize.py", MARKER}
 _SKIPPED_SUFFIXES = {".so", ".pyd", ".pyc", ".pyo", ".pth", ".dylib", ".dll"}
 _COPY_LIMIT = 50 * 2**20  # bytes: a lab is a few hundred kilobytes
+_RECORD_LIMIT = 16 << 20  # bytes of one task's JSON record
+_MESSAGE_LIMIT = 500  # characters of an exception's first line, as the runner truncates it
+_MAX_NDIM = 8
+_OUTPUT_DTYPES = {  # the dtype a call reports -> the numpy dtype its values must have
+    "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "float32",
+    "int64": "int64", "int32": "int32", "bool": "bool", "float": "float64", "int": "int64"}
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}\Z")
 
 
 def _lab_of(folder: pathlib.Path) -> Lab:
@@ -132,199 +142,384 @@ def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
     return found
 
 
-def _scrubbed_environment(sandbox: pathlib.Path) -> dict:
-    """The whole environment of the student's process: nothing from the grader's but PATH."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(sandbox / "home"),
-            "TMPDIR": str(sandbox / "tmp"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
-            "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def _environment() -> dict:
+    """The variables of the runner, over the sandbox's scrubbed ``PATH``, ``HOME``, ``TMPDIR``
+    and ``LANG``: nothing of the grader's environment reaches it."""
+    return {"PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}
 
 
-def _third_party(files: dict) -> list[str]:
-    """The installed packages the lab's code imports (preloaded once by the harness)."""
-    import ast
+def _encode(lab_cases, module_of: dict) -> tuple[dict, dict]:
+    """The calls of every case as JSON (``{task: {key: call}}``, keys ``"<case>:<call>"``), the
+    toys they use, and the input arrays, ``{name: ndarray}``: what the runner receives."""
+    from .cases import Tensor, Toy
 
-    own = {pathlib.PurePosixPath(name).stem for name in files}
-    names = set()
-    for name, text in files.items():
-        if name.endswith(".py"):
-            for node in ast.walk(ast.parse(text)):
-                if isinstance(node, ast.Import):
-                    names |= {alias.name.split(".")[0] for alias in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names.add(node.module.split(".")[0])
-    return sorted(names - own - set(sys.stdlib_module_names))
+    arrays, toys, toy_names = {}, {}, {}
+
+    def argument(value):
+        if isinstance(value, Tensor):
+            name = f"input{len(arrays)}"
+            arrays[name] = value.values
+            return {"tensor": name, "dtype": value.dtype, "requires_grad": value.requires_grad}
+        if isinstance(value, Toy):
+            if id(value.toy) not in toy_names:
+                name = toy_names[id(value.toy)] = f"toy{len(toys)}"
+                toys[name] = {"arrays": {}, "scalars": {}}
+                for key, item in value.toy.items():
+                    if hasattr(item, "shape") and getattr(item, "ndim", 0) > 0:
+                        arrays[f"{name}.{key}"] = item
+                        toys[name]["arrays"][key] = f"{name}.{key}"
+                    else:
+                        toys[name]["scalars"][key] = item.item() if hasattr(item, "item") else item
+            return {"toy": toy_names[id(value.toy)]}
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"float": repr(value)}
+        return value
+
+    calls = {}
+    for index, case in enumerate(lab_cases):
+        for key, call in case.calls.items():
+            calls.setdefault(str(case.task), {})[f"{index}:{key}"] = dict(
+                module=module_of[call.function], function=call.function,
+                args=[argument(a) for a in call.args],
+                kwargs={k: argument(v) for k, v in call.kwargs.items()}, backward=call.backward)
+    return dict(calls=calls, toys=toys), arrays
 
 
-def _run_harness(config: dict, sandbox: pathlib.Path, deadline: float) -> list[dict]:
-    """Start the harness in its own process group and read its records; the group is killed
-    however this ends (records read, time out, Ctrl-C, SIGTERM turned into SystemExit)."""
-    import secrets
-    import signal
-    import time
+class _Malformed(ValueError):
+    """What the runner wrote back cannot be a call's output."""
 
-    nonce = secrets.token_hex(16)
-    read_end, write_end = os.pipe()
-    stderr_path = sandbox / "harness.stderr"
-    with open(stderr_path, "wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-s", str(sandbox / "harness.py")], cwd=sandbox,
-            env=_scrubbed_environment(sandbox), stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=stderr, pass_fds=(write_end,),
-            start_new_session=True)
-    os.close(write_end)
-    records, buffer = [], b""
+
+def _read_file(folder_fd: int, name: str, limit: int) -> bytes | None:
+    """The bytes of the regular file ``name`` of the output folder, or None if there is none;
+    a link, a folder or a file over ``limit`` bytes is _Malformed (never followed)."""
     try:
-        process.stdin.write(json.dumps(dict(config, nonce=nonce, result_fd=write_end)).encode())
-        process.stdin.close()
-        import selectors
-
-        with selectors.DefaultSelector() as selector:
-            selector.register(read_end, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                if not selector.select(timeout=left):
-                    continue
-                data = os.read(read_end, 1 << 16)
-                if not data:
-                    break
-                buffer += data
-        process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except (TimeoutError, subprocess.TimeoutExpired):
-        pass  # the tasks without a record are reported as timed out
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise _Malformed(f"{name} cannot be opened ({error.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a folder, a FIFO that would block the grader
+            raise _Malformed(f"{name} is not a regular file")
+        if info.st_size > limit:
+            raise _Malformed(f"{name} holds {info.st_size} bytes, more than {limit}")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, 1 << 20)):  # it may grow meanwhile
+            chunks.append(chunk)
+            size += len(chunk)
     finally:
-        os.close(read_end)
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the harness and every child it forked
-        except (ProcessLookupError, PermissionError):
-            pass
-        process.wait()
-    for line in buffer.decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.pop("nonce", None) == nonce:
-            records.append(record)
-    if not records and process.returncode not in (0, None):
-        lines = stderr_path.read_text(errors="replace").strip().split("\n")
-        raise RuntimeError(f"the grading harness could not start: {lines[-1]}")
-    return records
+        os.close(fd)
+    if size > limit:
+        raise _Malformed(f"{name} holds more than {limit} bytes")
+    return b"".join(chunks)
 
 
-def _task_status(task: int, record) -> dict:
-    """The status, counts and failure messages of one task from its harness record."""
-    if record is None or "timed_out" in record:
-        return dict(status="timed out", tests=0, passed=0,
-                    messages=["timed out" if record is None
-                              else f"timed out after {record['timed_out']:g} s"])
-    if "error" in record:
-        return dict(status="error", tests=0, passed=0, messages=[record["error"]])
-    results = record["tests"]
-    failed = [r for r in results if r["outcome"] == "failed"]
-    messages = [f"{r['test']}: {r['message']}" for r in failed] + record["errors"]
-    if record["tampered"]:
-        messages.append("the student's code replaced " + ", ".join(record["tampered"][:5]))
-    own_stub = [r for r in failed if f"NotImplementedError: Task {task}:" in r["message"]]
-    other_stub = [r for r in failed if re.search(r"NotImplementedError: Task \d+:",
-                                                 r["message"]) and r not in own_stub]
-    if record["tampered"] or record["errors"]:
-        status = "error"
-    elif not results:
+def _read_arrays(data: bytes | None) -> dict:
+    """The arrays of a task's ``.npz``: plain numeric arrays only, their total size bounded."""
+    import zipfile
+
+    import numpy as np
+
+    if data is None:
+        return {}
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            if sum(info.file_size for info in archive.infolist()) > FILE_LIMIT:
+                raise _Malformed(f"the arrays take more than {FILE_LIMIT} bytes")
+        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except _Malformed:
+        raise
+    except Exception as error:  # a truncated or forged archive, an object array
+        raise _Malformed(f"the arrays cannot be read ({type(error).__name__}: "
+                         f"{str(error)[:200]})") from None
+    return arrays
+
+
+def _check_array(array, what: str, dtype: str | None = None, shape=None):
+    import numpy as np
+
+    if type(array) is not np.ndarray or array.dtype.kind not in "biuf":
+        raise _Malformed(f"{what} is not a numeric array")
+    if array.ndim > _MAX_NDIM:
+        raise _Malformed(f"{what} has {array.ndim} dimensions")
+    if dtype is not None and array.dtype != np.dtype(dtype):
+        raise _Malformed(f"{what} holds {array.dtype} values, reported as {dtype}")
+    if shape is not None and array.shape != tuple(shape):
+        raise _Malformed(f"{what} has shape {array.shape}, its input {tuple(shape)}")
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise _Malformed(f"{what} holds non-finite values (nan or inf)")
+
+
+def _output(key: str, call: dict, record, arrays: dict, inputs: dict):
+    """The validated output of one call, or the student's exception as ``(type, message)``."""
+    from .cases import Output
+
+    if not isinstance(record, dict):
+        raise _Malformed("no record of this call")
+    if record.get("status") == "raised":
+        kind, message = record.get("type"), record.get("message")
+        if not (isinstance(kind, str) and _IDENTIFIER.match(kind) and isinstance(message, str)):
+            raise _Malformed("an exception record without a type name and a message")
+        return kind, message.split("\n")[0][:_MESSAGE_LIMIT]
+    if record.get("status") != "ok":
+        raise _Malformed(f"status {str(record.get('status'))[:40]!r}")
+    dtype = record.get("dtype")
+    if dtype not in _OUTPUT_DTYPES:
+        raise _Malformed(f"values of an unexpected dtype {str(dtype)[:40]!r}")
+    flags = {name: record.get(name, False) for name in ("requires_grad", "grad_fn")}
+    if not all(isinstance(flag, bool) for flag in flags.values()):
+        raise _Malformed("requires_grad or grad_fn is not a boolean")
+    values = arrays.get(f"{key}.value")
+    _check_array(values, "the result", _OUTPUT_DTYPES[dtype])
+    wanted = {str(n): a for n, a in [*enumerate(call["args"]), *call["kwargs"].items()]
+              if isinstance(a, dict) and a.get("requires_grad")}
+    reported = record.get("grads")
+    if not isinstance(reported, dict) or set(reported) != set(wanted) or not all(
+            isinstance(flag, bool) for flag in reported.values()):
+        raise _Malformed("the gradient record does not list the inputs that require one")
+    grads = {}
+    for name, argument in wanted.items():
+        if reported[name]:
+            grad = arrays.get(f"{key}.grad.{name}")
+            source = inputs[argument["tensor"]]
+            _check_array(grad, f"the gradient of input {name}",
+                         _OUTPUT_DTYPES[argument["dtype"]], source.shape)
+            grads[name] = (grad, argument["dtype"])
+    return Output(function=call["function"], values=values, dtype=dtype, grads=grads, **flags)
+
+
+def _read_task(folder_fd: int, task: int, calls: dict, inputs: dict, state) -> dict:
+    """One task's outcome from the runner's files: ``{"timed_out": s}``, ``{"error": line}`` or
+    ``{"outputs": {key: Output | (type, message) | _Malformed}}``; never raises."""
+    try:
+        text = _read_file(folder_fd, f"task{task}.json", _RECORD_LIMIT)
+        if text is None:
+            if isinstance(state, dict) and isinstance(state.get("timed_out"), (int, float)):
+                return {"timed_out": float(state["timed_out"])}
+            status = state.get("wait_status") if isinstance(state, dict) else None
+            return {"error": "the task's process ended without a result"
+                             + (f" (wait status {status})" if isinstance(status, int) else "")}
+        record = json.loads(text)
+        if not isinstance(record, dict) or not isinstance(record.get("calls", {}), dict):
+            raise _Malformed("the task's record is not a JSON object of calls")
+        if "import_error" in record:
+            return {"error": str(record["import_error"]).split("\n")[0][:_MESSAGE_LIMIT]}
+        arrays = _read_arrays(_read_file(folder_fd, f"task{task}.npz", FILE_LIMIT))
+    except (_Malformed, ValueError, RecursionError) as error:
+        return {"error": f"the task's output cannot be read: {str(error)[:200]}"}
+    outputs = {}
+    for key, call in calls.items():
+        try:
+            outputs[key] = _output(key, call, record["calls"].get(key), arrays, inputs)
+        except _Malformed as error:
+            outputs[key] = error
+    return {"outputs": outputs}
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).split("\n") if line.strip()] or [""]
+    return lines[0][:_MESSAGE_LIMIT]
+
+
+_STUB = re.compile(r"Task (\d+):")
+
+
+def _judge_case(case, index: int, outputs: dict) -> dict:
+    """``{"name", "passed", "message", "stub"}`` for one case: its calls' outputs, judged. A
+    call that raised fails the case with the exception's first line (``stub``: the task whose
+    ``NotImplementedError("Task N: ...")`` it was), unless the call ``raises``: its judge then
+    gets a ``Raised``; a malformed output fails it too, and so does a judge that cannot run on
+    the values that came back."""
+    from .cases import Raised
+
+    own = {}
+    for key, call in case.calls.items():
+        output = outputs[f"{index}:{key}"]
+        if call.raises:  # the judge asks what happened: an exception, or none
+            output = Raised(*output) if isinstance(output, tuple) else Raised(raised=False)
+        if isinstance(output, _Malformed):
+            return dict(name=case.name, passed=False, stub=None,
+                        message=f"{case.name}: {call.function} gave a malformed output: {output}")
+        if isinstance(output, tuple):
+            kind, message = output
+            stub = _STUB.match(message) if kind == "NotImplementedError" else None
+            return dict(name=case.name, passed=False, stub=stub and int(stub.group(1)),
+                        message=f"{case.name}: {kind}: {message}")
+        own[key] = output
+    try:
+        case.judge(own)
+    except AssertionError as error:
+        text = _first_line(error)
+        return dict(name=case.name, passed=False, stub=None,
+                    message=f"{case.name}: AssertionError" + (f": {text}" if text else ""))
+    except Exception as error:  # values the judge cannot even compare (a wrong shape, say)
+        return dict(name=case.name, passed=False, stub=None,
+                    message=f"{case.name}: {type(error).__name__}: {_first_line(error)}")
+    return dict(name=case.name, passed=True, stub=None, message="")
+
+
+def _task_status(task: int, task_cases: list, outcome: dict) -> dict:
+    """The status, counts, failure messages and per-case entries of one task."""
+    if "timed_out" in outcome:
+        return dict(status="timed out", tests=0, passed=0, cases=[],
+                    messages=[f"timed out after {outcome['timed_out']:g} s"])
+    if "error" in outcome:
+        return dict(status="error", tests=0, passed=0, cases=[], messages=[outcome["error"]])
+    judged = [_judge_case(case, index, outcome["outputs"]) for index, case in task_cases]
+    failed = [c for c in judged if not c["passed"]]
+    if not judged:
         status = "no tests"
     elif not failed:
         status = "passed"
-    elif own_stub:
+    elif any(c["stub"] == task for c in failed):
         status = "not implemented"
-    elif len(other_stub) == len(failed):
+    elif all(c["stub"] not in (None, task) for c in failed):
         status = "blocked"
     else:
         status = "failed"
-    return dict(status=status, tests=len(results),
-                passed=sum(r["outcome"] == "passed" for r in results), messages=messages)
+    return dict(status=status, tests=len(judged), passed=len(judged) - len(failed),
+                messages=[c["message"] for c in failed],
+                cases=[dict(name=c["name"], passed=c["passed"], message=c["message"])
+                       for c in judged])
 
 
-def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None) -> dict:
-    """Grade a lab folder (or a notebook lab) with the instructor's tests, task by task.
-
-    The student's folder is copied into a temporary sandbox without its tests, ``conftest.py``,
-    ``pytest.ini``, compiled files or links; the instructor's tests and given modules (rendered
-    from the library) replace the student's copies, which are compared by SHA-256 and reported
-    as ``modified`` or ``missing``. Each task's tests run in a forked child of a harness process
-    started with a scrubbed environment in its own process group; the other tasks' functions
-    are replaced by the reference versions in that child only (nothing is written to the
-    student's folder). See ``docs/instructors.md`` for what this does and does not protect.
-
-    A task is *passed* when all its tests pass, *not implemented* when one stops on its own
-    ``NotImplementedError("Task N: ...")``, *blocked* when its only failures come from another
-    task's stub, *timed out* when its tests run past ``timeout`` seconds, *error* when the
-    student's code cannot be imported (a syntax error, a missing module: the message names
-    file and line) or replaced a testing function, *no tests* when no test is marked with it,
-    and *failed* otherwise. Returns ``{"lab", "tasks": {n: {"function", "status", "tests",
-    "passed", "messages"}}, "score", "total", "files"}``.
-    """
+def _remove(path: pathlib.Path) -> None:
+    """Remove a grading folder whatever the student's code did to its permissions."""
     import shutil
+
+    def retry(function, name, _):
+        try:
+            os.chmod(os.path.dirname(name), 0o700)
+            if not os.path.islink(name) and os.path.isdir(name):
+                os.chmod(name, 0o700)
+            function(name)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=retry)
+
+
+def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
+          trusted: bool = False) -> dict:
+    """Grade a lab folder (or a notebook lab) task by task, with a verdict computed here.
+
+    The student's own files are copied into a temporary folder, without its tests,
+    ``conftest.py``, pytest configuration, compiled files or links, and with the instructor's
+    given modules; the student's copies of the handout files are compared by SHA-256 and
+    reported as ``modified``, ``missing`` or ``ignored`` in ``files``. The grading runner runs
+    there in the sandbox (``course/sandbox.py``: see ``docs/instructors.md`` for what it
+    isolates), each task in its own process: it calls the student's functions on the inputs of
+    the task's cases ([opd_literate.course.cases][]) and writes back values and gradients as
+    plain arrays. This process validates them (dtype, shape, finite, size) and judges them;
+    where a lab test checks several tasks, only the graded task's function is the student's
+    and the others' part is computed here with the library's reference.
+
+    A task is *passed* when all its cases pass, *not implemented* when one stops on its own
+    ``NotImplementedError("Task N: ...")``, *blocked* when its only failures come from another
+    task's stub (the student's own code calling it), *timed out* when its calls run past
+    ``timeout`` seconds, *error* when the student's code cannot be imported (the message names
+    file and line) or its process ended without a readable result, *no tests* when it has no
+    case, and *failed* otherwise (a wrong value, an exception, a malformed output).
+
+    Without a working sandbox it raises ``sandbox.SandboxUnavailable`` (naming why) unless
+    ``trusted``: then the runner runs as your user, unisolated (the verdict is still computed
+    here). Returns ``{"lab", "tasks": {n: {"function", "status", "tests", "passed",
+    "messages", "cases": [{"name", "passed", "message"}]}}, "score", "total", "files",
+    "format", "trusted", "seconds"}``.
+    """
     import time
 
+    import numpy as np
+
+    from .cases import cases_of
+
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted must be True or False, got {trusted!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     folder = pathlib.Path(lab_dir)
     lab = _lab_of(folder)
+    if not trusted:
+        reason = sandbox.unavailable_reason()
+        if reason is not None:
+            raise sandbox.SandboxUnavailable(
+                f"cannot grade untrusted work without the sandbox: {reason}; grade with "
+                "--trusted (trusted=True) only code you trust, it then runs as your user")
     instructor = render_lab(lab)
     all_tasks = tasks_of(lab)
-    functions = {}
+    functions, module_of = {}, {}
     for number, name, module in all_tasks:
-        functions.setdefault(str(number), []).append((module, name))
+        functions.setdefault(number, []).append(name)
+        module_of[name] = module
+    lab_cases = cases_of(lab)
     notebook = _notebook_modules(folder, lab)
     checked = {name: text for name, text in instructor.items()
                if name.endswith(".py") and pathlib.PurePosixPath(name).stem
                not in lab.student_modules}
     checked.update({name: instructor[name] for name in ("pytest.ini", "conftest.py")})
     start = time.monotonic()
-    sandbox = pathlib.Path(tempfile.mkdtemp(prefix="opd-grade-"))
+    spec, arrays = _encode(lab_cases, module_of)
+    tasks_numbers = sorted(functions)
+    jobs = int(jobs or min(2, os.cpu_count() or 1))
+    spec.update(tasks=tasks_numbers, student_modules=list(lab.student_modules),
+                timeout=float(timeout), jobs=jobs)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="opd-grade-"))
     try:
-        work = sandbox / "lab"
-        for sub in (work, sandbox / "home", sandbox / "tmp"):
+        lab_copy = work / "lab"
+        for sub in (lab_copy, work / "out"):
             sub.mkdir()
-        ignored = _copy_student_files(folder, work)
+        ignored = _copy_student_files(folder, lab_copy)
         for name, text in notebook.items():
-            (work / f"{name}.py").write_text(text)
-        for name, text in instructor.items():  # the instructor's tests and given code
-            if name.startswith("tests/") or (name.endswith(".py") and name in checked):
-                (work / name).parent.mkdir(parents=True, exist_ok=True)
-                (work / name).write_text(text)
-        for name in ("conftest.py", "pytest.ini"):
-            (work / name).unlink(missing_ok=True)
-        # The grader's own configuration: the task marker only (no pythonpath, no addopts).
-        (sandbox / "pytest.ini").write_text("[pytest]\nmarkers =\n    task(*numbers): the "
-                                            "lab tasks a test checks\n")
-        shutil.copyfile(HARNESS_PATH, sandbox / "harness.py")
-        references = {m: flatten_imports(read_source(source_of(m)))
-                      for m in lab.student_modules}
-        real = [str(p.resolve()) for p in (work, sandbox / "tmp", sandbox / "home")]
-        config = dict(
-            work=real[0], write_roots=real, log_dir=str(sandbox),
-            secret_roots=[str(PACKAGE.resolve())],
-            blocked_modules=["opd_literate"], ini=str(sandbox / "pytest.ini"),
-            tests=[f"tests/{pathlib.PurePosixPath(t).name}" for t in lab.tests],
-            student_modules=list(lab.student_modules), functions=functions,
-            given_modules=list(lab.given_modules),
-            tasks=sorted({n for n, _, _ in all_tasks}), references=references,
-            preload=_third_party(instructor), timeout=float(timeout),
-            jobs=int(jobs or min(2, os.cpu_count() or 1)))
-        deadline = start + 30 + len(config["tasks"]) * (timeout + 5)
-        records = {r["task"]: r for r in _run_harness(config, sandbox, deadline)}
+            (lab_copy / f"{name}.py").write_text(text)
+        for module in lab.given_modules:  # the instructor's copies, whatever the student's say
+            (lab_copy / f"{module}.py").write_text(instructor[f"{module}.py"])
+        (work / "spec.json").write_text(json.dumps(spec, allow_nan=False))
+        np.savez(work / "inputs.npz", **arrays)
+        (work / "runner.py").write_bytes(RUNNER_PATH.read_bytes())
+        rounds = -(-len(tasks_numbers) // jobs)
+        wall = 30 + rounds * (timeout + 5)
+        limits = sandbox.Limits(wall_seconds=wall, cpu_seconds=math.ceil(wall),
+                                memory_bytes=MEMORY_LIMIT, file_bytes=FILE_LIMIT,
+                                processes=64)  # processes and threads of the runner, together
+        # -s: no user site; the runner drops its own folder from sys.path before student code
+        result = sandbox.run([sys.executable, "-s", "runner.py"], work, limits=limits,
+                             trusted=trusted, env=_environment())
+        folder_fd = os.open(work / "out", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            try:
+                states = json.loads(_read_file(folder_fd, "runner.json", _RECORD_LIMIT) or "{}")
+            except (_Malformed, ValueError, RecursionError):
+                states = {}
+            states = states if isinstance(states, dict) else {}
+            outcomes = {}
+            for task in tasks_numbers:
+                state = states.get(str(task))
+                if state is None and result.timed_out:
+                    state = {"timed_out": timeout}
+                outcomes[task] = _read_task(folder_fd, task, spec["calls"].get(str(task), {}),
+                                            arrays, state)
+        finally:
+            os.close(folder_fd)
+        last = result.stderr.decode(errors="replace").strip().split("\n")[-1][:200]
+        if not states and not result.timed_out and last:  # the runner itself failed
+            for outcome in outcomes.values():
+                if "error" in outcome:
+                    outcome["error"] += f"; the runner said: {last}"
     finally:
-        shutil.rmtree(sandbox, ignore_errors=True)
+        _remove(work)
     tasks = {}
-    for number in config["tasks"]:
-        names = ", ".join(name for _, name in functions[str(number)])
-        tasks[number] = dict(function=names, **_task_status(number, records.get(number)))
+    for number in tasks_numbers:
+        task_cases = [(i, c) for i, c in enumerate(lab_cases) if c.task == number]
+        tasks[number] = dict(function=", ".join(functions[number]),
+                             **_task_status(number, task_cases, outcomes[number]))
     score = sum(t["status"] == "passed" for t in tasks.values())
     files = _check_files(folder, checked)
     files.update({name: "ignored" for name in ignored})
     return dict(lab=lab.name, tasks=tasks, score=score, total=len(tasks), files=files,
-                format="notebook" if notebook else "files",
+                format="notebook" if notebook else "files", trusted=trusted,
                 seconds=round(time.monotonic() - start, 2))
 
 
@@ -343,6 +538,8 @@ def format_grade(result: dict) -> str:
     if result.get("files"):
         lines += ["", "files that differ from the handout (the instructor's copy was used):"]
         lines += [f"- {name}: {state}" for name, state in sorted(result["files"].items())]
+    if result.get("trusted"):
+        lines += ["", "graded with --trusted: the student's code ran without the sandbox"]
     lines += ["", f"score: {result['score']}/{result['total']}"]
     return "\n".join(lines)
 

@@ -1,290 +1,444 @@
-"""The grader against a student who games it: tampered tests, a conftest that passes everything,
-code that reads the environment, writes outside its folder, loops forever, patches pytest or
-forges results; and the errors a student meets (a syntax error, a missing module)."""
+"""The grader's judgement, without a sandbox: every lab test has its case; the reference passes
+every case, untouched stubs are not implemented, wrong solutions fail the task they break; what
+the runner writes back is validated (a malformed output fails its case, never the grader); and
+without a working sandbox the grader refuses, unless told ``--trusted``.
 
-import hashlib
+The cases run here in this process through the runner's own ``run_call`` on modules built from
+the library's source (the reference, or its stubs), then through the grader's validation and
+judge, exactly as they come back from the sandbox. The attacks, graded in the sandbox, are in
+``tests/course/test_grade_attacks.py``."""
+
+import ast
+import io
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
+import types
+import zipfile
 
+import numpy as np
 import pytest
 
-from opd_literate.course import labs
-from opd_literate.course.grade import HARNESS_PATH, format_grade, grade
-from opd_literate.course.labs import PACKAGE, write_lab
+from opd_literate.course import _runner, cli, labs, sandbox
+from opd_literate.course import grade as grader
+from opd_literate.course.cases import cases_of
+from opd_literate.course.labs import LABS, tasks_of, write_lab
 from opd_literate.course.markers import strip_solutions
 
-# Every test here grades a lab in subprocesses (a few seconds each): the slow tier. The fast
-# tier grades once, in tests/course/test_labs.py's command-line test.
-pytestmark = pytest.mark.slow
+PACKAGE_OF = {"opd": "opd_literate", "mismatch": "opd_literate.mismatch"}
 
 
-def _tree(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _student(lab_folder, module, stubs, keep=()):
-    """Write the student module with the tasks in ``keep`` solved and the stub of each task in
-    ``stubs`` replaced by the given lines (indented as a function body)."""
-    text, _ = strip_solutions(labs.source_of(module).read_text(), keep=set(keep))
-    text = labs.flatten_imports(text)
-    for task, lines in stubs.items():
-        stub = next(line for line in text.split("\n")
-                    if f'raise NotImplementedError("Task {task}:' in line)
-        indent = stub[:len(stub) - len(stub.lstrip())]
-        text = text.replace(stub, "\n".join(indent + line for line in lines))
-    (lab_folder / f"{module}.py").write_text(text)
-
-
-CONFTEST_THAT_PASSES_EVERYTHING = '''import pytest
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    report.outcome, report.longrepr = "passed", None
-'''
-
-
-@pytest.fixture(scope="module")
-def gamed(tmp_path_factory):
-    """One mismatch lab with every trick at once, graded once (each task tests one trick)."""
-    root = tmp_path_factory.mktemp("gamed")
-    folder = write_lab("mismatch", root / "lab")[0]
-    victim = root / "victim"
-    victim.mkdir()
-    (victim / "keep.txt").write_text("mine")
-    tests = folder / "tests" / "test_lab_estimators.py"
-    # Emptied test bodies: every test passes on the student's copy.
-    tests.write_text("import pytest\n\n\n@pytest.mark.task(4)\ndef test_naive():\n    pass\n")
-    (folder / "conftest.py").write_text(CONFTEST_THAT_PASSES_EVERYTHING)
-    (folder / "pytest.ini").write_text("[pytest]\naddopts = -p no:python\n")
-    (folder / "extra").mkdir()
-    (folder / "extra" / "conftest.py").write_text(CONFTEST_THAT_PASSES_EVERYTHING)
-    _student(folder, "estimators", {
-        # Task 1: right, unless the grader's environment (a secret, the real HOME) is visible.
-        1: ["import os",
-            "if 'OPD_GRADER_SECRET' in os.environ or os.environ.get('HOME') == "
-            f"{os.environ.get('HOME', '')!r}:",
-            "    raise RuntimeError('saw ' + os.environ.get('OPD_GRADER_SECRET', 'HOME'))",
-            "return _finish(toy, np.ones(toy['logp_train'].shape), baseline, return_weights)"],
-        # Task 2: right only if every attempt to leave the sandbox is refused.
-        2: ["import ctypes, gc, os, shutil, subprocess",
-            f"victim, library = {str(victim)!r}, {str(PACKAGE)!r}",
-            "attempts = {'open for writing': lambda: open(victim + '/pwned.txt', 'w'),",
-            "    'os.open': lambda: os.open(victim + '/pwned.txt', os.O_CREAT | os.O_WRONLY),",
-            "    'remove': lambda: os.remove(victim + '/keep.txt'),",
-            "    'rmtree': lambda: shutil.rmtree(victim),",
-            "    'rename': lambda: os.rename(victim + '/keep.txt', 'stolen.txt'),",
-            "    'os.system': lambda: os.system('rm -rf ' + victim),",
-            "    'subprocess': lambda: subprocess.run(['rm', '-rf', victim]),",
-            "    'kill': lambda: os.kill(os.getppid(), 0),",
-            "    'ctypes': lambda: ctypes.CDLL(None),",
-            "    'gc': lambda: gc.get_objects(),",
-            "    'read the library': lambda: open(library + '/estimators.py').read(),",
-            "    'import the library': lambda: __import__('opd_literate.mismatch.estimators')}",
-            "escaped = []",
-            "for name, attempt in attempts.items():",
-            "    try:",
-            "        attempt()",
-            "        escaped.append(name)",
-            "    except (PermissionError, ImportError):",
-            "        pass",
-            "if escaped:",
-            "    raise RuntimeError('escaped: ' + ', '.join(escaped))",
-            "return _finish(toy, token_ratios(toy), baseline, return_weights)"],
-        # Task 3: an infinite loop.
-        3: ["while True:", "    pass"],
-        # Task 5: patches pytest so that every report says passed.
-        5: ["import _pytest.reports",
-            "make = _pytest.reports.TestReport.from_item_and_call",
-            "def forged(item, call):",
-            "    report = make(item, call)",
-            "    report.outcome, report.longrepr = 'passed', None",
-            "    return report",
-            "_pytest.reports.TestReport.from_item_and_call = staticmethod(forged)",
-            "raise NotImplementedError('Task 5: seq_tis')"],
-        # Task 6: writes a forged record ("every test passed") to every open descriptor.
-        6: ["import json, os",
-            "forged = json.dumps({'task': 6, 'tests': [{'test': 't', 'outcome': 'passed',",
-            "                     'message': ''}], 'errors': [], 'tampered': [], 'exit': 0})",
-            "for fd in range(3, 64):",
-            "    try:",
-            "        os.write(fd, (forged + '\\n').encode())",
-            "    except OSError:",
-            "        pass",
-            "os._exit(0)"],
-    }, keep={4, 7})
-    # Task 8 wrong: it returns Task 7's neighbour (keeps every sample).
-    text = (folder / "estimators.py").read_text()
-    stub = 'raise NotImplementedError("Task 8: geo_rs")'
-    (folder / "estimators.py").write_text(text.replace(
-        stub, "return _finish(toy, np.ones(len(toy['R'])), baseline, return_weights)"))
-    before = _tree(folder)
-    os.environ["OPD_GRADER_SECRET"] = "hunter2"
+def student_module(lab, keep=(), replace=None):
+    """The lab's student module with the tasks in ``keep`` solved and each ``replace`` old line
+    (found once) rewritten, run as a module of the library's package (its relative imports
+    resolve there)."""
+    name = LABS[lab].student_modules[0]
+    text, _ = strip_solutions(labs.source_of(name).read_text(), keep=set(keep))
+    for old, new in (replace or {}).items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    module = types.ModuleType(f"{PACKAGE_OF[lab]}._graded_{name}")
+    module.__package__ = PACKAGE_OF[lab]
+    sys.modules[module.__name__] = module  # while it runs (dataclasses look it up)
     try:
-        result = grade(folder, timeout=2.5)
+        exec(compile(text, f"<{name} as graded>", "exec"), module.__dict__)
     finally:
-        del os.environ["OPD_GRADER_SECRET"]
-    return dict(result=result, folder=folder, victim=victim, before=before)
+        del sys.modules[module.__name__]
+    return module
 
 
-def test_the_instructor_tests_are_used_and_the_changes_reported(gamed):
-    result = gamed["result"]
-    # With the student's emptied tests and conftest, every task would pass; with the
-    # instructor's, exactly the two honest solutions do (Task 4, Task 7) plus Tasks 1 and 2.
-    assert {n for n, t in result["tasks"].items() if t["status"] == "passed"} == {1, 2, 4, 7}
-    assert result["score"] == 4 and result["total"] == 8
-    assert result["tasks"][4]["tests"] == 3 and result["tasks"][7]["tests"] == 3
-    assert result["files"] == {"tests/test_lab_estimators.py": "modified",
-                               "conftest.py": "modified", "pytest.ini": "modified",
-                               "extra/conftest.py": "ignored"}
-    assert "files that differ from the handout" in format_grade(result)
+def judge_in_process(lab, module, lab_cases=None):
+    """``{task: status dict}``: every case's calls made by the runner's ``run_call`` on
+    ``module``, the records through JSON and the arrays through ``.npz`` as from the sandbox,
+    then validated and judged by the grader."""
+    module_of = {name: m for _, name, m in tasks_of(LABS[lab])}
+    lab_cases = cases_of(lab) if lab_cases is None else lab_cases
+    spec, arrays = grader._encode(lab_cases, module_of)
+    statuses = {}
+    for task in sorted({case.task for case in lab_cases}):
+        calls, results = spec["calls"][str(task)], {}
+        records = {key: _runner.run_call(module, call, arrays, spec["toys"], key, results)
+                   for key, call in calls.items()}
+        records = json.loads(json.dumps(records))
+        buffer = io.BytesIO()
+        np.savez(buffer, **results)
+        arrays_back = grader._read_arrays(buffer.getvalue())
+        outputs = {}
+        for key, call in calls.items():
+            try:
+                outputs[key] = grader._output(key, call, records[key], arrays_back, arrays)
+            except grader._Malformed as error:
+                outputs[key] = error
+        indexed = [(i, c) for i, c in enumerate(lab_cases) if c.task == task]
+        statuses[task] = grader._task_status(task, indexed, {"outputs": outputs})
+    return statuses
 
 
-def test_the_environment_is_scrubbed(gamed):
-    assert gamed["result"]["tasks"][1]["status"] == "passed"
+# ------------------------------------------------------------------ the cases and the lab tests
+def _lab_test_ids(path):
+    """``{(node id as in the lab folder, task)}`` of a lab test file, from its pytest marks:
+    every test function (in a class or not) with the tasks of its ``task`` marks, once per
+    parameter set of its ``parametrize`` marks, with the ids pytest gives them (the values'
+    ``str`` joined by ``-``, the innermost mark's first)."""
+    import importlib.util
+    import itertools
+
+    spec = importlib.util.spec_from_file_location(f"_lab_tests_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = set()
+    owners = [(None, module)] + [(name, owner) for name, owner in vars(module).items()
+                                 if name.startswith("Test") and isinstance(owner, type)]
+    for owner_name, owner in owners:
+        for name, function in vars(owner).items():
+            if not (name.startswith("test_") and callable(function)):
+                continue
+            marks = getattr(function, "pytestmark", []) + getattr(owner, "pytestmark", [])
+            tasks = {n for mark in marks if mark.name == "task" for n in mark.args}
+            sets = [[value if isinstance(value, tuple) else (value,) for value in mark.args[1]]
+                    for mark in marks if mark.name == "parametrize"]
+            ids = ["-".join(str(v) for values in combination for v in values)
+                   for combination in itertools.product(*sets)] if sets else [None]
+            node = f"tests/{path.name}::" + (f"{owner_name}::" if owner_name else "") + name
+            found |= {(node + (f"[{i}]" if i is not None else ""), task)
+                      for i in ids for task in tasks}
+    return found
 
 
-def test_nothing_outside_the_copy_is_written_or_deleted(gamed):
-    victim = gamed["victim"]
-    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
-    assert (victim / "keep.txt").read_text() == "mine"
-    assert gamed["result"]["tasks"][2]["status"] == "passed"
-    assert _tree(gamed["folder"]) == gamed["before"]  # the student's folder is untouched
+def test_every_lab_test_has_its_case_for_each_of_its_tasks():
+    """The lab tests, read from their pytest marks, against the cases: one case per (test,
+    task), named as in the lab folder (``tests/<file>::<test>[<parameters>]``)."""
+    collected = set()
+    for lab in LABS.values():
+        for test in lab.tests:
+            collected |= _lab_test_ids(labs.REPO / test)
+    cases = {(case.name, case.task) for lab in LABS for case in cases_of(lab)}
+    assert cases == collected
+    assert len(cases) == 32 + 27  # (10 + 12 + 10) OPD, 27 mismatch (one case per test each)
 
 
-def test_an_infinite_loop_is_timed_out_for_its_task_only(gamed):
-    task = gamed["result"]["tasks"][3]
-    assert task["status"] == "timed out" and task["messages"] == ["timed out after 2.5 s"]
+def test_a_test_file_without_cases_is_refused():
+    import dataclasses
+
+    lab = dataclasses.replace(LABS["opd"], tests=LABS["opd"].tests + ("tests/opd/new.py",))
+    with pytest.raises(ValueError, match="no grading cases for tests/opd/new.py"):
+        cases_of(lab)
+    with pytest.raises(ValueError, match="unknown lab 'rlhf'"):
+        cases_of("rlhf")
 
 
-def test_patching_pytest_is_an_error_not_a_pass(gamed):
-    task = gamed["result"]["tasks"][5]
-    assert task["status"] == "error"
-    assert any("_pytest.reports.TestReport.from_item_and_call" in m for m in task["messages"])
+def test_every_case_name_is_unique_within_its_task():
+    for lab in LABS:
+        names = [(case.task, case.name) for case in cases_of(lab)]
+        assert len(names) == len(set(names))
 
 
-def test_a_forged_record_is_not_a_pass(gamed):
-    assert gamed["result"]["tasks"][6]["status"] == "error"
+# ------------------------------------------------------------------------------ the judgement
+@pytest.mark.parametrize("lab", list(LABS))
+def test_the_reference_passes_every_case(lab):
+    statuses = judge_in_process(lab, student_module(lab, keep=set(range(1, 9))))
+    for task, status in statuses.items():
+        assert status["status"] == "passed", (task, status["messages"])
+        assert status["passed"] == status["tests"] == len(status["cases"]) > 0
+        assert all(case["passed"] and case["message"] == "" for case in status["cases"])
 
 
-def test_a_wrong_task_fails_with_the_first_line_of_its_assertion(gamed):
-    task = gamed["result"]["tasks"][8]
-    assert task["status"] == "failed" and task["passed"] < task["tests"]
-    assert all(m.startswith("tests/test_lab_estimators.py::test_geo_rs") for m in task["messages"])
-    assert all("\n" not in m for m in task["messages"])
-    assert any("AssertionError: Not equal to tolerance" in m for m in task["messages"])
-    report = format_grade(gamed["result"])
-    assert "- Task 8: tests/test_lab_estimators.py::test_geo_rs[0.999-1.001]: " in report
+@pytest.mark.parametrize("lab", list(LABS))
+def test_untouched_stubs_are_not_implemented(lab):
+    for task, status in judge_in_process(lab, student_module(lab)).items():
+        assert status["status"] == "not implemented", task
+        assert status["passed"] == 0
+        assert all(f"NotImplementedError: Task {task}:" in m for m in status["messages"])
 
 
-@pytest.fixture(scope="module")
-def fresh_mismatch(tmp_path_factory):
-    return write_lab("mismatch", tmp_path_factory.mktemp("fresh") / "lab")[0]
+def test_a_one_task_solution_scores_exactly_that_task():
+    """Task 1 alone: its cases that stand for tests of Tasks 1, 2 and 3 together call only the
+    student's Task 1; the other tasks' part is the grader's reference, in the grader."""
+    statuses = judge_in_process("opd", student_module("opd", keep={1}))
+    assert [(s["status"], s["passed"], s["tests"]) for s in statuses.values()] == [
+        ("passed", 10, 10), ("not implemented", 0, 12), ("not implemented", 0, 10)]
 
 
-def test_a_syntax_error_is_reported_with_file_and_line(fresh_mismatch, tmp_path):
-    folder = tmp_path / "lab"
-    shutil.copytree(fresh_mismatch, folder)
-    text = (folder / "estimators.py").read_text().split("\n")
-    line = next(i for i, s in enumerate(text) if 'raise NotImplementedError("Task 2' in s)
-    text[line] = "    return (((("
-    (folder / "estimators.py").write_text("\n".join(text))
-    tasks = grade(folder)["tasks"]
-    assert {t["status"] for t in tasks.values()} == {"error"}
-    message = tasks[1]["messages"][0]
-    assert message.startswith(f"syntax error in estimators.py, line {line + 1}: "), message
+SOLVED = set(range(1, 9))
+WRONG = {  # (lab, task, the line, its wrong version): each is a plausible mistake
+    "reward with the wrong sign": ("opd", 1, "log_ratio = teacher_logp.detach().to(dtype) - "
+                                   "student_logp.detach().to(dtype)",
+                                   "log_ratio = student_logp.detach().to(dtype) - "
+                                   "teacher_logp.detach().to(dtype)"),
+    "reward not detached": ("opd", 1, "log_ratio = teacher_logp.detach().to(dtype) - "
+                            "student_logp.detach().to(dtype)",
+                            "log_ratio = teacher_logp.to(dtype) - student_logp.to(dtype)"),
+    "mean over every position": ("opd", 2, "return -(advantage * logp).sum() / "
+                                 "mask.sum().clamp_min(1).to(dtype)",
+                                 "return -(advantage * logp).mean()"),
+    "forward KL": ("opd", 3, "kl_per_position = _kl_from_log_probs(log_p, log_q)",
+                   "kl_per_position = _kl_from_log_probs(log_q, log_p)"),
+    "truncated at twice the cap": ("mismatch", 4, "weights = np.minimum(token_ratios(toy), cap)",
+                                   "weights = np.minimum(token_ratios(toy), 2 * cap)"),
+}
 
 
-def test_a_missing_module_is_reported_with_its_cause(fresh_mismatch, tmp_path):
-    folder = tmp_path / "lab"
-    shutil.copytree(fresh_mismatch, folder)
-    text = (folder / "estimators.py").read_text().split("\n")
-    line = text.index("import numpy as np")
-    text.insert(line + 1, "import scipy_is_not_installed_here")
-    (folder / "estimators.py").write_text("\n".join(text))
-    result = subprocess.run([sys.executable, "-m", "opd_literate.course", "grade", str(folder),
-                             "--json", str(tmp_path / "grade.json")],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "grade.json").read_text())
-    task = report["labs"][0]["tasks"]["1"]
-    assert task["status"] == "error" and task["tests"] == 0
-    assert task["messages"] == ["ModuleNotFoundError: No module named "
-                                f"'scipy_is_not_installed_here' (estimators.py, line {line + 2})"]
-    assert "| 1 | naive | error | 0/0 |" in result.stdout
+@pytest.mark.parametrize("mistake", list(WRONG))
+def test_a_wrong_solution_fails_its_task_only(mistake):
+    lab, task, line, wrong = WRONG[mistake]
+    statuses = judge_in_process(lab, student_module(lab, keep=SOLVED, replace={line: wrong}))
+    assert statuses[task]["status"] == "failed", statuses[task]
+    assert 0 < len(statuses[task]["messages"]) == statuses[task]["tests"] - statuses[task]["passed"]
+    assert all("\n" not in m and m.startswith("tests/test_lab_") for m in
+               statuses[task]["messages"])
+    assert {n for n, s in statuses.items() if s["status"] != "passed"} == {task}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_stopping_the_grader_leaves_no_process_behind(tmp_path):
-    """Two graders at once, each grading a task that loops forever: one stopped by SIGTERM, one
-    by Ctrl-C (SIGINT). Each exits with 128 + the signal, one line on stderr, no process left
-    (the looping test process included) and no sandbox left."""
-    folder = write_lab("mismatch", tmp_path / "lab")[0]
-    _student(folder, "estimators", {1: ["import os", "open('pid', 'w').write(str(os.getpid()))",
-                                        "while True:", "    pass"]})
-    runs = []
-    for stop in (signal.SIGTERM, signal.SIGINT):
-        sandboxes = tmp_path / f"tmp-{stop.name}"
-        sandboxes.mkdir()
-        grader = subprocess.Popen([sys.executable, "-m", "opd_literate.course", "grade",
-                                   str(folder)], env=dict(os.environ, TMPDIR=str(sandboxes)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  # a background shell job's children start with SIGINT
-                                  # ignored; a user's Ctrl-C reaches a foreground grader
-                                  preexec_fn=lambda: signal.signal(signal.SIGINT,
-                                                                   signal.SIG_DFL))
-        runs.append((stop, sandboxes, grader))
-    for stop, sandboxes, grader in runs:
-        deadline = time.monotonic() + 60
-        while not [p for p in sandboxes.glob("*/lab/pid") if p.read_text()]:
-            assert time.monotonic() < deadline and grader.poll() is None
-            time.sleep(0.05)
-        pid = int(next(sandboxes.glob("*/lab/pid")).read_text())
-        grader.send_signal(stop)
-        _, err = grader.communicate(timeout=30)
-        assert grader.returncode == 128 + stop, err
-        assert err.count("\n") == 1 and f"stopped by {stop.name}" in err
-        deadline = time.monotonic() + 5
-        while _process_state(pid) not in (None, "Z") and time.monotonic() < deadline:
-            time.sleep(0.05)  # SIGKILL is delivered asynchronously
-        assert _process_state(pid) in (None, "Z")  # gone (or a zombie until init reaps it)
-        assert not any(sandboxes.iterdir())  # the sandbox was removed
+# The cases whose lab test asserts a property that an affine change of the values keeps.
+KEPT_UNDER_AN_AFFINE_CHANGE = {
+    "tests/test_lab_opd.py::TestTask1Rewards::test_no_gradient_attached",  # detached, still
+    "tests/test_lab_opd.py::TestTask1Rewards::test_bool_mask_equals_float_mask",  # both moved
+    "tests/test_lab_opd.py::TestTask2PolicyGradientLoss::test_no_gradient_reaches_rewards",
+    # the Monte Carlo mean against the exact mean of the same (changed) estimates
+    "tests/test_lab_estimators.py::test_seq_is_monte_carlo_within_four_standard_errors",
+}
 
 
-def _process_state(pid):
+@pytest.mark.parametrize("lab", list(LABS))
+def test_every_judge_fails_on_values_that_are_off(lab):
+    """Mutation testing of the judges: every task function of the reference, its result
+    changed to ``1.5 * result + 0.1`` (gradients scaled too), fails every case but those whose
+    lab test checks something such a change keeps."""
+    reference = student_module(lab, keep=SOLVED)
+    changed = types.ModuleType("changed")
+    for _, name, _ in tasks_of(LABS[lab]):
+        function = getattr(reference, name)
+        setattr(changed, name, lambda *a, function=function, **k: 1.5 * function(*a, **k) + 0.1)
+    passing = {case["name"] for status in judge_in_process(lab, changed).values()
+               for case in status["cases"] if case["passed"]}
+    assert passing == {name for name in KEPT_UNDER_AN_AFFINE_CHANGE
+                       if name.startswith(cases_of(lab)[0].name.split("::")[0])}
+
+
+def test_a_task_that_calls_another_tasks_stub_is_blocked():
+    statuses = judge_in_process("opd", student_module("opd", replace={
+        'raise NotImplementedError("Task 2: opd_pg_loss")':
+            "return reverse_kl_rewards(student_logp, rewards, mask).sum()"}))
+    assert statuses[2]["status"] == "blocked"
+    assert all("NotImplementedError: Task 1: reverse_kl_rewards" in m
+               for m in statuses[2]["messages"])
+
+
+def test_a_check_that_needs_more_than_a_value_is_a_case_judged_here():
+    """"A mask of the wrong shape is a ValueError that names it": the sandbox reports what the
+    call raised (type name, first line), the judge decides. Right when the student's function
+    raises it, wrong when it returns, or raises something else."""
+    from opd_literate.course.cases import Call, Case, Tensor
+
+    def judge(out):
+        assert out["r"].raised and out["r"].type == "ValueError", out["r"]
+        assert "mask" in out["r"].message, out["r"].message
+
+    case = Case("a bad mask", 1, {"r": Call("reverse_kl_rewards", (
+        Tensor(np.zeros((2, 3))), Tensor(np.zeros((2, 3))), Tensor(np.ones((3, 2)))),
+        raises=True)}, judge)
+    checked = student_module("opd", keep={1})
+    assert judge_in_process("opd", checked, [case])[1]["status"] == "passed"
+    unchecked = student_module("opd", keep={1}, replace={
+        '    """\n    mask = _check_token_pair(student_logp, teacher_logp, mask)\n    dtype':
+            '    """\n    mask = torch.ones_like(student_logp, dtype=torch.bool)\n    dtype'})
+    status = judge_in_process("opd", unchecked, [case])[1]
+    assert status["status"] == "failed" and "Raised(type='', message='', raised=False)" in (
+        status["messages"][0])
+
+
+@pytest.mark.parametrize("trick", [
+    "import pytest; pytest.skip('looks passed')",
+    "import unittest; raise unittest.SkipTest('looks passed')",
+    "import pytest; pytest.xfail('looks passed')",
+    "raise SystemExit(0)",
+    "return None",
+    "return {'loss': 0.0}",
+    "return 'passed'",
+    "return np.full(toy['R'].shape, np.nan)",
+])
+def test_an_exception_or_a_non_array_result_fails_the_case(trick):
+    """A skip is an exception like any other; a result that is not a tensor, an array or a
+    number, or one with NaN, is malformed: each fails the case that gets it."""
+    status = judge_in_process("mismatch", student_module("mismatch", replace={
+        'raise NotImplementedError("Task 1: naive")': trick}))[1]
+    assert status["status"] == "failed" and status["passed"] == 0, status
+    assert len(status["messages"]) == 1 and "\n" not in status["messages"][0]
+
+
+# --------------------------------------------------------------- what comes back, validated
+CALL = {"function": "naive", "module": "estimators", "backward": False, "kwargs": {},
+        "args": [{"tensor": "input0", "dtype": "float64", "requires_grad": True}]}
+INPUTS = {"input0": np.zeros((2, 3))}
+
+
+def _arrays(**arrays):
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return grader._read_arrays(buffer.getvalue())
+
+
+GOOD = dict(record={"status": "ok", "dtype": "float64", "requires_grad": True,
+                    "grad_fn": True, "grads": {"0": True}},
+            arrays={"k.value": np.ones(3), "k.grad.0": np.ones((2, 3))})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(record=None), "no record of this call"),
+    (dict(record={"status": "passed"}), "status 'passed'"),
+    (dict(record=dict(GOOD["record"], dtype="object")), "unexpected dtype"),
+    (dict(record=dict(GOOD["record"], requires_grad="no")), "not a boolean"),
+    (dict(record=dict(GOOD["record"], grads={})), "gradient record"),
+    (dict(record=dict(GOOD["record"], grads={"0": True, "1": True})), "gradient record"),
+    (dict(arrays={"k.grad.0": np.ones((2, 3))}), "the result is not a numeric array"),
+    (dict(arrays=dict(GOOD["arrays"], **{"k.value": np.ones(3, np.float32)})),
+     "holds float32 values, reported as float64"),
+    (dict(arrays=dict(GOOD["arrays"], **{"k.value": np.array([1.0, np.inf])})), "non-finite"),
+    (dict(arrays=dict(GOOD["arrays"], **{"k.grad.0": np.ones((3, 2))})), "has shape (3, 2)"),
+    (dict(arrays=dict(GOOD["arrays"], **{"k.value": np.array(["a"])})), "not a numeric array"),
+    (dict(arrays=dict(GOOD["arrays"], **{"k.value": np.ones((1,) * 9)})), "9 dimensions"),
+])
+def test_a_malformed_output_is_a_failure_of_its_call(change, message):
+    record, arrays = change.get("record", GOOD["record"]), change.get("arrays", GOOD["arrays"])
+    assert grader._output("k", CALL, GOOD["record"], _arrays(**GOOD["arrays"]), INPUTS)
+    with pytest.raises(grader._Malformed, match=message.replace("(", r"\(").replace(")", r"\)")):
+        grader._output("k", CALL, record, _arrays(**arrays), INPUTS)
+
+
+def test_an_exception_record_is_read_as_a_type_name_and_one_line():
+    record = {"status": "raised", "type": "NotImplementedError",
+              "message": "Task 1: naive\n" + "x" * 10_000}
+    assert grader._output("k", CALL, record, {}, INPUTS) == ("NotImplementedError",
+                                                             "Task 1: naive")
+    for forged in ({"status": "raised", "type": "os.system('x')", "message": ""},
+                   {"status": "raised", "type": "E", "message": ["not", "text"]}):
+        with pytest.raises(grader._Malformed):
+            grader._output("k", CALL, forged, {}, INPUTS)
+
+
+def test_archives_that_are_not_plain_arrays_are_refused(monkeypatch):
+    buffer = io.BytesIO()
+    np.savez(buffer, objects=np.array([{"a": 1}], dtype=object))  # needs pickle to load
+    with pytest.raises(grader._Malformed, match="cannot be read"):
+        grader._read_arrays(buffer.getvalue())
+    with pytest.raises(grader._Malformed, match="cannot be read"):
+        grader._read_arrays(b"PK\x03\x04 not a zip")
+    monkeypatch.setattr(grader, "FILE_LIMIT", 1 << 20)
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("big.npy", b"\0" * (2 << 20))  # 2 MiB that compress to 2 KiB
+    with pytest.raises(grader._Malformed, match="more than"):
+        grader._read_arrays(bomb.getvalue())
+
+
+def test_the_output_files_are_read_only_as_regular_files_within_limits(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    secret = tmp_path / "instructor-secret.json"
+    secret.write_text('{"calls": {}}')
+    (out / "task1.json").symlink_to(secret)
+    (out / "task2.json").mkdir()
+    (out / "task3.json").write_text("x" * 100)
+    (out / "task4.json").write_text("[1, 2]")
+    (out / "task5.json").write_text("{")
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
+        with pytest.raises(grader._Malformed, match="cannot be opened"):
+            grader._read_file(fd, "task1.json", 1000)  # a link is never followed
+        with pytest.raises(grader._Malformed, match="not a regular file"):
+            grader._read_file(fd, "task2.json", 1000)
+        with pytest.raises(grader._Malformed, match="more than 10"):
+            grader._read_file(fd, "task3.json", 10)
+        assert grader._read_file(fd, "task9.json", 10) is None
+        for task in (1, 2, 4, 5):
+            outcome = grader._read_task(fd, task, {}, {}, None)
+            assert "cannot be read" in outcome["error"], outcome
+        assert grader._read_task(fd, 9, {}, {}, {"timed_out": 2.5}) == {"timed_out": 2.5}
+        assert "ended without a result (wait status 9)" in grader._read_task(
+            fd, 9, {}, {}, {"wait_status": 9})["error"]
+    finally:
+        os.close(fd)
 
 
-def test_the_harness_passes_the_linter():
-    """The harness is a file of its own (``course/_harness.py``), linted as the sandbox runs it."""
+# ------------------------------------------------------------------ no sandbox: a refusal
+def test_without_a_sandbox_the_grader_refuses_unless_trusted(tmp_path, monkeypatch, capsys):
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "bwrap is not installed")
+    with pytest.raises(sandbox.SandboxUnavailable, match="bwrap is not installed; grade with "
+                                                         "--trusted"):
+        grader.grade(folder)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["grade", str(folder)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "without the sandbox: bwrap is not installed" in err
+
+
+def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_error(
+        tmp_path, monkeypatch):
+    """The limits the instructors page states; a runner that dies before writing anything (here
+    a stand-in for sandbox.run) makes every task an error that quotes its last line."""
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    seen = {}
+
+    def run(argv, workdir, *, limits, trusted, env):
+        seen.update(limits=limits, files=sorted(p.name for p in workdir.iterdir()), env=env)
+        return sandbox.Result(returncode=1, stdout=b"", stderr=b"Traceback\nboom\n",
+                              timed_out=False, truncated=False)
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(sandbox, "run", run)
+    result = grader.grade(folder, timeout=10)
+    limits = seen["limits"]
+    assert (limits.memory_bytes, limits.file_bytes, limits.processes) == (2 << 30, 256 << 20, 64)
+    assert limits.wall_seconds == 30 + 2 * (10 + 5)  # 3 tasks, two at a time: two rounds
+    assert seen["files"] == ["inputs.npz", "lab", "out", "runner.py", "spec.json"]
+    assert "OPD_GRADER_SECRET" not in seen["env"] and seen["env"]["OMP_NUM_THREADS"] == "1"
+    for task in result["tasks"].values():
+        assert task["status"] == "error" and task["messages"] == [
+            "the task's process ended without a result; the runner said: boom"]
+
+
+@pytest.mark.parametrize("kwargs, error", [(dict(trusted="yes"), TypeError),
+                                           (dict(timeout=0), ValueError),
+                                           (dict(timeout=float("nan")), ValueError)])
+def test_bad_arguments_of_grade(tmp_path, kwargs, error):
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    with pytest.raises(error, match="trusted|timeout"):
+        grader.grade(folder, **kwargs)
+
+
+# ---------------------------------------------------------------------------- the runner file
+def test_the_runner_passes_the_linter():
+    """The runner is a file of its own (``course/_runner.py``), linted as the sandbox runs it."""
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated",
                              "--line-length", "100", "--select", "E,F,W,B,I,UP",
-                             str(HARNESS_PATH)], capture_output=True, text=True)
+                             str(grader.RUNNER_PATH)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_harness_needs_only_the_standard_library_and_pytest():
-    """It runs in the sandbox as ``harness.py``, where this package is neither importable nor
-    allowed: no relative import, no ``opd_literate``, nothing installed but pytest."""
-    import ast
-
+def test_the_runner_needs_only_the_standard_library_numpy_and_torch():
+    """It runs in the sandbox as ``runner.py``, where this package is not visible: no relative
+    import, no ``opd_literate``, no pytest, nothing installed but numpy and torch."""
     imported = set()
-    for node in ast.walk(ast.parse(HARNESS_PATH.read_text())):
+    for node in ast.walk(ast.parse(grader.RUNNER_PATH.read_text())):
         if isinstance(node, ast.Import):
             imported |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "a relative import in the harness"
+            assert node.level == 0, "a relative import in the runner"
             imported.add(node.module.split(".")[0])
-    assert imported - set(sys.stdlib_module_names) == {"pytest"}
+    assert imported - set(sys.stdlib_module_names) == {"numpy", "torch"}
+
+
+@pytest.mark.slow
+def test_a_trusted_grade_runs_without_the_sandbox_and_says_so(tmp_path, monkeypatch):
+    """``trusted=True`` grades where no sandbox runs (here: told there is none), with the same
+    judgement: the full OPD solution gets full marks, and the report says how it was graded."""
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    text, _ = strip_solutions(labs.source_of("opd").read_text(), keep={1, 2, 3})
+    (folder / "opd.py").write_text(labs.flatten_imports(text))
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "no bwrap in this test")
+    result = grader.grade(folder, trusted=True)
+    assert result["trusted"] is True and result["score"] == result["total"] == 3
+    assert "graded with --trusted" in grader.format_grade(result)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from opd_literate.course import labs as course_labs
+from opd_literate.course import sandbox
 from opd_literate.course.grade import grade
 from opd_literate.course.labs import LABS, PACKAGE, write_lab
 from opd_literate.course.markers import MarkerError, solution_lines, strip_solutions
@@ -103,30 +104,34 @@ def test_running_twice_is_byte_identical(labs, tmp_path):
     assert_same(comparison)
 
 
-# Each grade starts a harness process (about 3 s), so the grading tests share the work: the OPD
-# lab is graded with Task 1 alone (by the command line) here; the mismatch lab solved but for
-# one wrong task in tests/course/test_notebooks.py, and gamed in tests/course/test_grade.py.
-# The OPD lab's full solution passes its tests in tests/opd/test_lab_opd.py, and in the grader
-# through the identity tests of Task 1, which run Tasks 2 and 3's reference versions.
+# Each grade starts a sandboxed runner (several seconds), so the grading tests share the work:
+# the OPD lab is graded with Task 1 alone (by the command line) here; the mismatch lab solved
+# but for one wrong task in tests/course/test_notebooks.py, and attacked in
+# tests/course/test_grade_attacks.py. Every case is judged in process, reference and stubs, in
+# tests/course/test_grade.py.
 def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):
-    """Task 1 alone is passed, though the identity tests of Task 1 also call Tasks 2 and 3: the
-    grader supplies their reference versions at grading time, never in the student's folder.
-    Written and graded by the command line, with its JSON report."""
+    """Task 1 alone is passed, though the identity tests of Task 1 also call Tasks 2 and 3: in
+    the cases that stand for them, only Task 1's function is the student's, and the grader
+    computes the rest with the reference in its own process (never in the sandbox). Written and
+    graded by the command line, in the sandbox where it runs, with its JSON report."""
     folder = tmp_path / "opd"
     run = subprocess.run([sys.executable, "-m", "opd_literate.course", str(folder), "--lab",
                           "opd"], capture_output=True, text=True)
     assert run.returncode == 0 and (folder / "lab.json").exists()
     _restore(folder, keep={1})
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    trusted = ["--trusted"] if sandbox.unavailable_reason() else []  # no bwrap on this machine
     graded = subprocess.run([sys.executable, "-m", "opd_literate.course", "grade", str(folder),
-                             "--json", "-"], capture_output=True, text=True)
+                             "--json", "-", *trusted], capture_output=True, text=True)
     assert graded.returncode == 0, graded.stderr
     report = json.loads(graded.stdout)["labs"][0]
     assert report["lab"] == "opd" and report["score"] == 1 and report["total"] == 3
-    assert report["files"] == {}
+    assert report["files"] == {} and report["trusted"] == bool(trusted)
     # (status, passed, tests): the tests of each task, counted by hand in tests/opd/test_lab_opd.py
     assert [(t["status"], t["passed"], t["tests"]) for t in report["tasks"].values()] == [
         ("passed", 10, 10), ("not implemented", 0, 12), ("not implemented", 0, 10)]
+    assert [c["name"] for c in report["tasks"]["1"]["cases"]][0] == (
+        "tests/test_lab_opd.py::TestTask1Rewards::test_values_and_zeros_where_masked")
     for number in ("2", "3"):
         task = report["tasks"][number]
         assert task["messages"][0].endswith(f"NotImplementedError: Task {number}: "

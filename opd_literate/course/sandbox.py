@@ -1,0 +1,859 @@
+r"""An operating-system sandbox for untrusted code: bubblewrap, resource limits, capped output.
+
+[run][opd_literate.course.sandbox.run] executes a command (typically ``sys.executable`` and a
+runner script) inside ``bwrap`` (bubblewrap), with the caller's ``workdir`` mounted read-write
+at ``/sandbox`` as the only writable place that outlives the run, and returns what it printed
+and how it ended as a [Result][opd_literate.course.sandbox.Result]. The command sees
+
+* read-only: ``/usr`` (and ``/bin``, ``/lib*`` as on the host), the Python installation
+  (``sys.base_prefix``, ``sys.prefix``) and the folders holding numpy and torch, with this
+  library masked wherever it could be found there (the package folder, its ``.dist-info``, the
+  editable-install finder and ``.pth`` files that name it); a minimal ``/etc`` (the dynamic
+  linker's cache and configuration, ``/etc/alternatives``, the time zone, and a synthetic
+  ``passwd``, ``group`` and ``hosts``);
+* fresh: ``/proc`` of its own PID namespace, a minimal ``/dev``, and on ``/tmp`` and
+  ``/dev/shm`` a ``tmpfs`` each of ``file_bytes`` (everything else is read-only, bwrap's own
+  root included);
+* nothing else: not the repository, not the instructor's files, not ``$HOME``, no network
+  (its own network namespace has only a loopback), its own IPC and UTS namespaces, no
+  capabilities, and (bubblewrap 0.8 or later) no further user namespaces.
+
+Resource limits are set by ``setrlimit`` in the sandboxed process before it executes the
+command: address space, file size, CPU seconds, no core files, and the number of processes
+(see [process_limit][opd_literate.course.sandbox.process_limit] for what bounds it where).
+A wall-clock limit kills the sandbox's PID namespace, and with it every process started in it;
+the sandbox also ends, whatever is still running in it, when the command exits. Standard
+output and standard error are each kept up to ``output_bytes``; the rest is read and
+discarded, so the caller's memory stays bounded.
+
+Where ``bwrap`` is missing or cannot create its namespaces,
+[unavailable_reason][opd_literate.course.sandbox.unavailable_reason] says why, and ``run``
+raises [SandboxUnavailable][opd_literate.course.sandbox.SandboxUnavailable] unless it is told
+``trusted=True``: then the command runs as a plain process in a session of its own, with the
+same resource limits and a scrubbed environment, and the result says it was not sandboxed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import platform
+import selectors
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+__all__ = ["SANDBOX_DIR", "SandboxUnavailable", "Limits", "Result", "unavailable_reason",
+           "process_limit", "run"]
+
+SANDBOX_DIR = "/sandbox"
+"""Where ``workdir`` is mounted inside the sandbox, and the command's working directory."""
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]  # the opd_literate folder
+_LIBRARY_NAMES = ("opd_literate", "opd-literate")
+_SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC_BINDS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+              "/etc/localtime")
+_CGROUP_PREFIX = "opd-sandbox"
+# After the command ends, how long its output pipes may stay open before the rest is dropped
+# (only a process that left the sandbox's control can hold them: see the trusted mode).
+_DRAIN_SECONDS = 1.0
+
+# Runs before the command, with the standard library only (``python -I -S``): joins the pids
+# cgroup, sets the resource limits, then runs the command. With a status descriptor it stays
+# as the command's parent and writes the command's wait status there, so that a command killed
+# by a signal is told from one that exited with status 128 + N.
+_LAUNCHER = r"""
+import json, os, resource, sys
+config = json.loads(sys.argv[1])
+command = sys.argv[2:]
+if config["cgroup_procs"]:
+    with open(config["cgroup_procs"], "w") as procs:
+        procs.write(str(os.getpid()))
+for name, (soft, hard) in config["rlimits"].items():
+    which = getattr(resource, name)
+    allowed = resource.getrlimit(which)[1]
+    if allowed != resource.RLIM_INFINITY:
+        soft, hard = min(soft, allowed), min(hard, allowed)
+    resource.setrlimit(which, (soft, hard))
+def execute():
+    try:
+        os.execv(command[0], command)
+    except OSError as error:
+        print(f"sandbox: cannot run {command[0]!r}: {error}", file=sys.stderr)
+        os._exit(127)
+status_fd = config["status_fd"]
+if status_fd is None:
+    execute()
+pid = os.fork()
+if pid == 0:
+    os.close(status_fd)
+    execute()
+_, status = os.waitpid(pid, 0)
+os.write(status_fd, str(status).encode())
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The operating-system sandbox cannot run here; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    r"""Resource limits of one run, sized for a lab's tests.
+
+    Every limit holds for each process of the sandbox (``setrlimit`` is per process), except
+    ``processes`` (all of them together, see
+    [process_limit][opd_literate.course.sandbox.process_limit]), ``wall_seconds`` (the whole
+    run) and ``output_bytes`` (each of standard output and standard error).
+    """
+
+    wall_seconds: float = 60.0
+    """Wall-clock seconds before the whole sandbox is killed (the result is ``timed_out``)."""
+    cpu_seconds: int = 60
+    """CPU seconds per process (``RLIMIT_CPU``): past it the kernel sends ``SIGXCPU``."""
+    memory_bytes: int = 4 * 2**30
+    """Address space per process (``RLIMIT_AS``): an allocation past it fails (``MemoryError``)."""
+    file_bytes: int = 64 * 2**20
+    """Largest file a process may write (``RLIMIT_FSIZE``); also the size of ``/tmp`` and of
+    ``/dev/shm``."""
+    processes: int = 64
+    """Processes and threads at once, all of the sandbox's together."""
+    output_bytes: int = 1 * 2**20
+    """Bytes kept of standard output, and of standard error; the rest is discarded."""
+
+    def __post_init__(self):
+        wall = self.wall_seconds
+        if isinstance(wall, bool) or not isinstance(wall, (int, float)):
+            raise TypeError(f"Limits.wall_seconds must be a number, got {type(wall).__name__}")
+        if not (math.isfinite(wall) and wall > 0):
+            raise ValueError(f"Limits.wall_seconds must be finite and positive, got {wall!r}")
+        for field in ("cpu_seconds", "memory_bytes", "file_bytes", "processes", "output_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Limits.{field} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"Limits.{field} must be positive, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """How a sandboxed command ended, and what it printed.
+
+    ``returncode`` follows ``subprocess``: negative ``-N`` when the command was killed by
+    signal ``N`` (``-9`` when the wall clock ran out, ``-24`` ``SIGXCPU`` past the CPU limit).
+    """
+
+    returncode: int
+    """The command's exit status, or minus the signal that killed it."""
+    stdout: bytes
+    """Standard output, at most ``Limits.output_bytes`` of it."""
+    stderr: bytes
+    """Standard error, at most ``Limits.output_bytes`` of it."""
+    timed_out: bool
+    """Whether the wall-clock limit ran out and the sandbox was killed."""
+    truncated: bool
+    """Whether standard output or standard error was longer than ``Limits.output_bytes``."""
+    sandboxed: bool = True
+    """False when the command ran with ``trusted=True``: a plain process, no OS isolation."""
+    notes: tuple[str, ...] = ()
+    """Guarantees that did not hold for this run, in words (empty when all of them held)."""
+
+
+def _bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+@functools.cache
+def _bwrap_options(bwrap: str) -> frozenset[str]:
+    """The long options this ``bwrap`` knows (``--disable-userns`` is new in 0.8.0)."""
+    completed = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10,
+                               check=False)
+    return frozenset(word for word in (completed.stdout + completed.stderr).split()
+                     if word.startswith("--"))
+
+
+def unavailable_reason() -> str | None:
+    """Why the sandbox cannot run here, or None when ``bwrap`` works.
+
+    Checked by starting a sandbox like ``run``'s (the result is remembered per ``bwrap``
+    executable, so the check costs one start, tens of milliseconds, per process).
+
+    Returns
+    -------
+    str or None
+        None when ``run`` can sandbox; otherwise the reason, in words, with what to do.
+    """
+    bwrap = _bwrap_path()
+    if bwrap is None:
+        return ("bubblewrap (bwrap) is not installed or not on PATH; install it "
+                "(Debian and Ubuntu: apt-get install bubblewrap)")
+    return _probe(os.path.realpath(bwrap))
+
+
+@functools.cache
+def _probe(bwrap: str) -> str | None:
+    with tempfile.TemporaryDirectory(prefix="opd-sandbox-probe-") as workdir:
+        argv = [sys.executable, "-I", "-S", "-c", "pass"]
+        try:
+            command, fds, _ = _bwrap_command(bwrap, argv, pathlib.Path(workdir), Limits(),
+                                             status_fd=None)
+        except OSError as error:
+            return f"bwrap could not be prepared: {error}"
+        try:
+            completed = subprocess.run(command, capture_output=True, timeout=30, check=False,
+                                       pass_fds=fds, env=_base_env({}, []),
+                                       stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"bwrap could not be started: {error}"
+        finally:
+            for fd in fds:
+                os.close(fd)
+    if completed.returncode == 0:
+        return None
+    message = completed.stderr.decode(errors="replace").strip() or f"exit {completed.returncode}"
+    return (f"bwrap cannot create its sandbox here ({message}); unprivileged user namespaces "
+            "may be disabled (sysctl user.max_user_namespaces, "
+            "kernel.unprivileged_userns_clone, or AppArmor's "
+            "kernel.apparmor_restrict_unprivileged_userns), or a container forbids them")
+
+
+def _unavailable_message(reason: str) -> str:
+    return (f"cannot sandbox untrusted code: {reason}. Run where bubblewrap works, or pass "
+            "trusted=True (--trusted) to run the code as a plain process, only for code you "
+            "trust")
+
+
+# ---------------------------------------------------------------------------------------------
+# What is visible inside: the read-only roots and the library masked in them.
+
+
+def _is_under(path: pathlib.Path, root: pathlib.Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _python_roots() -> list[pathlib.Path]:
+    """Read-only roots the interpreter needs: its prefixes and the folders of numpy, torch."""
+    roots = {pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve()}
+    for name in ("numpy", "torch"):
+        folder = _site_dir_of(name)
+        if folder is not None:
+            roots.add(folder)
+    # Keep the outermost roots: a root inside another is already bound with it. "/" is never
+    # one (it would bind the whole machine): Python then is not found inside, and the probe
+    # says so.
+    roots.discard(pathlib.Path("/"))
+    kept = [root for root in roots if not any(other != root and _is_under(root, other)
+                                              for other in roots)]
+    return sorted(kept)
+
+
+def _site_dir_of(name: str) -> pathlib.Path | None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isabs(spec.origin):
+        return None
+    # origin is <site>/numpy/__init__.py: the site folder holds the package.
+    return pathlib.Path(spec.origin).resolve().parents[1]
+
+
+def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """Folders and files of this library inside the read-only roots: (folders, files)."""
+    repository = _PACKAGE_DIR.parent
+    candidates = {_PACKAGE_DIR}
+    if (repository / "pyproject.toml").is_file() or (repository / ".git").exists():
+        candidates.add(repository)
+    site_dirs = {pathlib.Path(entry) for entry in sys.path if entry}
+    site_dirs.update(pathlib.Path(entry) for entry in site.getsitepackages())
+    site_dirs.add(pathlib.Path(site.getusersitepackages()))
+    site_dirs.update(folder for folder in map(_site_dir_of, ("numpy", "torch")) if folder)
+    markers = [str(_PACKAGE_DIR), str(repository), *_LIBRARY_NAMES]
+    for folder in site_dirs:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            lowered = entry.name.lower().replace("-", "_")
+            if lowered.startswith("opd_literate") or (
+                    lowered.startswith("__editable__") and "opd_literate" in lowered):
+                candidates.add(entry)
+            elif entry.suffix == ".pth" and entry.is_file():
+                try:
+                    text = entry.read_text(errors="replace")
+                except OSError:
+                    continue
+                if any(marker in text for marker in markers):
+                    candidates.add(entry)
+    visible = {path.resolve() for path in candidates
+               if any(_is_under(path.resolve(), root) for root in roots)}
+    folders = sorted(path for path in visible if path.is_dir())
+    files = sorted(path for path in visible if not path.is_dir())
+    return folders, files
+
+
+def _etc_files(uid: int, gid: int) -> dict[str, bytes]:
+    users = "root:x:0:0:root:/tmp:/usr/sbin/nologin\n"
+    groups = "root:x:0:\n"
+    if uid != 0:
+        users += f"sandbox:x:{uid}:{gid}:sandbox:/tmp:/usr/sbin/nologin\n"
+    if gid != 0:
+        groups += f"sandbox:x:{gid}:\n"
+    return {"/etc/passwd": users.encode(), "/etc/group": groups.encode(),
+            "/etc/hosts": b"127.0.0.1 localhost\n::1 localhost\n"}
+
+
+def _data_fd(data: bytes) -> int:
+    """A pipe's read end holding ``data`` (bwrap's ``--ro-bind-data`` reads a file from it)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, data)  # a few hundred bytes: within any pipe's buffer
+    finally:
+        os.close(write_end)
+    return read_end
+
+
+def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: Limits,
+                   status_fd: int | None, info_fd: int | None = None,
+                   ) -> tuple[list[str], list[int], list[pathlib.Path]]:
+    """The ``bwrap`` command line, the descriptors it reads, and the read-only roots."""
+    options = _bwrap_options(bwrap)
+
+    def sized(size: int) -> list[str]:
+        return ["--size", str(size)] if "--size" in options else []
+
+    roots = _python_roots()
+    mask_folders, mask_files = _library_masks(roots)
+    command = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+               "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL", "--hostname", "sandbox"]
+    if "--disable-userns" in options:
+        command.append("--disable-userns")
+    if info_fd is not None:
+        command += ["--info-fd", str(info_fd)]
+    command += ["--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_DIRS:
+        if os.path.islink(name):
+            command += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            command += ["--ro-bind", name, name]
+    for name in _ETC_BINDS:
+        if os.path.lexists(name):
+            if os.path.islink(name):
+                command += ["--symlink", os.readlink(name), name]
+            else:
+                command += ["--ro-bind", name, name]
+    fds = []
+    for name, data in _etc_files(os.getuid(), os.getgid()).items():
+        fds.append(_data_fd(data))
+        command += ["--ro-bind-data", str(fds[-1]), name]
+    # Roots, then the masks inside them, in path order so that a mask covers what it hides.
+    mounts = [(root, "root") for root in roots if not _is_under(root, pathlib.Path("/usr"))]
+    mounts += [(folder, "folder") for folder in mask_folders]
+    mounts += [(file, "file") for file in mask_files]
+    for path, kind in sorted(mounts, key=lambda mount: mount[0].parts):
+        if kind == "root":
+            command += ["--ro-bind", str(path), str(path)]
+        elif kind == "folder":
+            command += [*sized(4096), "--tmpfs", str(path)]
+        else:
+            command += ["--ro-bind", "/dev/null", str(path)]
+    command += ["--proc", "/proc", "--dev", "/dev",
+                *sized(limits.file_bytes), "--tmpfs", "/dev/shm",
+                *sized(limits.file_bytes), "--tmpfs", "/tmp",
+                "--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR]
+    # bwrap's root and /dev are tmpfs of the size of the machine's memory, writable: read-only
+    # once the mount points exist, so that only /tmp, /dev/shm and /sandbox can be written.
+    for folder in (*mask_folders, pathlib.Path("/dev"), pathlib.Path("/")):
+        command += ["--remount-ro", str(folder)]
+    launcher = {"cgroup_procs": None, "rlimits": _rlimits(limits, inside_user_namespace=True),
+                "status_fd": status_fd}
+    command += ["--", sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher), *argv]
+    return command, fds, roots
+
+
+# ---------------------------------------------------------------------------------------------
+# Resource limits, and what bounds the number of processes.
+
+
+def _kernel_counts_processes_per_user_namespace() -> bool:
+    """Linux 5.14 and later count ``RLIMIT_NPROC`` per user namespace (ucounts)."""
+    release = platform.release().split("-")[0].split(".")
+    try:
+        major, minor = int(release[0]), int(release[1])
+    except (IndexError, ValueError):
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def _tasks_of_user(uid: int) -> int:
+    """Processes and threads the real user ``uid`` runs now, machine-wide (from ``/proc``)."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return count
+
+
+def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, tuple[int, int]]:
+    """The ``setrlimit`` (soft, hard) values, by ``resource`` name."""
+    rlimits = {"RLIMIT_AS": (limits.memory_bytes,) * 2, "RLIMIT_FSIZE": (limits.file_bytes,) * 2,
+               # SIGXCPU at the soft limit; SIGKILL a second later, if it was caught or ignored.
+               "RLIMIT_CPU": (limits.cpu_seconds, limits.cpu_seconds + 1),
+               "RLIMIT_CORE": (0, 0)}
+    if os.getuid() != 0:
+        # RLIMIT_NPROC counts the processes of the real user: in the sandbox's own user
+        # namespace only its own (Linux 5.14+), elsewhere every process of the user, which
+        # the limit must then leave room for.
+        processes = limits.processes
+        if not (inside_user_namespace and _kernel_counts_processes_per_user_namespace()):
+            processes += _tasks_of_user(os.getuid())
+        rlimits["RLIMIT_NPROC"] = (processes, processes)
+    return rlimits
+
+
+def _pids_cgroup_parent() -> pathlib.Path | None:
+    """A pids cgroup (v2, or v1's pids hierarchy) in which this process may create a child."""
+    try:
+        with open("/proc/self/cgroup") as own:
+            memberships = [line.rstrip("\n").split(":", 2) for line in own]
+        with open("/proc/self/mounts") as mounts:
+            mounted = [line.split() for line in mounts]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, path in memberships:
+        for fields in mounted:
+            mount_point, kind, mount_options = fields[1], fields[2], fields[3].split(",")
+            if controllers == "" and kind == "cgroup2":
+                folder = pathlib.Path(mount_point + path)
+                try:
+                    available = (folder / "cgroup.subtree_control").read_text().split()
+                except OSError:
+                    continue
+                if "pids" in available:
+                    candidates.append(folder)
+            elif kind == "cgroup" and "pids" in controllers.split(",") \
+                    and "pids" in mount_options:
+                candidates.append(pathlib.Path(mount_point + path))
+    for folder in candidates:
+        if os.access(folder, os.W_OK):
+            return folder
+    return None
+
+
+class _PidsCgroup:
+    """A child cgroup whose ``pids.max`` bounds every process started in it."""
+
+    def __init__(self, parent: pathlib.Path, processes: int):
+        self.folder = parent / f"{_CGROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
+        self.folder.mkdir()
+        try:
+            (self.folder / "pids.max").write_text(str(processes))
+        except OSError:
+            self.folder.rmdir()
+            raise
+        self.procs = self.folder / "cgroup.procs"
+
+    def kill_all(self):
+        """SIGKILL whatever is left in it, until it is empty (a process may be forking)."""
+        for _ in range(100):
+            try:
+                pids = [int(pid) for pid in self.procs.read_text().split()]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+
+    def remove(self):
+        self.kill_all()
+        for _ in range(100):
+            try:
+                self.folder.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)  # the last processes are still being reaped
+
+
+def _open_cgroup(limits: Limits) -> _PidsCgroup | None:
+    parent = _pids_cgroup_parent()
+    if parent is None:
+        return None
+    try:
+        return _PidsCgroup(parent, limits.processes)
+    except OSError:
+        return None
+
+
+def process_limit(trusted: bool = False) -> str:
+    """What bounds the number of processes of a run here, in words.
+
+    In order of preference: a pids cgroup of its own (where this process may create one: as
+    root, or in a delegated cgroup); else ``RLIMIT_NPROC`` in the sandbox's own user namespace
+    (a user other than root, Linux 5.14 or later: the limit counts the sandbox's processes
+    only); else ``RLIMIT_NPROC`` over all the user's processes, raised by the number the user
+    runs when the run starts. As root without a pids cgroup nothing bounds it (the kernel does
+    not apply ``RLIMIT_NPROC`` to root), though every process still dies with the sandbox.
+
+    Parameters
+    ----------
+    trusted : bool
+        Describe a ``trusted=True`` run (no user namespace) instead of a sandboxed one.
+
+    Returns
+    -------
+    str
+        The mechanism; it starts with ``"none"`` when nothing bounds the count.
+    """
+    parent = _pids_cgroup_parent()
+    if parent is not None:
+        return f"pids cgroup (pids.max under {parent})"
+    if os.getuid() == 0:
+        return "none: running as root, without a pids cgroup this process may create"
+    if not trusted and _kernel_counts_processes_per_user_namespace():
+        return "RLIMIT_NPROC in the sandbox's own user namespace"
+    return "RLIMIT_NPROC over all the user's processes, raised by those running at the start"
+
+
+# ---------------------------------------------------------------------------------------------
+# Running: the environment, the output caps, the wall clock.
+
+
+def _base_env(env: dict[str, str], extra_paths: list[str]) -> dict[str, str]:
+    """A scrubbed environment: minimal PATH, HOME, LANG, TMPDIR, then the caller's ``env``."""
+    base = {"PATH": f"{os.path.join(sys.prefix, 'bin')}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+    if extra_paths:
+        base["PYTHONPATH"] = os.pathsep.join(extra_paths)
+    base.update(env)
+    return base
+
+
+def _check_arguments(argv, workdir, limits, env) -> tuple[list[str], pathlib.Path, dict]:
+    if not isinstance(argv, (list, tuple)) or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"argv must be a list of str, got {argv!r}")
+    if not argv:
+        raise ValueError("argv must not be empty: argv[0] is the program to run")
+    if any("\0" in a for a in argv):
+        raise ValueError(f"argv must not contain NUL characters, got {argv!r}")
+    if not isinstance(workdir, (str, os.PathLike)):
+        raise TypeError(f"workdir must be a path, got {type(workdir).__name__}")
+    workdir = pathlib.Path(workdir).resolve()
+    if not workdir.is_dir():
+        raise ValueError(f"workdir must be an existing folder, got {str(workdir)!r}")
+    if not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a Limits, got {type(limits).__name__}")
+    if env is None:
+        env = {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise TypeError(f"env must be a dict of str to str, got {env!r}")
+    program = argv[0] if "/" in argv[0] else shutil.which(argv[0])
+    if program is None:
+        raise ValueError(f"argv[0] {argv[0]!r} is not a program on PATH")
+    return [os.path.abspath(program), *argv[1:]], workdir, env
+
+
+def _visible_inside(program: str, roots: list[pathlib.Path]) -> bool:
+    real = pathlib.Path(program).resolve()
+    visible = [pathlib.Path("/usr"), *roots,
+               *(pathlib.Path(d) for d in _SYSTEM_DIRS if not os.path.islink(d))]
+    return any(_is_under(real, root) for root in visible)
+
+
+def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
+        trusted: bool = False, env: dict | None = None) -> Result:
+    r"""Run ``argv`` in the sandbox, with ``workdir`` as its only lasting writable folder.
+
+    Parameters
+    ----------
+    argv : list of str
+        The command; ``argv[0]`` is the program (an absolute path, or a name found on PATH),
+        which must be visible inside: typically ``sys.executable``, with a script the caller
+        put in ``workdir`` (a path relative to it, since the command runs in it).
+    workdir : pathlib.Path
+        An existing folder, mounted read-write at ``/sandbox`` (the working directory). With
+        ``trusted=True`` the command runs in it where it is.
+    limits : Limits
+        The resource limits.
+    trusted : bool
+        Run without the sandbox, as a plain process in its own session with the same resource
+        limits and scrubbed environment, only for code that is trusted: nothing stops it from
+        reading or writing any file the user may, using the network, or leaving a process that
+        put itself in a new session behind (unless a pids cgroup is available, which is
+        emptied).
+    env : dict of str to str, optional
+        Variables for the command, over a minimal ``PATH``, ``HOME`` and ``TMPDIR`` (``/tmp``)
+        and ``LANG``; nothing of the caller's environment is passed.
+
+    Returns
+    -------
+    Result
+        The exit status, the capped output, and whether it timed out or was truncated.
+
+    Raises
+    ------
+    SandboxUnavailable
+        Without ``trusted``, where ``bwrap`` is missing or cannot create its namespaces
+        (see [unavailable_reason][opd_literate.course.sandbox.unavailable_reason]).
+    TypeError, ValueError
+        A malformed ``argv``, ``workdir``, ``limits`` or ``env``, or an ``argv[0]`` that would
+        not be visible inside the sandbox.
+
+    Examples
+    --------
+    >>> import sys, tempfile, pathlib
+    >>> from opd_literate.course import sandbox
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     result = sandbox.run([sys.executable, "-c", "print(6 * 7)"], pathlib.Path(folder),
+    ...                          trusted=sandbox.unavailable_reason() is not None)
+    >>> result.returncode, result.stdout, result.timed_out
+    (0, b'42\n', False)
+    """
+    argv, workdir, env = _check_arguments(argv, workdir, limits, env)
+    notes = []
+    if trusted:
+        notes.append("trusted: a plain process, no filesystem, network or PID isolation")
+        rlimits = _rlimits(limits, inside_user_namespace=False)
+        command_prefix, fds, roots, status_read, info_read = None, [], [], None, None
+    else:
+        bwrap = _bwrap_path()
+        reason = unavailable_reason()
+        if reason is not None:
+            raise SandboxUnavailable(_unavailable_message(reason))
+        rlimits = None
+        status_read, status_write = os.pipe()
+        info_read, info_write = os.pipe()
+        command_prefix, fds, roots = _bwrap_command(os.path.realpath(bwrap), argv, workdir,
+                                                    limits, status_fd=status_write,
+                                                    info_fd=info_write)
+        fds += [status_write, info_write]
+        if not _visible_inside(argv[0], roots):
+            for fd in (*fds, status_read, info_read):
+                os.close(fd)
+            raise ValueError(f"argv[0] {argv[0]!r} is not visible inside the sandbox (read-only "
+                             f"roots: /usr, {', '.join(map(str, roots))})")
+    cgroup = _open_cgroup(limits)
+    if cgroup is None and os.getuid() == 0:
+        notes.append("process count not bounded: running as root (the kernel does not apply "
+                     "RLIMIT_NPROC to root) without a pids cgroup this process may create")
+    launcher = {"cgroup_procs": str(cgroup.procs) if cgroup else None,
+                "rlimits": rlimits or {}, "status_fd": None}
+    launcher_argv = [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher)]
+    if trusted:
+        command = [*launcher_argv, *argv]
+        extra_paths = []
+    else:
+        # The outer launcher only joins the cgroup (the limits are set inside the sandbox).
+        command = [*launcher_argv, *command_prefix] if cgroup else command_prefix
+        extra_paths = [str(root) for root in roots if _is_extra_site(root)]
+    try:
+        return _supervise(command, workdir, limits, fds, status_read, info_read, cgroup,
+                          _base_env(env, extra_paths), sandboxed=not trusted,
+                          notes=tuple(notes))
+    finally:
+        for fd in (*fds, status_read, info_read):
+            if fd is not None:
+                os.close(fd)
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def _is_extra_site(root: pathlib.Path) -> bool:
+    """A read-only root outside the interpreter's prefixes: a site folder the sandboxed
+    interpreter must be told about (a user site, or a folder on the caller's PYTHONPATH)."""
+    prefixes = [pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve()]
+    return not any(_is_under(root, prefix) for prefix in prefixes)
+
+
+class _CappedStream:
+    """Bytes read from a pipe, kept up to a cap; the rest is read and dropped."""
+
+    def __init__(self, cap: int):
+        self.cap, self.chunks, self.kept, self.truncated = cap, [], 0, False
+
+    def feed(self, data: bytes):
+        room = self.cap - self.kept
+        if len(data) > room:
+            self.truncated = True
+            data = data[:room]
+        if data:
+            self.chunks.append(data)
+            self.kept += len(data)
+
+    def value(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def _supervise(command, workdir, limits, fds, status_read, info_read, cgroup, env, sandboxed,
+               notes):
+    deadline = time.monotonic() + limits.wall_seconds
+    process = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
+                               start_new_session=True)
+    # The child holds its own copies: the pipes reach end of file when it closes them.
+    while fds:
+        os.close(fds.pop())
+    out, err = _CappedStream(limits.output_bytes), _CappedStream(limits.output_bytes)
+    sinks = {process.stdout.fileno(): out.feed, process.stderr.fileno(): err.feed}
+    status, first = bytearray(), _FirstProcess()
+    if status_read is not None:
+        sinks[status_read] = functools.partial(_append_capped, status)
+    if info_read is not None:
+        sinks[info_read] = first.feed
+    selector = selectors.DefaultSelector()
+    for fd in sinks:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ)
+    timed_out, ended_at = False, None
+    try:
+        while selector.get_map():
+            now = time.monotonic()
+            if ended_at is None and _has_exited(process):
+                ended_at = now
+            if ended_at is not None:
+                # Only a process that left the session (trusted mode) keeps a pipe open now.
+                limit = min(deadline, ended_at + _DRAIN_SECONDS)
+            else:
+                limit = deadline
+            if now >= limit:
+                if ended_at is not None or timed_out:
+                    break
+                timed_out = True
+                _kill(process, first, cgroup)
+                deadline = now + _DRAIN_SECONDS
+                continue
+            for key, _ in selector.select(timeout=limit - now):
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if data:
+                    sinks[key.fd](data)
+                else:
+                    selector.unregister(key.fd)
+    finally:
+        selector.close()
+        # Before the leader is reaped, its process group cannot be another's.
+        _kill(process, first, cgroup)
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
+        first.close()
+    returncode = process.returncode
+    if bytes(status).isdigit():
+        returncode = os.waitstatus_to_exitcode(int(status))
+    elif timed_out:
+        returncode = -signal.SIGKILL
+    return Result(returncode=returncode, stdout=out.value(), stderr=err.value(),
+                  timed_out=timed_out, truncated=out.truncated or err.truncated,
+                  sandboxed=sandboxed, notes=notes)
+
+
+def _append_capped(buffer: bytearray, data: bytes, cap: int = 4096):
+    buffer += data[:max(cap - len(buffer), 0)]
+
+
+def _has_exited(process: subprocess.Popen) -> bool:
+    """Whether the process has ended, without reaping it (``WNOWAIT``)."""
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+class _FirstProcess:
+    """The sandbox's first process, from ``bwrap --info-fd``, held by a pidfd once known (a
+    pidfd names that process even after its PID is reused, so a late kill cannot miss)."""
+
+    def __init__(self):
+        self.info, self.pidfd, self.pid = bytearray(), None, None
+
+    def feed(self, data: bytes):
+        _append_capped(self.info, data)
+        if self.pid is not None:
+            return
+        try:
+            pid = json.loads(bytes(self.info).decode())["child-pid"]
+        except (ValueError, KeyError, TypeError):
+            return  # not all of it yet
+        if not isinstance(pid, int) or pid <= 1:
+            return
+        self.pid = pid
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.pidfd = None  # Linux before 5.3: kill by PID while bwrap runs (see _kill)
+
+    def kill(self) -> bool:
+        """SIGKILL it; whether a signal was sent."""
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            elif self.pid is not None:
+                os.kill(self.pid, signal.SIGKILL)
+            else:
+                return False
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self):
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _kill(process: subprocess.Popen, first: _FirstProcess, cgroup: _PidsCgroup | None):
+    """SIGKILL what is left of the run: the sandbox's first process, the session, the cgroup.
+
+    The sandbox's first process is killed first: the kernel then kills every process of its
+    PID namespace, and ``bwrap`` exits only once it has reaped it, so that when ``bwrap`` has
+    been waited for, nothing of the sandbox runs. The session (``bwrap`` itself, or the trusted
+    command and its children) is killed next; this runs before ``bwrap`` is reaped, so that its
+    process group cannot be another's."""
+    if process.returncode is not None:
+        return
+    # Without a pidfd, the PID is only safe to use while bwrap, its parent, has not exited.
+    if (first.pidfd is not None or not _has_exited(process)) and first.kill():
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if cgroup is not None:
+        cgroup.kill_all()

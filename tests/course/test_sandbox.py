@@ -1,0 +1,850 @@
+"""The operating-system sandbox against code that attacks it.
+
+Each attack is a small script run through ``sandbox.run``, with a canary it must not reach (a
+file outside the working folder, the library's source, a listening socket, a process of the
+caller's) and a marker in its command line, so that a process it leaves behind is found in
+``/proc`` after ``run`` returns. Tests that need bubblewrap skip where it cannot run (set
+``OPD_REQUIRE_SANDBOX=1`` to make them fail instead, as ``.ci/run`` does).
+"""
+
+import math
+import os
+import pathlib
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import tracemalloc
+import uuid
+
+import pytest
+
+from opd_literate.course import sandbox
+from opd_literate.course.sandbox import Limits, Result, SandboxUnavailable
+
+REPOSITORY = pathlib.Path(sandbox.__file__).resolve().parents[2]
+PACKAGE = REPOSITORY / "opd_literate"
+
+_REASON = sandbox.unavailable_reason()
+if _REASON is not None and os.environ.get("OPD_REQUIRE_SANDBOX") == "1":
+    raise RuntimeError(f"OPD_REQUIRE_SANDBOX=1 but the sandbox is unavailable: {_REASON}")
+needs_bwrap = pytest.mark.skipif(_REASON is not None, reason=f"no sandbox here: {_REASON}")
+
+_UNPRIVILEGED = 65534  # nobody
+
+# Short limits for the attacks that would otherwise run until the default 60 s.
+QUICK = Limits(wall_seconds=5.0, cpu_seconds=5, processes=16)
+
+
+def _script(workdir: pathlib.Path, body: str, marker: str = "") -> list[str]:
+    """The command that runs ``body`` from a file in ``workdir``, ``marker`` in its argv."""
+    (workdir / "attack.py").write_text(textwrap.dedent(body))
+    return [sys.executable, "attack.py", *([marker] if marker else [])]
+
+
+def _survivors(marker: str) -> list[int]:
+    """Processes on the machine whose command line contains ``marker``."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _shell_runs(marker: str) -> bool:
+    """Whether a ``/bin/sh`` whose command line holds ``marker`` runs on the machine."""
+    for pid in _survivors(marker):
+        try:
+            if pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/sh\0"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    folder = tmp_path / "work"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
+def marker():
+    return f"opd-sandbox-marker-{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the command sees and may write.
+
+
+@needs_bwrap
+def test_workdir_is_the_writable_working_folder(workdir):
+    (workdir / "given.txt").write_text("input")
+    argv = _script(workdir, """
+        import os
+        print(os.getcwd(), open("given.txt").read())
+        open("answer.txt", "w").write("output")
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"/sandbox input\n"
+    assert (workdir / "answer.txt").read_text() == "output"
+    assert result.sandboxed and not result.timed_out and not result.truncated
+
+
+@needs_bwrap
+def test_canary_outside_the_workdir_is_never_written(tmp_path, workdir):
+    outside = [tmp_path / "canary.txt", REPOSITORY / f"canary-{uuid.uuid4().hex}.txt",
+               pathlib.Path(sys.prefix) / "canary.txt"]
+    argv = _script(workdir, f"""
+        import os
+        for path in {[str(p) for p in outside]!r}:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                open(path, "w").write("escaped")
+                print("wrote inside the sandbox only", path)
+            except OSError as error:
+                print("refused", path, type(error).__name__)
+    """)
+    try:
+        result = sandbox.run(argv, workdir)
+        assert result.returncode == 0, result.stderr
+        assert [path for path in outside if path.exists()] == []
+        # The sandbox's own /tmp is a fresh tmpfs: the first write succeeded there, not here.
+        assert b"wrote inside the sandbox only " + str(outside[0]).encode() in result.stdout
+        assert b"refused " + str(outside[2]).encode() + b" OSError" in result.stdout
+    finally:
+        for path in outside[1:]:
+            path.unlink(missing_ok=True)
+
+
+@needs_bwrap
+def test_only_the_workdir_tmp_and_shm_are_writable(workdir):
+    places = ["/sandbox", "/tmp", "/dev/shm", "/", "/etc", "/dev", "/usr", "/proc",
+              str(pathlib.Path(sys.prefix).resolve()), str(pathlib.Path.home())]
+    argv = _script(workdir, f"""
+        import os
+        for place in {places!r}:
+            try:
+                open(os.path.join(place, "written.txt"), "w").close()
+                print(place, "written")
+            except OSError as error:
+                print(place, type(error).__name__)
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    outcome = dict(line.rsplit(" ", 1) for line in result.stdout.decode().splitlines())
+    assert {place for place, what in outcome.items() if what == "written"} == {
+        "/sandbox", "/tmp", "/dev/shm"}
+    assert len(outcome) == len(places)
+
+
+@needs_bwrap
+def test_dev_holds_only_the_harmless_devices(workdir):
+    argv = _script(workdir, """
+        import os, stat
+        print(sorted(name for name in os.listdir("/dev")
+                     if stat.S_ISCHR(os.lstat(f"/dev/{name}").st_mode)))
+        print(sorted(name for name in os.listdir("/dev")
+                     if stat.S_ISDIR(os.lstat(f"/dev/{name}").st_mode)))
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode().splitlines() == [
+        str(["full", "null", "random", "tty", "urandom", "zero"]), str(["pts", "shm"])]
+
+
+@needs_bwrap
+def test_tmp_and_shm_hold_at_most_file_bytes(workdir):
+    limits = Limits(file_bytes=2**20)
+    argv = _script(workdir, """
+        import errno
+        for place in ("/tmp", "/dev/shm"):
+            written = 0
+            try:
+                for index in range(8):
+                    with open(f"{place}/part{index}", "wb") as part:
+                        part.write(b"x" * 2**19)
+                    written += 2**19
+            except OSError as error:
+                print(place, written, errno.errorcode[error.errno])
+    """)
+    result = sandbox.run(argv, workdir, limits=limits)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"/tmp 1048576 ENOSPC\n/dev/shm 1048576 ENOSPC\n"
+
+
+@needs_bwrap
+def test_the_library_and_the_repository_cannot_be_read(workdir):
+    targets = [PACKAGE / "opd.py", PACKAGE / "course" / "grade.py", REPOSITORY / ".git",
+               REPOSITORY / "tests", pathlib.Path("/work/main/opd_literate/opd.py"),
+               pathlib.Path("/etc/shadow")]
+    # What an installation of the library leaves in site-packages (here, the editable one).
+    targets += [entry for folder in map(pathlib.Path, site.getsitepackages())
+                if folder.is_dir() for entry in folder.iterdir()
+                if "opd_literate" in entry.name.replace("-", "_")]
+    argv = _script(workdir, f"""
+        import os
+        for path in {[str(p) for p in targets]!r}:
+            try:
+                if os.path.isdir(path):
+                    print("listed", path, os.listdir(path))
+                else:
+                    open(path, "rb").read()
+                    print("read", path)
+            except OSError as error:
+                print("refused", path, type(error).__name__)
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert all(line.startswith("refused ") or line.endswith(" []") for line in lines), lines
+    assert len(lines) == len(targets)
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_the_callers_home_holds_only_the_way_to_python(workdir):
+    home = pathlib.Path.home().resolve()
+    prefix = pathlib.Path(sys.prefix).resolve()
+    # Python may be installed in the home (pyenv, conda): the folders leading to it appear.
+    expected = sorted({prefix.relative_to(home).parts[0]}) if home in prefix.parents else []
+    argv = _script(workdir, f"""
+        import os
+        print(sorted(os.listdir({str(home)!r})) if os.path.isdir({str(home)!r}) else [])
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{expected}\n".encode()
+
+
+@needs_bwrap
+def test_importing_the_library_fails(workdir):
+    argv = _script(workdir, """
+        import importlib.util, sys
+        print(importlib.util.find_spec("opd_literate"))
+        print([p for p in sys.path if "opd" in p])
+        import opd_literate
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.stdout == b"None\n[]\n"
+    assert result.returncode == 1
+    assert b"ModuleNotFoundError: No module named 'opd_literate'" in result.stderr
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_numpy_and_torch_are_importable(workdir):
+    argv = _script(workdir, """
+        import numpy, torch
+        print(numpy.arange(4).sum(), torch.ones(3).sum().item())
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"6 3.0\n"
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_environment_is_scrubbed(workdir, monkeypatch):
+    monkeypatch.setenv("OPD_SECRET_TOKEN", "hunter2")
+    argv = _script(workdir, """
+        import json, os
+        print(json.dumps(dict(os.environ), sort_keys=True))
+    """)
+    result = sandbox.run(argv, workdir, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    environment = __import__("json").loads(result.stdout)
+    assert "OPD_SECRET_TOKEN" not in environment and b"hunter2" not in result.stdout
+    assert environment["OMP_NUM_THREADS"] == "1"
+    assert environment["HOME"] == "/tmp" and environment["LANG"] == "C.UTF-8"
+    # bwrap sets PWD (its --chdir); PYTHONPATH only names site folders outside the Python
+    # installation, where numpy or torch was found there.
+    assert set(environment) - {"PYTHONPATH"} == {"PATH", "HOME", "TMPDIR", "LANG", "PWD",
+                                                  "OMP_NUM_THREADS"}
+    prefixes = [pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve()]
+    for folder in environment.get("PYTHONPATH", "").split(os.pathsep) if "PYTHONPATH" in \
+            environment else []:
+        assert not any(prefix in pathlib.Path(folder).parents for prefix in prefixes)
+
+
+NAMESPACES = ("user", "pid", "net", "ipc", "uts", "mnt")
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_own_namespaces_and_session_no_capabilities_no_new_user_namespaces(workdir):
+    argv = _script(workdir, f"""
+        import ctypes, os, socket
+        print([os.stat(f"/proc/self/ns/{{name}}").st_ino for name in {NAMESPACES!r}])
+        print(socket.gethostname(), os.getsid(0) != os.getpid(), os.getsid(0))
+        status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        print(int(status["CapEff"], 16), int(status["CapBnd"], 16))
+        libc = ctypes.CDLL(None, use_errno=True)
+        CLONE_NEWUSER = 0x10000000
+        print(libc.unshare(CLONE_NEWUSER), ctypes.get_errno() != 0)
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    inodes, host_and_session, capabilities, user_namespace = result.stdout.decode().splitlines()
+    ours = [os.stat(f"/proc/self/ns/{name}").st_ino for name in NAMESPACES]
+    assert all(a != b for a, b in zip(eval(inodes), ours, strict=True)), (inodes, ours)
+    # A session whose leader is inside the PID namespace (bwrap's --new-session): a session
+    # led from outside it would read as 0.
+    hostname, not_leader, session = host_and_session.split()
+    assert (hostname, not_leader) == ("sandbox", "True") and int(session) >= 1
+    assert capabilities == "0 0"
+    if "--disable-userns" in sandbox._bwrap_options(os.path.realpath(sandbox._bwrap_path())):
+        assert user_namespace == "-1 True"
+
+
+# ---------------------------------------------------------------------------------------------
+# Network and processes.
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_the_callers_listening_socket_is_unreachable(workdir):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        argv = _script(workdir, f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=2).sendall(b"leak")
+                print("connected")
+            except OSError as error:
+                print("refused", type(error).__name__)
+        """)
+        result = sandbox.run(argv, workdir, limits=QUICK)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == b"refused ConnectionRefusedError\n"
+        with pytest.raises(BlockingIOError):
+            server.accept()
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_a_process_of_the_caller_cannot_be_signalled(workdir):
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        argv = _script(workdir, f"""
+            import os, signal
+            for attempt in ("kill", "pidfd"):
+                try:
+                    if attempt == "kill":
+                        os.kill({victim.pid}, signal.SIGTERM)
+                    else:
+                        signal.pidfd_send_signal(os.pidfd_open({victim.pid}), signal.SIGTERM)
+                    print(attempt, "sent")
+                except OSError as error:
+                    print(attempt, type(error).__name__)
+            print(os.path.exists("/proc/{victim.pid}"), sorted(
+                int(p) for p in os.listdir("/proc") if p.isdigit()))
+        """)
+        result = sandbox.run(argv, workdir, limits=QUICK)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.decode().splitlines()
+        assert lines[:2] == ["kill ProcessLookupError", "pidfd ProcessLookupError"]
+        # Its own PID namespace: bwrap's init, the launcher, the script; nothing of ours.
+        assert lines[2] == "False [1, 2, 3]"
+        time.sleep(0.1)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_a_fork_bomb_is_bounded_and_dies_with_the_run(workdir, marker):
+    if sandbox.process_limit().startswith("none"):
+        pytest.skip(f"nothing bounds the process count here: {sandbox.process_limit()}")
+    argv = _script(workdir, """
+        import os, time
+        started = 0
+        for _ in range(200):
+            try:
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                started += 1
+            except OSError as error:
+                print("refused after", started, type(error).__name__)
+                break
+        print("started", started, flush=True)
+    """, marker)
+    start = time.monotonic()
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert time.monotonic() - start < QUICK.wall_seconds
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    started = int(lines[-1].split()[1])
+    # bwrap's init, the launcher and the script count too.
+    assert started <= QUICK.processes - 3
+    assert lines[0].startswith("refused after") and lines[0].endswith("BlockingIOError")
+    assert _survivors(marker) == []
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_fork_exec_of_a_shell_has_no_effect_outside(tmp_path, workdir, marker):
+    canary = tmp_path / "canary.txt"
+    argv = _script(workdir, f"""
+        import _posixsubprocess, subprocess
+        calls = []
+        real = _posixsubprocess.fork_exec
+        assert subprocess._fork_exec is real  # Popen's route to it (Python 3.11 to 3.13)
+        def spy(*arguments):
+            calls.append(arguments[0])
+            return real(*arguments)
+        subprocess._fork_exec = spy
+        shell = ("echo escaped > {canary}; echo ran > shell.txt; "
+                 "(sleep 30; echo late > {canary}) &")
+        subprocess.Popen(["/bin/sh", "-c", shell, "{marker}"]).wait()
+        print(len(calls))
+    """, marker)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"1\n"  # the shell was started by _posixsubprocess.fork_exec
+    assert (workdir / "shell.txt").read_text() == "ran\n"
+    assert str(canary).encode() in result.stderr  # the shell could not create it
+    assert not canary.exists()
+    assert _survivors(marker) == []
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_a_daemon_does_not_outlive_the_run(workdir, marker):
+    argv = _script(workdir, """
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+            os._exit(0)
+        os.wait()
+        print("daemonized")
+    """, marker)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"daemonized\n"
+    assert _survivors(marker) == []
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_an_infinite_loop_times_out_and_everything_is_killed(workdir, marker):
+    argv = _script(workdir, """
+        import os, sys
+        if os.fork() == 0:
+            os.setsid()
+            os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+        print("looping", flush=True)
+        while True:
+            pass
+    """, marker)
+    limits = Limits(wall_seconds=1.0)
+    start = time.monotonic()
+    result = sandbox.run(argv, workdir, limits=limits)
+    elapsed = time.monotonic() - start
+    assert result.timed_out and result.returncode == -signal.SIGKILL
+    assert result.stdout == b"looping\n"  # what it printed before the kill is kept
+    # The kill and the namespace's teardown take milliseconds; 3 s allows for a loaded machine.
+    assert limits.wall_seconds <= elapsed < limits.wall_seconds + 3
+    assert _survivors(marker) == []
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_the_sandbox_dies_with_a_grader_killed_by_sigkill(workdir, marker):
+    """A grader killed by SIGKILL runs no cleanup: bwrap's --die-with-parent ends the sandbox."""
+    argv = _script(workdir, """
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+        print("started", flush=True)
+        time.sleep(30)
+    """, marker)
+    grader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, sys
+        sys.path.insert(0, {str(REPOSITORY)!r})
+        from opd_literate.course import sandbox
+        sandbox.run({argv!r}, pathlib.Path({str(workdir)!r}))
+    """)], env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    try:
+        # Kill it once the student's shell runs (bwrap's own command line holds the marker too,
+        # and SIGKILL during bwrap's setup is another case: see the instructors page).
+        deadline = time.monotonic() + 20
+        while not _shell_runs(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _shell_runs(marker)
+    finally:
+        grader.kill()
+        grader.wait()
+    deadline = time.monotonic() + 5
+    while _survivors(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _survivors(marker) == []
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_sleeping_past_the_wall_clock_times_out(workdir):
+    argv = _script(workdir, "import time\ntime.sleep(60)\n")
+    result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=0.5))
+    assert result.timed_out and result.returncode == -signal.SIGKILL
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory, files, CPU, output.
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_allocating_6_gib_fails(workdir):
+    assert Limits().memory_bytes < 6 * 2**30
+    # np.empty only reserves address space: without the limit it would succeed without
+    # touching the machine's memory, so the test cannot hurt a machine where the limit fails.
+    argv = _script(workdir, """
+        import numpy
+        try:
+            block = numpy.empty(6 * 2**30, dtype=numpy.uint8)
+            print("allocated", block.nbytes)
+        except MemoryError:
+            print("MemoryError")
+    """)
+    result = sandbox.run(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"MemoryError\n"
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_printing_400_mib_is_truncated_and_the_caller_stays_small(workdir):
+    argv = _script(workdir, """
+        import sys
+        chunk = b"x" * 2**20
+        for _ in range(400):
+            sys.stdout.buffer.write(chunk)
+        sys.stderr.write("done")
+    """)
+    limits = Limits(wall_seconds=30.0, output_bytes=2**20)
+    tracemalloc.start()
+    try:
+        result = sandbox.run(argv, workdir, limits=limits)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.returncode == 0 and result.stderr == b"done"
+    assert result.truncated and result.stdout == b"x" * limits.output_bytes
+    # What is kept (1 MiB), one read's chunk (64 KiB) and the joined copy: well under 8 MiB.
+    assert peak < 8 * 2**20, peak
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_a_file_larger_than_the_limit_cannot_be_written(workdir):
+    limits = Limits(file_bytes=2**20)
+    argv = _script(workdir, """
+        try:
+            with open("big.bin", "wb") as big:
+                for _ in range(4):
+                    big.write(b"x" * 2**20)
+                    big.flush()
+            print("wrote")
+        except OSError as error:
+            print("refused", error.errno)
+    """)
+    result = sandbox.run(argv, workdir, limits=limits)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"refused 27\n"  # EFBIG (Python ignores SIGXFSZ)
+    assert (workdir / "big.bin").stat().st_size == limits.file_bytes
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_cpu_seconds_are_limited(workdir):
+    argv = _script(workdir, "while True:\n    pass\n")
+    result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=30.0, cpu_seconds=1))
+    assert not result.timed_out
+    assert result.returncode == -signal.SIGXCPU
+    # Ignoring SIGXCPU buys one second: then the hard limit's SIGKILL.
+    argv = _script(workdir, """
+        import signal
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        while True:
+            pass
+    """)
+    result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=30.0, cpu_seconds=1))
+    assert not result.timed_out
+    assert result.returncode == -signal.SIGKILL
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_a_signal_is_told_from_an_exit_status(workdir):
+    killed = sandbox.run([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], workdir)
+    exited = sandbox.run([sys.executable, "-c", "raise SystemExit(137)"], workdir)
+    assert (killed.returncode, exited.returncode) == (-9, 137)
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.skipif(not sandbox.process_limit().startswith("pids cgroup"),
+                    reason="needs a pids cgroup this process may create")
+def test_the_runs_cgroup_is_removed_after_it(workdir, monkeypatch):
+    created = []
+    original = sandbox._PidsCgroup.__init__
+
+    def recording(self, parent, processes):
+        original(self, parent, processes)
+        created.append((self.folder, (self.folder / "pids.max").read_text().strip()))
+
+    monkeypatch.setattr(sandbox._PidsCgroup, "__init__", recording)
+    result = sandbox.run([sys.executable, "-c", "pass"], workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    assert [(folder.exists(), limit) for folder, limit in created] == [
+        (False, str(QUICK.processes))]
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0, reason="as root only")
+def test_as_root_without_a_cgroup_the_notes_say_the_count_is_unbounded(workdir, monkeypatch):
+    monkeypatch.setattr(sandbox, "_pids_cgroup_parent", lambda: None)
+    assert sandbox.process_limit().startswith("none")
+    result = sandbox.run([sys.executable, "-c", "pass"], workdir, limits=QUICK)
+    assert result.returncode == 0 and result.sandboxed
+    assert [note for note in result.notes if "process count not bounded" in note]
+
+
+def test_nproc_leaves_room_for_the_users_processes_where_the_kernel_counts_them_all(
+        monkeypatch):
+    """Before Linux 5.14 (commit 21d1c5e386bc, RLIMIT_NPROC on ucounts), and outside a user
+    namespace, RLIMIT_NPROC counts every process of the user: the limit adds them."""
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: _UNPRIVILEGED)
+    monkeypatch.setattr(sandbox, "_tasks_of_user", lambda uid: 100 if uid == _UNPRIVILEGED else 0)
+    monkeypatch.setattr(sandbox, "_kernel_counts_processes_per_user_namespace", lambda: True)
+    assert sandbox._rlimits(QUICK, inside_user_namespace=True)["RLIMIT_NPROC"] == (16, 16)
+    assert sandbox._rlimits(QUICK, inside_user_namespace=False)["RLIMIT_NPROC"] == (116, 116)
+    monkeypatch.setattr(sandbox, "_kernel_counts_processes_per_user_namespace", lambda: False)
+    assert sandbox._rlimits(QUICK, inside_user_namespace=True)["RLIMIT_NPROC"] == (116, 116)
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: 0)
+    assert "RLIMIT_NPROC" not in sandbox._rlimits(QUICK, inside_user_namespace=True)
+
+
+@pytest.mark.parametrize(("release", "per_namespace"), [
+    ("5.13.19-generic", False), ("5.14.0-687.12.1.el9_8", True), ("6.18.44-fc", True),
+    ("4.19.0", False), ("unknown", False)])
+def test_kernel_release_parsing(monkeypatch, release, per_namespace):
+    monkeypatch.setattr(sandbox.platform, "release", lambda: release)
+    assert sandbox._kernel_counts_processes_per_user_namespace() is per_namespace
+
+
+# ---------------------------------------------------------------------------------------------
+# Without bubblewrap, and the trusted mode.
+
+
+def test_without_bwrap_run_refuses_and_trusted_runs(tmp_path, workdir, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    reason = sandbox.unavailable_reason()
+    assert reason is not None and "bwrap" in reason
+    with pytest.raises(SandboxUnavailable, match="--trusted"):
+        sandbox.run([sys.executable, "-c", "print(1)"], workdir)
+    result = sandbox.run([sys.executable, "-c", "print(1)"], workdir, trusted=True)
+    assert result == Result(returncode=0, stdout=b"1\n", stderr=b"", timed_out=False,
+                            truncated=False, sandboxed=False, notes=result.notes)
+    assert any(note.startswith("trusted") for note in result.notes)
+
+
+@pytest.mark.slow
+def test_trusted_applies_the_limits_and_scrubs_the_environment(workdir, monkeypatch):
+    monkeypatch.setenv("OPD_SECRET_TOKEN", "hunter2")
+    argv = _script(workdir, """
+        import mmap, os
+        print("OPD_SECRET_TOKEN" in os.environ, os.getcwd())
+        try:
+            mmap.mmap(-1, 2 * 2**30)
+        except OSError as error:
+            print("refused", error.errno)
+    """)
+    result = sandbox.run(argv, workdir, limits=Limits(memory_bytes=2**30), trusted=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"False {workdir}\nrefused 12\n".encode()  # ENOMEM
+
+
+@pytest.mark.slow
+def test_trusted_times_out_and_kills_its_session(workdir, marker):
+    argv = _script(workdir, """
+        import os, sys, time
+        if os.fork() == 0:
+            os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+        time.sleep(60)
+    """, marker)
+    result = sandbox.run(argv, workdir, limits=Limits(wall_seconds=0.5), trusted=True)
+    assert result.timed_out and result.returncode == -signal.SIGKILL
+    assert _survivors(marker) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sandbox.process_limit(trusted=True).startswith("pids cgroup"),
+                    reason="needs a pids cgroup this process may create")
+def test_trusted_kills_a_daemon_through_its_cgroup(workdir, marker):
+    argv = _script(workdir, """
+        import os, sys
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv("/bin/sh", ["/bin/sh", "-c", "sleep 30", sys.argv[1]])
+            os._exit(0)
+        os.wait()
+    """, marker)
+    result = sandbox.run(argv, workdir, limits=QUICK, trusted=True)
+    assert result.returncode == 0, result.stderr
+    assert _survivors(marker) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments.
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("wall_seconds", math.nan, ValueError), ("wall_seconds", math.inf, ValueError),
+    ("wall_seconds", 0.0, ValueError), ("wall_seconds", "60", TypeError),
+    ("cpu_seconds", 1.5, TypeError), ("processes", 0, ValueError),
+    ("memory_bytes", -1, ValueError), ("output_bytes", True, TypeError),
+])
+def test_limits_reject_bad_values(field, value, error):
+    with pytest.raises(error, match=f"Limits.{field}"):
+        Limits(**{field: value})
+
+
+@pytest.mark.parametrize(("argv", "error", "match"), [
+    ("python -c pass", TypeError, "argv must be a list of str"),
+    ([], ValueError, "argv must not be empty"),
+    ([sys.executable, 1], TypeError, "argv must be a list of str"),
+    (["no-such-program-opd"], ValueError, "not a program on PATH"),
+])
+def test_run_rejects_bad_argv(workdir, argv, error, match):
+    with pytest.raises(error, match=match):
+        sandbox.run(argv, workdir, trusted=True)
+
+
+def test_run_rejects_bad_workdir_limits_and_env(tmp_path, workdir):
+    with pytest.raises(ValueError, match="workdir must be an existing folder"):
+        sandbox.run([sys.executable], tmp_path / "missing", trusted=True)
+    with pytest.raises(TypeError, match="limits must be a Limits"):
+        sandbox.run([sys.executable], workdir, limits={"wall_seconds": 1}, trusted=True)
+    with pytest.raises(TypeError, match="env must be a dict of str to str"):
+        sandbox.run([sys.executable], workdir, env={"N": 1}, trusted=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_program_that_cannot_be_executed_exits_127(workdir, trusted):
+    if not trusted and _REASON is not None:
+        pytest.skip(f"no sandbox here: {_REASON}")
+    # A file of the Python installation (visible inside), but not executable.
+    result = sandbox.run([os.__file__], workdir, trusted=trusted)
+    assert result.returncode == 127
+    assert result.stderr.startswith(b"sandbox: cannot run")
+    assert b"Permission denied" in result.stderr
+
+
+@needs_bwrap
+def test_a_program_invisible_inside_is_refused(tmp_path, workdir):
+    program = tmp_path / "tool"
+    program.write_text("#!/bin/sh\necho hi\n")
+    program.chmod(0o755)
+    with pytest.raises(ValueError, match="not visible inside the sandbox"):
+        sandbox.run([str(program)], workdir)
+
+
+# ---------------------------------------------------------------------------------------------
+# The same guarantees for a user other than root (the usual instructor's machine).
+
+_SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None
+                    or _SYSTEM_PYTHON is None, reason="needs root, setpriv and /usr/bin/python3")
+def test_an_unprivileged_user_gets_the_same_sandbox():
+    """Run as ``nobody`` (``setpriv``), with the system's Python (the library's own may sit in
+    root's home, which nobody cannot enter): the process count is bounded by ``RLIMIT_NPROC``
+    in the sandbox's user namespace there, since no pids cgroup is writable."""
+    if any(not os.access(folder, os.R_OK | os.X_OK) or not folder.stat().st_mode & 0o005
+           for folder in (REPOSITORY, *REPOSITORY.parents, PACKAGE)):
+        pytest.skip("the repository is not readable by other users")
+    # pytest's own temporary folders are private to root: nobody could not reach the workdir.
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="opd-sandbox-nobody-"))
+    try:
+        _run_as_nobody(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _run_as_nobody(tmp_path):
+    tmp_path.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    os.chown(work, _UNPRIVILEGED, _UNPRIVILEGED)
+    canary = tmp_path / "canary.txt"
+    (work / "attack.py").write_text(textwrap.dedent(f"""
+        import os, time
+        started = 0
+        for _ in range(200):
+            try:
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                started += 1
+            except OSError:
+                break
+        try:
+            open({str(canary)!r}, "w").write("escaped")
+        except OSError as error:
+            print("refused", type(error).__name__)
+        print(started, os.getuid())
+    """))
+    driver = textwrap.dedent(f"""
+        import pathlib, sys
+        sys.path.insert(0, {str(REPOSITORY)!r})
+        from opd_literate.course import sandbox
+        print(sandbox.unavailable_reason())
+        print(sandbox.process_limit())
+        result = sandbox.run([sys.executable, "attack.py"], pathlib.Path({str(work)!r}),
+                             limits=sandbox.Limits(wall_seconds=20.0, processes=16))
+        print(result.returncode, result.stdout, result.stderr)
+        loop = sandbox.run([sys.executable, "-c", "while True: pass"], pathlib.Path({str(work)!r}),
+                           limits=sandbox.Limits(wall_seconds=1.0))
+        print(loop.timed_out, loop.returncode)
+    """)
+    completed = subprocess.run(
+        ["setpriv", f"--reuid={_UNPRIVILEGED}", f"--regid={_UNPRIVILEGED}", "--clear-groups",
+         _SYSTEM_PYTHON, "-I", "-c", driver], capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8"}, check=False)
+    assert completed.returncode == 0, completed.stderr
+    reason, mechanism, outcome, loop = completed.stdout.splitlines()
+    if reason != "None":
+        pytest.skip(f"unprivileged user namespaces are unavailable here: {reason}")
+    assert mechanism.startswith(("RLIMIT_NPROC", "pids cgroup"))
+    # bwrap's init, the launcher and the script are three of the 16.
+    assert outcome == (f"0 b'refused FileNotFoundError\\n{16 - 3} {_UNPRIVILEGED}\\n' b''")
+    assert not canary.exists()
+    assert loop == "True -9"
