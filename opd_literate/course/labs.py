@@ -467,7 +467,15 @@ def _statements(text: str) -> list[tuple[ast.stmt, str]]:
     found = []
     for node in ast.parse(text).body:
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        found.append((node, "\n".join(lines[start:node.end_lineno]).strip("\n")))
+        end = node.end_lineno
+        # A body's trailing comments (an "### END SOLUTION" line) belong to it, not to the
+        # next statement: the AST ends at the last statement.
+        for index in range(end, len(lines)):
+            if lines[index][:1].isspace() and lines[index].lstrip().startswith("#"):
+                end = index + 1
+            elif lines[index].strip():
+                break
+        found.append((node, "\n".join(lines[start:end]).strip("\n")))
     return found
 
 
