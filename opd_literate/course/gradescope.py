@@ -11,8 +11,9 @@ the student's files in ``/autograder/submission``; the grade read back from
 
 ``run_autograder`` calls [run][opd_literate.course.gradescope.run] on that root (the variable
 ``AUTOGRADER_ROOT`` moves it, for a test): it finds the student's module (``opd.py``) or
-notebook (``opd.ipynb``, helper cells kept: [notebook_modules][opd_literate.course.labs.notebook_modules])
-in the submission, writes it into a fresh copy of the handout, grades that folder with
+notebook (``opd.ipynb``, helper cells kept:
+[notebook_modules][opd_literate.course.labs.notebook_modules]) in the submission, writes it
+into a fresh copy of the handout, grades that folder with
 [grade][opd_literate.course.grade.grade], the lab's hidden tests included, and writes one
 Gradescope test per (task, test): ``name``, ``number``, ``score``, ``max_score`` (the task's
 points, set in the lab definition, shared equally among its tests), ``status``, ``output`` (the
@@ -34,8 +35,19 @@ import tempfile
 import time
 import zipfile
 
-from .labs import LAB_TESTS, LABS, PACKAGE, Lab, lab_file, lab_points, notebook_modules
-from .labs import flatten_imports, read_source, render_lab, source_of
+from .labs import (
+    LAB_TESTS,
+    LABS,
+    PACKAGE,
+    Lab,
+    flatten_imports,
+    lab_file,
+    lab_points,
+    notebook_modules,
+    read_source,
+    render_lab,
+    source_of,
+)
 
 __all__ = ["HIDDEN_VISIBILITY", "autograder_files", "results", "run", "main"]
 

@@ -13,15 +13,14 @@ and ``visibility`` ("hidden", "after_due_date", "after_published" or "visible").
 
 import json
 import os
-import pathlib
 import shutil
 import stat
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 
 from opd_literate.course import gradescope, labs
 from opd_literate.course.labs import LABS, PACKAGE, write_lab

@@ -7,10 +7,10 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
+import tomllib
 
 from opd_literate.course import labs
 from opd_literate.course.labs import LABS, PACKAGE, lab_file
