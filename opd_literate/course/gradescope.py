@@ -244,6 +244,11 @@ def results(lab: Lab, report: dict, collected: dict, seconds: float, hidden=()) 
         if not consistent and task["status"] not in ("timed out", "error"):
             note = (f"the grader ran {task['tests']} tests of Task {number} ({task['passed']} "
                     f"passed), the autograder expected {len(ids)}: no points. {note}")
+        if not ids:  # the task's points stay in the total: nothing can earn them
+            tests.append(dict(name=f"Task {number} ({task['function']}): no tests",
+                              number=f"{number}.0", score=0.0, max_score=points,
+                              status="failed", output="no test of this task was collected",
+                              visibility="visible", tags=[f"task {number}"]))
         for index, (nodeid, path) in enumerate(ids, start=1):
             ok = judged and nodeid not in failures
             share = points / len(ids)

@@ -132,6 +132,16 @@ def test_results_share_each_tasks_points_among_its_tests():
     assert data["execution_time"] == 12
 
 
+def test_a_task_without_collected_tests_keeps_its_points_in_the_total():
+    report = _report({1: ("passed", 3, 3, []), 2: ("passed", 2, 2, []),
+                      3: ("no tests", 0, 0, [])})
+    data = gradescope.results(LABS["opd"], report, {1: COLLECTED[1], 2: COLLECTED[2]}, 1.0)
+    assert_gradescope_results(data)
+    (entry,) = [t for t in data["tests"] if t["tags"] == ["task 3"]]
+    assert entry["score"] == 0 and entry["max_score"] == LABS["opd"].points[3]
+    assert sum(t["max_score"] for t in data["tests"]) == pytest.approx(10)
+
+
 def test_results_give_nothing_when_the_counts_disagree_with_the_collected_tests():
     """A task reported "passed" with fewer tests run than collected (a test skipped, say)
     earns nothing, and the output says why."""
