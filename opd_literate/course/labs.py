@@ -148,7 +148,6 @@ def lab_points(lab: Lab) -> dict[int, float]:
     return {n: points[n] for n in numbers}
 
 
-
 def joint_tests(lab: Lab) -> list[tuple[str, tuple[int, ...]]]:
     """The tests (functions or classes) of ``lab`` marked with more than one task, with those
     tasks, ``[(name, tasks)]`` in file order: what ``pytest --task N`` alone skips."""
@@ -424,6 +423,9 @@ nbgrader autograde LAB once the submissions are in submitted/<student>/LAB/.
 
 c = get_config()  # noqa: F821 (nbgrader's configuration API provides it)
 c.CourseDirectory.root = "."
+# Seconds a cell may run at autograde (nbgrader's default is 30): a check cell imports torch
+# and runs a task's tests, which can take longer on a loaded machine.
+c.Execute.timeout = 300
 '''
 
 NBGRADER_SCHEMA = 3
