@@ -215,50 +215,63 @@ def collect_tests(lab: Lab) -> dict[int, list[tuple[str, str]]]:
     return tasks
 
 
-def results(lab: Lab, report: dict, collected: dict, seconds: float, hidden=()) -> dict:
+def _task_outcomes(number: int, task: dict, collected) -> tuple[list, str]:
+    """One task's tests as ``[(node id, passed, message)]`` and a note for a task with none.
+
+    From the report's own per-test entries (``cases``: a grader that judges each lab test)
+    when it has them; else from the collected node ids and the failures the messages name, as
+    long as the counts agree (otherwise, and for a task timed out or in error, none passes)."""
+    note = "; ".join(task["messages"]) or task["status"]
+    if task.get("cases"):
+        return [(c["name"], bool(c["passed"]), c["message"]) for c in task["cases"]], note
+    ids = [nodeid for nodeid, _ in (collected or {}).get(number, [])]
+    failures = {}
+    for message in task["messages"]:
+        nodeid, _, text = message.partition(": ")
+        failures.setdefault(nodeid, text)
+    failed = [nodeid for nodeid in ids if nodeid in failures]
+    consistent = task["tests"] == len(ids) and task["passed"] == len(ids) - len(failed)
+    judged = consistent and task["status"] in ("passed", "failed", "not implemented", "blocked")
+    if not consistent and task["status"] not in ("timed out", "error"):
+        note = (f"the grader ran {task['tests']} tests of Task {number} ({task['passed']} "
+                f"passed), the autograder expected {len(ids)}: no points. {note}")
+    return [(nodeid, judged and nodeid not in failures,
+             "" if judged and nodeid not in failures else failures.get(nodeid, note)
+             if judged else note) for nodeid in ids], note
+
+
+def results(lab: Lab, report: dict, collected, seconds: float, hidden=()) -> dict:
     """Gradescope's results.json for one graded submission.
 
-    ``report`` is [grade][opd_literate.course.grade.grade]'s, ``collected`` the tests of each
-    task ([collect_tests][opd_literate.course.gradescope.collect_tests]), ``hidden`` the test
-    files (``tests/<name>``) whose entries are shown after the due date. A task's points are
-    shared equally among its tests. A test earns its share when its task passed, or when the
-    task failed and the test is not among the failures the report names; a task timed out or
-    in error earns nothing, nor does one whose counts of tests run and passed disagree with
-    the collected tests (the grader's report is then the entries' output).
+    ``report`` is [grade][opd_literate.course.grade.grade]'s; ``collected`` the tests of each
+    task ([collect_tests][opd_literate.course.gradescope.collect_tests]), needed only for a
+    report without per-test entries; ``hidden`` the test files (``tests/<name>``) whose entries
+    are shown after the due date. A task's points are shared equally among its tests, and a
+    test earns its share when it passed. A task timed out or in error earns nothing, nor does
+    one whose counts of tests run and passed disagree with the collected tests; a task without
+    any test is one entry worth its points, earned only if the task passed.
     """
     from .grade import format_grade
 
     tests = []
     for number, points in lab_points(lab).items():
         task = report["tasks"][number]
-        ids = collected.get(number, [])
-        failures = {}
-        for message in task["messages"]:
-            nodeid = message.split(": ", 1)[0]
-            failures.setdefault(nodeid, message.split(": ", 1)[-1])
-        failed = [nodeid for nodeid, _ in ids if nodeid in failures]
-        consistent = task["tests"] == len(ids) and task["passed"] == len(ids) - len(failed)
-        judged = consistent and task["status"] in ("passed", "failed", "not implemented",
-                                                   "blocked")
-        note = "; ".join(task["messages"]) or task["status"]
-        if not consistent and task["status"] not in ("timed out", "error"):
-            note = (f"the grader ran {task['tests']} tests of Task {number} ({task['passed']} "
-                    f"passed), the autograder expected {len(ids)}: no points. {note}")
-        if not ids:  # the task's points stay in the total: nothing can earn them
-            tests.append(dict(name=f"Task {number} ({task['function']}): no tests",
-                              number=f"{number}.0", score=0.0, max_score=points,
-                              status="failed", output="no test of this task was collected",
-                              visibility="visible", tags=[f"task {number}"]))
-        for index, (nodeid, path) in enumerate(ids, start=1):
-            ok = judged and nodeid not in failures
-            share = points / len(ids)
-            output = "" if ok else failures.get(nodeid, note) if judged else note
+        outcomes, note = _task_outcomes(number, task, collected)
+        tag = [f"task {number}"]
+        if not outcomes:  # the task's points stay in the total
+            ok = task["status"] == "passed"
+            tests.append(dict(name=f"Task {number} ({task['function']})", number=f"{number}.0",
+                              score=points if ok else 0.0, max_score=points,
+                              status="passed" if ok else "failed", output=note[:2000],
+                              visibility="visible", tags=tag))
+        for index, (nodeid, ok, message) in enumerate(outcomes, start=1):
+            share = points / len(outcomes)
             tests.append(dict(
                 name=f"Task {number} ({task['function']}): {nodeid.split('::', 1)[-1]}",
                 number=f"{number}.{index}", score=share if ok else 0.0, max_score=share,
-                status="passed" if ok else "failed", output=output[:2000],
-                visibility=HIDDEN_VISIBILITY if path in hidden else "visible",
-                tags=[f"task {number}"]))
+                status="passed" if ok else "failed", output=message[:2000],
+                visibility=HIDDEN_VISIBILITY if nodeid.split("::")[0] in hidden else "visible",
+                tags=tag))
     return dict(score=sum(t["score"] for t in tests), execution_time=int(round(seconds)),
                 output=format_grade(report), tests=tests,
                 extra_data={"lab": lab.name,
@@ -298,11 +311,11 @@ def run(root) -> dict:
             folder = pathlib.Path(tmp) / lab.name
             folder.mkdir()
             what = _student_folder(graded, root / "submission", folder)
-            collected = collect_tests(graded)
             # grade() reads the lab by name: here it is the lab with its hidden tests.
             with mock.patch.dict(labs.LABS, {lab.name: graded}):
                 report = grade(folder, timeout=GRADE_TIMEOUT, **_grade_options())
-        report["files"] = {k: v for k, v in report["files"].items() if k not in hidden}
+        per_test = all(t.get("cases") for t in report["tasks"].values())
+        collected = None if per_test else collect_tests(graded)
         output = results(lab, report, collected, time.monotonic() - start, hidden)
         output["output"] = f"graded {what}\n\n" + output["output"]
     except (ValueError, RuntimeError, OSError) as error:

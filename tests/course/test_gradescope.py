@@ -132,6 +132,29 @@ def test_results_share_each_tasks_points_among_its_tests():
     assert data["execution_time"] == 12
 
 
+def test_results_take_a_reports_own_per_test_entries_when_it_has_them():
+    """A grader that judges each lab test as a case (``cases``: name, passed, message) needs
+    no collection: its entries are the tests, as the report names them."""
+    report = _report({1: ("failed", 2, 1, []), 2: ("passed", 1, 1, []),
+                      3: ("timed out", 0, 0, [])})
+    report["tasks"][1]["cases"] = [
+        dict(name="tests/test_lab_opd.py::a", passed=True, message=""),
+        dict(name="tests/test_lab_opd_hidden.py::b", passed=False, message="AssertionError: x")]
+    report["tasks"][2]["cases"] = [dict(name="tests/test_lab_opd.py::c", passed=True,
+                                        message="")]
+    report["tasks"][3]["cases"] = []
+    data = gradescope.results(LABS["opd"], report, None, 3.0,
+                              hidden={"tests/test_lab_opd_hidden.py"})
+    assert_gradescope_results(data)
+    points = LABS["opd"].points
+    assert [(t["name"], t["score"], t["visibility"], t["output"]) for t in data["tests"]] == [
+        ("Task 1 (f1): a", points[1] / 2, "visible", ""),
+        ("Task 1 (f1): b", 0.0, "after_due_date", "AssertionError: x"),
+        ("Task 2 (f2): c", points[2], "visible", ""),
+        ("Task 3 (f3)", 0.0, "visible", "timed out")]
+    assert data["score"] == pytest.approx(points[1] / 2 + points[2])
+
+
 def test_a_task_without_collected_tests_keeps_its_points_in_the_total():
     report = _report({1: ("passed", 3, 3, []), 2: ("passed", 2, 2, []),
                       3: ("no tests", 0, 0, [])})
