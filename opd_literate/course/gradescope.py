@@ -272,7 +272,9 @@ def results(lab: Lab, report: dict, collected, seconds: float, hidden=()) -> dic
                 status="passed" if ok else "failed", output=message[:2000],
                 visibility=HIDDEN_VISIBILITY if nodeid.split("::")[0] in hidden else "visible",
                 tags=tag))
-    return dict(score=sum(t["score"] for t in tests), execution_time=int(round(seconds)),
+    # rounded: a sum of shares such as 4/13 is not exact in binary
+    return dict(score=round(sum(t["score"] for t in tests), 6),
+                execution_time=int(round(seconds)),
                 output=format_grade(report), tests=tests,
                 extra_data={"lab": lab.name,
                             "statuses": {str(n): t["status"] for n, t in report["tasks"].items()}})
