@@ -346,7 +346,12 @@ def write_lab(lab_name: str, out_dir, force: bool = False,
     lists; it refuses, before deleting anything, when one of them was changed since, or when a file
     it would write exists and is not one of them. Every other file stays. ``format="notebook"``
     writes each lab's student module as a Jupyter notebook ``<lab>.ipynb`` instead (see
-    [opd_literate.course.labs.render_notebook][]). Returns the lab folders written.
+    [opd_literate.course.labs.render_notebook][]); ``"gradescope"`` writes, per lab, the
+    student's folder as ``student/`` and the autograder as ``autograder.zip``
+    ([opd_literate.course.gradescope.autograder_files][]); ``"nbgrader"`` writes one nbgrader
+    course folder, ``source/<lab>/`` for each lab (the notebook with its solutions in nbgrader's
+    form) and ``nbgrader_config.py``. Returns the lab folders written (for nbgrader, the course
+    folder).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")
