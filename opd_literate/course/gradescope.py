@@ -69,8 +69,9 @@ RUN_AUTOGRADER = """#!/usr/bin/env bash
 set -uo pipefail
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 PYTHON="${AUTOGRADER_PYTHON:-$ROOT/venv/bin/python}"
-# Set AUTOGRADER_TRUSTED=1 to grade without the operating-system sandbox (the grader refuses
-# untrusted work where the sandbox cannot run; Gradescope's container is one per submission).
+# 1: grade without the operating-system sandbox (the grader refuses untrusted work where the
+# sandbox cannot run; Gradescope's container is one per submission).
+export AUTOGRADER_TRUSTED="${AUTOGRADER_TRUSTED:-0}"
 cd "$ROOT" && PYTHONPATH="$ROOT/source" exec "$PYTHON" -m opd_literate.course.gradescope "$ROOT"
 """
 
