@@ -591,10 +591,118 @@ def _mismatch_cases():
     return cases
 
 
+# ------------------------------------------------------- the OPD lab's hidden tests (Gradescope)
+OPD_HIDDEN = "tests/test_lab_opd_hidden.py::"
+
+
+def _reference_reverse_kl(student_logits, teacher_logits, mask):
+    """sum_{b,t} mask * KL(p || q) / max(sum mask, 1), in float64, from log_softmax."""
+    log_p = torch.log_softmax(_tensor(student_logits), -1)
+    log_q = torch.log_softmax(_tensor(teacher_logits), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = torch.where(_tensor(mask) != 0, kl, torch.zeros_like(kl))
+    return kl.sum() / max(float(np.sum(mask)), 1.0)
+
+
+def _opd_hidden():
+    """The cases of tests/opd/test_lab_opd_hidden.py, its inputs drawn here with numpy."""
+    rng = np.random.default_rng(707)
+    inf = math.inf
+    # Task 1: float16 in, float32 out: the float16 difference, rounded once to float32
+    s16 = (-rng.random((3, 5)) * 4).astype(np.float16)
+    t16 = (-rng.random((3, 5)) * 4).astype(np.float16)
+
+    def half_rewards(out):
+        assert out["r"].dtype == "float32", out["r"].dtype
+        expected = (t16.astype(np.float64) - s16.astype(np.float64)).astype(np.float32)
+        np.testing.assert_allclose(out["r"].values, expected, rtol=1e-6, atol=0)
+
+    s_pad = np.array([[-0.5, -inf, -inf], [-1.5, -0.25, -inf]])
+    t_pad = np.array([[-0.75, -inf, -2.0], [-1.0, -3.0, -inf]])
+    m_pad = np.array([[True, False, False], [True, True, False]])
+
+    def padded_rewards(out):
+        assert out["r"].values.tolist() == [[-0.25, 0.0, 0.0], [0.5, -2.75, 0.0]]
+
+    # Task 2: float16 in, a float32 loss
+    logp16 = (-rng.random((4, 6)) * 5).astype(np.float16)
+    rewards16 = rng.standard_normal((4, 6)).astype(np.float16)
+    mask2 = np.ones((4, 6), np.float32)
+    mask2[2, 3:] = 0
+
+    def half_loss(out):
+        assert out["loss"].dtype == "float32", out["loss"].dtype
+        expected = -(mask2 * rewards16.astype(np.float64) * logp16.astype(np.float64)).sum()
+        expected /= mask2.sum()
+        assert abs(out["loss"].item() - expected) <= 1e-5 * abs(expected)
+
+    logp_inf = np.array([[-0.5, -inf], [-2.0, -1.0]])
+    rewards_inf = np.array([[2.0, 1.0], [inf, -1.0]])
+
+    def infinite_padding(out):
+        assert out["loss"].item() == 0.0
+        assert out["loss"].grad(0).tolist() == [[-1.0, 0.0], [0.0, 0.5]]
+
+    # Task 3: large logits, float16 logits, a masked row of -inf
+    big_s, big_t = 1e4 * rng.standard_normal((2, 3, 7)), 1e4 * rng.standard_normal((2, 3, 7))
+    big_m = np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+    def large(out):
+        value = out["kl"].item()
+        expected = _reference_reverse_kl(big_s, big_t, big_m).item()
+        assert math.isfinite(value) and abs(value - expected) <= 1e-12 * abs(expected)
+
+    h_s = (3 * rng.standard_normal((2, 4, 9))).astype(np.float16)
+    h_t = (3 * rng.standard_normal((2, 4, 9))).astype(np.float16)
+
+    def half_kl(out):
+        assert out["kl"].dtype == "float32", out["kl"].dtype
+        expected = _reference_reverse_kl(h_s, h_t, np.ones((2, 4))).item()
+        assert abs(out["kl"].item() - expected) <= 1e-4 * abs(expected)
+
+    row_s, row_t = rng.standard_normal((1, 2, 4)), rng.standard_normal((1, 2, 4))
+    row_s[0, 1] = -inf
+
+    def masked_row(out):
+        expected = _reference_reverse_kl(row_s[:, :1], row_t[:, :1], np.ones((1, 1))).item()
+        assert abs(out["kl"].item() - expected) <= 1e-12 * abs(expected)
+        grad = out["kl"].grad(0)
+        assert torch.isfinite(grad).all() and grad[0, 1].tolist() == [0.0] * 4
+
+    return [
+        Case(OPD_HIDDEN + "test_half_precision_rewards_are_float32_differences", 1, {"r": Call(
+            "reverse_kl_rewards", (Tensor(s16, "float16"), Tensor(t16, "float16"),
+                                   Tensor(np.ones((3, 5)))))}, half_rewards),
+        Case(OPD_HIDDEN + "test_rewards_with_a_bool_mask_and_minus_inf_padding", 1, {"r": Call(
+            "reverse_kl_rewards", (Tensor(s_pad), Tensor(t_pad), Tensor(m_pad, "bool")))},
+            padded_rewards),
+        Case(OPD_HIDDEN + "test_half_precision_loss_is_computed_in_float32", 2, {"loss": Call(
+            "opd_pg_loss", (Tensor(logp16, "float16", requires_grad=True),
+                            Tensor(rewards16, "float16"), Tensor(mask2, "float32")))},
+            half_loss),
+        Case(OPD_HIDDEN + "test_padding_with_infinities_reaches_neither_loss_nor_gradient", 2,
+             {"loss": Call("opd_pg_loss", (Tensor(logp_inf, requires_grad=True),
+                                           Tensor(rewards_inf),
+                                           Tensor(np.array([[1, 0], [0, 1]]), "int64")),
+                           backward=True)}, infinite_padding),
+        Case(OPD_HIDDEN + "test_large_logits_stay_finite_and_exact", 3, {"kl": Call(
+            "full_vocab_reverse_kl", (Tensor(big_s), Tensor(big_t), Tensor(big_m)))}, large),
+        Case(OPD_HIDDEN + "test_half_precision_logits_give_a_float32_loss", 3, {"kl": Call(
+            "full_vocab_reverse_kl", (Tensor(h_s, "float16"), Tensor(h_t, "float16"),
+                                      Tensor(np.ones((2, 4)), "float32")))}, half_kl),
+        Case(OPD_HIDDEN + "test_a_masked_row_of_minus_inf_reaches_neither_value_nor_gradient",
+             3, {"kl": Call("full_vocab_reverse_kl", (Tensor(row_s, requires_grad=True),
+                                                      Tensor(row_t), Tensor(np.array([[1.0,
+                                                                                       0.0]]))),
+                            backward=True)}, masked_row),
+    ]
+
+
 CASES = {
     "tests/opd/test_lab_opd.py": lambda: (_opd_task1() + _opd_task2() + _opd_task3()
                                           + _opd_identities()),
     "tests/mismatch/test_lab_estimators.py": _mismatch_cases,
+    "tests/opd/test_lab_opd_hidden.py": _opd_hidden,
 }
 """The cases of each lab test file, by its path in the repository: a builder of its cases."""
 

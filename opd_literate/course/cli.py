@@ -2,10 +2,12 @@ r"""Lab handouts and a grader, generated from the library itself (one source for
 
 The command line of the course tools (``opd-handout``, ``python -m opd_literate.course``)::
 
-    python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format notebook] [--force]
+    python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format FORMAT] [--force]
     python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS] [--trusted]
 
-The first writes lab folders ([write_lab][opd_literate.course.labs.write_lab]); ``OUTDIR``
+The first writes lab folders ([write_lab][opd_literate.course.labs.write_lab]) as Python
+files, a notebook, a Gradescope autograder zip beside the student's folder, or an nbgrader
+course folder (``--format files|notebook|gradescope|nbgrader``); ``OUTDIR``
 receives a ``.opd-handout`` marker that lists the files written and their SHA-256, and
 ``--force`` replaces only such a folder, deletes only those files (refusing if one was changed
 since) and keeps every other file. The second grades them
@@ -101,7 +103,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lab", default="all", help="opd, mismatch or all (default all)")
     parser.add_argument("--format", default="files", choices=FORMATS,
                         help="files (default): Python modules; notebook: the student module "
-                             "as a Jupyter notebook <lab>.ipynb")
+                             "as a Jupyter notebook <lab>.ipynb; gradescope: student/ and "
+                             "autograder.zip; nbgrader: source/<lab>/ with the solutions, "
+                             "for nbgrader generate_assignment")
     parser.add_argument("--force", action="store_true",
                         help="replace a non-empty OUTDIR that this tool wrote (it deletes only "
                              f"the unchanged files listed in OUTDIR/{MARKER})")

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from . import sandbox
-from .labs import LABS, MARKER, Lab, render_lab, sha256_of, tasks_of
+from .labs import LABS, MARKER, Lab, notebook_modules, render_lab, sha256_of, tasks_of
 
 __all__ = ["GRADE_TIMEOUT", "STATUSES", "RUNNER_PATH", "MEMORY_LIMIT", "FILE_LIMIT", "grade",
            "format_grade"]
@@ -108,25 +108,19 @@ def _copy_student_files(folder: pathlib.Path, work: pathlib.Path) -> list[str]:
 
 
 def _notebook_modules(folder: pathlib.Path, lab: Lab) -> dict[str, str]:
-    """The student modules assembled from the code cells of ``<lab>.ipynb`` that carry the
-    ``module:<name>`` tag, in order; {} when the folder holds no notebook."""
+    """The student modules assembled from ``<lab>.ipynb`` by ``labs.notebook_modules`` (the
+    tagged cells whole, and the definitions of the cells a student added); {} when the folder
+    holds no notebook."""
     path = folder / f"{lab.name}.ipynb"
     if not path.is_file():
         return {}
     try:
-        cells = json.loads(path.read_text())["cells"]
-    except (ValueError, KeyError, TypeError):
+        notebook = json.loads(path.read_text())
+        if not isinstance(notebook.get("cells"), list):
+            raise ValueError
+    except (ValueError, AttributeError, TypeError):
         raise ValueError(f"{str(path)!r} is not a Jupyter notebook") from None
-    modules = {}
-    for cell in cells:
-        tags = cell.get("metadata", {}).get("tags", [])
-        source = cell.get("source", "")
-        source = "".join(source) if isinstance(source, list) else source
-        for tag in tags:
-            if cell.get("cell_type") == "code" and tag.startswith("module:"):
-                modules.setdefault(tag.split(":", 1)[1], []).append(source.rstrip("\n"))
-    return {name: "\n\n\n".join(parts) + "\n" for name, parts in modules.items()
-            if name in lab.student_modules}
+    return notebook_modules(notebook, lab)
 
 
 def _check_files(folder: pathlib.Path, instructor: dict) -> dict:

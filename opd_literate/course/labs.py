@@ -9,26 +9,35 @@ Jupyter notebook instead. The folder gets a ``.opd-handout`` marker that lists t
 written and their SHA-256; ``force`` replaces only such a folder, deletes only those files
 (refusing if one was changed since) and keeps every other file.
 
-The lab modules are read from the package's source files (``source_of``), so the handout needs
-a source checkout (``pip install -e .``).
+The lab modules are the package's own source files (``source_of``); the lab tests are the
+repository's ``tests/`` files in a source checkout and, in an installed wheel, the same files
+shipped as package data under ``opd_literate/course/lab_tests/`` (``lab_file``). So an
+instructor can ``pip install`` the package and write labs without a checkout.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .markers import MarkerError, strip_solutions
 
-__all__ = ["LABS", "MARKER", "FORMATS", "Lab", "write_lab", "render_notebook"]
+__all__ = ["LABS", "MARKER", "FORMATS", "Lab", "write_lab", "render_notebook", "lab_file",
+           "lab_points", "notebook_modules"]
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parent
+LAB_TESTS = PACKAGE / "course" / "lab_tests"
+"""Where a wheel installs the lab tests (``tests/<chapter>/<file>`` of the repository becomes
+``lab_tests/<chapter>/<file>``: pyproject.toml maps the package ``opd_literate.course.lab_tests``
+to the repository's ``tests/`` and ships only the lab test files from it)."""
 
 # The package's relative imports become flat imports inside the lab folder.
 RELATIVE_IMPORT = re.compile(r"^from \.+(?P<module>\w+) import ", re.M)
@@ -37,7 +46,14 @@ PACKAGE_IMPORT = re.compile(r"^from opd_literate(?:\.\w+)*?(?:\.(?P<module>\w+))
 
 @dataclass(frozen=True)
 class Lab:
-    """A lab: the modules students complete, the given modules, the tests, the tasks."""
+    """A lab: the modules students complete, the given modules, the tests, the tasks.
+
+    ``tests`` go into the student's folder and are run by the grader; ``hidden_tests`` are run
+    only by the Gradescope autograder (``--format gradescope``) and never written into the
+    student's copy. ``points`` gives each task number its points (Gradescope, nbgrader, the
+    README); [lab_points][opd_literate.course.labs.lab_points] checks them against the tasks
+    of the source.
+    """
 
     name: str
     title: str
@@ -45,6 +61,8 @@ class Lab:
     given_modules: tuple
     tests: tuple
     summary: str
+    points: dict = field(default_factory=dict)
+    hidden_tests: tuple = ()
 
 
 LABS = {
@@ -57,6 +75,8 @@ LABS = {
         summary="Implement the three OPD losses: the per-token reward (Task 1), the "
                 "REINFORCE loss with discount 0 (Task 2) and the full-vocabulary reverse KL "
                 "(Task 3).",
+        points={1: 3, 2: 3, 3: 4},
+        hidden_tests=("tests/opd/test_lab_opd_hidden.py",),
     ),
     "mismatch": Lab(
         name="mismatch",
@@ -66,6 +86,7 @@ LABS = {
         tests=("tests/mismatch/test_lab_estimators.py",),
         summary="Implement the weights of eight gradient estimators for a sampler that is not "
                 "the trainer, and check their exact bias on the enumerable toy.",
+        points={n: 1 for n in range(1, 9)},
     ),
 }
 
@@ -90,41 +111,122 @@ def source_of(module: str) -> pathlib.Path:
 
 def read_source(path: pathlib.Path) -> str:
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: the handout needs a source checkout "
-                                "(pip install -e .)")
+        raise FileNotFoundError(f"{path} not found: this installation of opd_literate lacks a "
+                                "file the handout needs (reinstall the wheel)")
     return path.read_text()
 
 
+def lab_file(relative: str) -> pathlib.Path:
+    """The file of a lab test named as in the repository (``tests/opd/test_lab_opd.py``): the
+    copy installed as package data when there is one (a wheel), else the checkout's file."""
+    parts = pathlib.PurePosixPath(relative).parts
+    if len(parts) < 2 or parts[0] != "tests" or ".." in parts:
+        raise ValueError(f"lab test {relative!r}: expected a path under tests/")
+    installed = LAB_TESTS.joinpath(*parts[1:])
+    if installed.is_file():
+        return installed
+    checkout = REPO.joinpath(*parts)
+    if checkout.is_file():
+        return checkout
+    raise FileNotFoundError(f"lab test {relative}: neither {installed} (package data of a "
+                            f"wheel) nor {checkout} (a source checkout) exists")
 
-def _student_readme(lab: Lab, tasks: list[tuple[int, str]]) -> str:
-    rows = "\n".join(f"| {n} | `{name}` | `{module}.py` |" for n, name, module in tasks)
+
+def lab_points(lab: Lab) -> dict[int, float]:
+    """The points of each task of ``lab``, ``{number: points}`` sorted by task; ValueError when
+    they do not name exactly the tasks of the source, or a value is not a positive number."""
+    numbers = sorted({n for n, _, _ in tasks_of(lab)})
+    points = dict(lab.points)
+    if sorted(points) != numbers:
+        raise ValueError(f"lab {lab.name!r}: points are given for tasks {sorted(points)}, "
+                         f"expected exactly the tasks of the source, {numbers}")
+    for number, value in points.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0):
+            raise ValueError(f"lab {lab.name!r}: Task {number} has points {value!r}, expected "
+                             "a positive finite number")
+    return {n: points[n] for n in numbers}
+
+
+def joint_tests(lab: Lab) -> list[tuple[str, tuple[int, ...]]]:
+    """The tests (functions or classes) of ``lab`` marked with more than one task, with those
+    tasks, ``[(name, tasks)]`` in file order: what ``pytest --task N`` alone skips."""
+    found = []
+    for test in lab.tests:
+        for node in ast.parse(read_source(lab_file(test))).body:
+            for decorator in getattr(node, "decorator_list", []):
+                if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
+                        and decorator.func.attr == "task" and len(decorator.args) > 1):
+                    found.append((node.name, tuple(a.value for a in decorator.args)))
+    return found
+
+
+def _and(items) -> str:
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _student_readme(lab: Lab, tasks: list[tuple[int, str, str]]) -> str:
+    from .grade import GRADE_TIMEOUT  # here: grade imports this module
+
+    points = lab_points(lab)
+    rows = "\n".join(  # a task of two functions: its points on its first row
+        f"| {n} | `{name}` | `{module}.py` | "
+        f"{'(with the row above)' if n in [t[0] for t in tasks[:i]] else f'{points[n]:g}'} |"
+        for i, (n, name, module) in enumerate(tasks))
+    joint = joint_tests(lab)
+    if joint:
+        groups = {}
+        for name, numbers in joint:
+            groups.setdefault(numbers, []).append(f"`{name}`")
+        listed = "; ".join(f"{_and(names)} (Tasks {_and(numbers)})"
+                           for numbers, names in groups.items())
+        example = max(groups, key=len)
+        options = " ".join(f"--task {n}" for n in example)
+        task_option = (
+            f"`--task N` alone skips the tests that also check another task: in this lab "
+            f"{listed}. Each skip names the options that run it (`python -m pytest {options}`, "
+            "once those tasks are done). The grader runs every test of a task, these "
+            "included, with its own reference versions of the other tasks, so a task's grade "
+            "counts more tests than `--task N` runs here.")
+    else:
+        task_option = ("Every test of this lab checks a single task, so `--task N` runs all "
+                       "the tests the grader runs for Task N.")
     return f"""# Lab: {lab.title}
 
 {textwrap.fill(lab.summary, width=96)}
 
 Each task is a function whose body is a `TODO` and a `raise NotImplementedError`. Its
 docstring holds the derivation, the shapes and a worked example. Replace the two lines with
-your code; do not change the signature.
+your code; do not change the signature. You may add helper functions.
 
-| task | function | file |
-| --- | --- | --- |
+| task | function | file | points |
+| --- | --- | --- | ---: |
 {rows}
+
+{textwrap.fill(f"{sum(points.values()):g} points in all. On Gradescope a task's points are "
+                "shared among its tests; a notebook graded by nbgrader earns them when the "
+                "task's check cell runs without an error, that is when all the tests it runs "
+                "pass.", width=96)}
 
 Check your work (from this folder; needs numpy, torch and pytest):
 
 ```bash
 python -m pytest            # every test; a task's tests fail until it is implemented
-python -m pytest --task 1   # only the tests of Task 1 (a test that also checks another
-                            # task is skipped, and says which --task options run it)
+python -m pytest --task 1   # only the tests of Task 1
 ```
+
+{textwrap.fill(task_option, width=96)}
 
 Your instructor grades the folder with `python -m opd_literate.course grade <this folder>`,
 with the instructor's own copy of the tests (changes to the tests, a `conftest.py` or a
-`pytest.ini` here do not count), one task at a time: where a test of your task also calls
-another task's function, the grader uses the reference version of that one, so each task is
-graded on its own. It reports each task as passed, not implemented, blocked (its tests fail
-only on another task's stub), failed, timed out (its tests ran past the time limit) or error
-(your module cannot be imported: the message names the file and line).
+`pytest.ini` here do not count) and possibly more tests than this folder holds, one task at a
+time: where a test of your task also calls another task's function, the grader uses the
+reference version of that one, so each task is graded on its own. Each task's tests may run
+for {GRADE_TIMEOUT:g} seconds (the grader's default time limit; your instructor may set another).
+It reports each task as passed, not implemented, blocked (its tests fail only on
+another task's stub), failed, timed out (its tests ran past the time limit) or error (your
+module cannot be imported: the message names the file and line).
 """
 
 
@@ -244,7 +346,12 @@ def write_lab(lab_name: str, out_dir, force: bool = False,
     lists; it refuses, before deleting anything, when one of them was changed since, or when a file
     it would write exists and is not one of them. Every other file stays. ``format="notebook"``
     writes each lab's student module as a Jupyter notebook ``<lab>.ipynb`` instead (see
-    [opd_literate.course.labs.render_notebook][]). Returns the lab folders written.
+    [opd_literate.course.labs.render_notebook][]); ``"gradescope"`` writes, per lab, the
+    student's folder as ``student/`` and the autograder as ``autograder.zip``
+    ([opd_literate.course.gradescope.autograder_files][]); ``"nbgrader"`` writes one nbgrader
+    course folder, ``source/<lab>/`` for each lab (the notebook with its solutions in nbgrader's
+    form) and ``nbgrader_config.py``. Returns the lab folders written (for nbgrader, the course
+    folder).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose from {', '.join(FORMATS)}")
@@ -254,7 +361,9 @@ def write_lab(lab_name: str, out_dir, force: bool = False,
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"OUTDIR {str(out_dir)!r} exists and is not a folder")
     names = list(LABS) if lab_name == "all" else [lab_name]
-    files = {(f"{name}/" if lab_name == "all" else "") + relative: text
+    # nbgrader: one course folder (source/<lab>/ for each lab), not one folder a lab.
+    per_lab = lab_name == "all" and format != "nbgrader"
+    files = {(f"{name}/" if per_lab else "") + relative: text
              for name in names for relative, text in render_lab(LABS[name], format).items()}
     replaceable = {}
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -270,25 +379,28 @@ def write_lab(lab_name: str, out_dir, force: bool = False,
                              "exists and was not written by opd-handout; move it away first")
     if replaceable:
         _remove(out_dir, replaceable)
-    digests = {relative: hashlib.sha256(text.encode()).hexdigest()
-               for relative, text in sorted(files.items())}
+    files = {relative: text if isinstance(text, bytes) else text.encode()
+             for relative, text in files.items()}
+    digests = {relative: hashlib.sha256(data).hexdigest()
+               for relative, data in sorted(files.items())}
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for relative, text in files.items():
             path = out_dir / relative
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(text.encode())
+            path.write_bytes(text)
         (out_dir / MARKER).write_bytes(json.dumps({"tool": "opd-handout", "lab": lab_name,
                                                   "files": digests}, indent=1).encode() + b"\n")
     except OSError as error:
         raise ValueError(f"cannot write OUTDIR {str(out_dir)!r}: "
                          f"{error.strerror or error}") from error
-    return [out_dir / name for name in names] if lab_name == "all" else [out_dir]
+    return [out_dir / name for name in names] if per_lab else [out_dir]
 
 
 
-FORMATS = ("files", "notebook")
-"""The ways to write a lab: Python files, or the student module as a Jupyter notebook."""
+FORMATS = ("files", "notebook", "gradescope", "nbgrader")
+"""The ways to write a lab: Python files; the student module as a Jupyter notebook; a
+Gradescope autograder zip beside the student's folder; an nbgrader course folder."""
 
 _NOTEBOOK_CHECK = """import sys
 import types
@@ -308,49 +420,123 @@ def check(task):
     assert code == 0, f"Task {{task}}: some tests fail (see above)\""""
 
 
-def _cell(kind: str, source: str, tags=()) -> dict:
-    cell = {"cell_type": kind, "metadata": {"tags": list(tags)} if tags else {},
-            "source": source.strip("\n")}
+_NBGRADER_CONFIG = '''"""nbgrader's configuration of this course folder (written by opd-handout).
+
+From this folder: nbgrader generate_assignment LAB (LAB: a folder of source/), then
+nbgrader autograde LAB once the submissions are in submitted/<student>/LAB/.
+"""
+
+c = get_config()  # noqa: F821 (nbgrader's configuration API provides it)
+c.CourseDirectory.root = "."
+# Seconds a cell may run at autograde (nbgrader's default is 30): a check cell imports torch
+# and runs a task's tests, which can take longer on a loaded machine.
+c.Execute.timeout = 300
+'''
+
+NBGRADER_SCHEMA = 3
+"""The version of nbgrader's cell metadata the notebooks carry (nbgrader 0.9's
+``nbgraderformat/v3.json``: ``grade``, ``grade_id``, ``locked``, ``points``, ``solution``,
+``schema_version``)."""
+
+# The cells of the notebook's own checking machinery: never part of the student module.
+_CHECK_TAGS = ("setup", "check:")
+# What an untagged cell a student added contributes to the module: its definitions, not its
+# scratch work (calls, prints, loops run only in the notebook).
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                ast.Assign, ast.AnnAssign)
+
+
+def _cell(kind: str, source: str, tags=(), nbgrader=None) -> dict:
+    metadata = {}
+    if tags:
+        metadata["tags"] = list(tags)
+    if nbgrader is not None:
+        metadata["nbgrader"] = nbgrader
+    cell = {"cell_type": kind, "metadata": metadata, "source": source.strip("\n")}
     if kind == "code":
         cell.update(execution_count=None, outputs=[])
     return cell
 
 
-def render_notebook(lab: Lab, keep=frozenset()) -> dict:
-    """The lab as a Jupyter notebook (nbformat 4): the module's docstring as its introduction;
-    the student module in code cells tagged ``module:<name>`` (the grader joins them back into
-    the module), each task's function after a Markdown cell with its number, hint and docstring;
-    then one cell per task that runs that task's tests. ``keep``: tasks left solved (tests)."""
-    import ast
+def _nbgrader(grade_id: str, *, grade=False, solution=False, locked=False, points=None) -> dict:
+    """nbgrader's metadata of one cell: a solution cell (the student writes it), a locked one
+    (restored from the instructor's copy at autograde) or a graded test cell with its points."""
+    meta = {"grade": grade, "grade_id": grade_id, "locked": locked,
+            "schema_version": NBGRADER_SCHEMA, "solution": solution}
+    if grade:
+        meta["points"] = points
+    return meta
+
+
+def _statements(text: str) -> list[tuple[ast.stmt, str]]:
+    """The top-level statements of ``text`` with their source lines (decorators included)."""
+    lines = text.split("\n")
+    found = []
+    for node in ast.parse(text).body:
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        end = node.end_lineno
+        # A body's trailing comments (an "### END SOLUTION" line) belong to it, not to the
+        # next statement: the AST ends at the last statement.
+        for index in range(end, len(lines)):
+            if lines[index][:1].isspace() and lines[index].lstrip().startswith("#"):
+                end = index + 1
+            elif lines[index].strip():
+                break
+        found.append((node, "\n".join(lines[start:end]).strip("\n")))
+    return found
+
+
+def render_notebook(lab: Lab, keep=frozenset(), solutions: bool = False) -> dict:
+    r"""The lab as a Jupyter notebook (nbformat 4.5) that nbgrader also accepts.
+
+    The module's docstring is its introduction; the student module is in code cells tagged
+    ``module:<name>`` (the grader joins them back into the module), each task's function after
+    a Markdown cell with its number, hint and docstring; then one cell per task, ``check(N)``,
+    that runs that task's tests. Every code cell carries nbgrader's metadata (schema 3): a task's
+    function is a *solution* cell, the given code and the checking helper are *locked*, and each
+    ``check(N)`` is a *graded* test cell worth the task's points
+    ([lab_points][opd_literate.course.labs.lab_points]).
+
+    ``keep``: tasks left solved (tests). ``solutions=True``: nbgrader's *source* version, every
+    task solved between nbgrader's ``### BEGIN SOLUTION`` and ``### END SOLUTION`` lines under a
+    ``# TODO (Task N): hint`` line, for ``nbgrader generate_assignment`` to strip.
+    """
+    from .markers import nbgrader_solutions
 
     if len(lab.student_modules) != 1:
         raise ValueError(f"lab {lab.name!r}: a notebook holds one student module")
     module = lab.student_modules[0]
     source = source_of(module)
-    text, tasks = strip_solutions(read_source(source), str(source), keep=keep)
+    original = read_source(source)
+    text, tasks = strip_solutions(original, str(source), keep=keep)
+    if solutions:
+        text = nbgrader_solutions(original, str(source))
     text = flatten_imports(text)
+    points = lab_points(lab)
     task_of = {name: n for n, name in tasks}
-    hints = dict(re.findall(r"### BEGIN SOLUTION Task (\d+): (.*)", read_source(source)))
-    tree = ast.parse(text)
-    lines = text.split("\n")
+    hints = dict(re.findall(r"### BEGIN SOLUTION Task (\d+): (.*)", original))
+    tag = [f"module:{module}"]
     cells = [_cell("markdown", f"# Lab: {lab.title}\n\n{lab.summary}\n\nEach task is a "
                    "function whose body is a `TODO` and a `raise NotImplementedError`: replace "
                    "the two lines with your code, run the cells from the top, then the task's "
-                   "check cell at the end.")]
-    body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        cells.append(_cell("markdown", body[0].value.value))
-        body = body[1:]
+                   "check cell at the end. You may add cells with helper functions: their "
+                   "definitions are graded with the module.")]
+    statements = _statements(text)
+    if statements and isinstance(statements[0][0], ast.Expr) and isinstance(
+            statements[0][0].value, ast.Constant):
+        cells.append(_cell("markdown", statements[0][0].value.value))
+        statements = statements[1:]
     pending = []
 
     def flush():
         if pending:
-            cells.append(_cell("code", "\n".join(pending), [f"module:{module}"]))
+            number = sum(c["metadata"].get("nbgrader", {}).get("grade_id", "").startswith(
+                "given_code") for c in cells) + 1
+            cells.append(_cell("code", "\n".join(pending), tag,
+                               _nbgrader(f"given_code_{number}", locked=True)))
             pending.clear()
 
-    for node in body:
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        chunk = "\n".join(lines[start:node.end_lineno]).strip("\n")
+    for node, chunk in statements:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             flush()
             if node.name in task_of:
@@ -358,20 +544,65 @@ def render_notebook(lab: Lab, keep=frozenset()) -> dict:
                 doc = ast.get_docstring(node) or ""
                 cells.append(_cell("markdown", f"## Task {n}: `{node.name}`\n\n*{hints[str(n)]}*"
                                                f"\n\n{doc}"))
-            cells.append(_cell("code", chunk, [f"module:{module}"]))
+                meta = _nbgrader(f"task{n}_{node.name}", solution=True)
+            else:
+                meta = _nbgrader(f"given_{node.name}", locked=True)
+            cells.append(_cell("code", chunk, tag, meta))
         else:
             pending += [chunk, ""]
     flush()
     cells.append(_cell("markdown", "## Check your work\n\nEach cell runs the tests of one task "
                                    "on the functions above (the lab's `tests/` folder)."))
-    cells.append(_cell("code", _NOTEBOOK_CHECK.format(module=module), ["setup"]))
+    cells.append(_cell("code", _NOTEBOOK_CHECK.format(module=module), ["setup"],
+                       _nbgrader("check_setup", locked=True)))
     for n in sorted({n for n, _ in tasks}):
-        cells.append(_cell("code", f"check({n})", [f"check:{n}"]))
+        cells.append(_cell("code", f"check({n})", [f"check:{n}"],
+                           _nbgrader(f"check_task{n}", grade=True, locked=True,
+                                     points=points[n])))
     for index, cell in enumerate(cells):
         cell["id"] = f"cell-{index}"  # nbformat 4.5 ids, stable: the same source, same bytes
     return {"cells": cells, "metadata": {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def notebook_modules(notebook: dict, lab: Lab) -> dict[str, str]:
+    """The student module of a notebook lab as Python source, ``{module: text}``.
+
+    The code cells tagged ``module:<name>`` are taken whole, and of every other code cell (a
+    cell the student added, which Jupyter leaves untagged) its top-level definitions: ``def``,
+    ``class``, ``import`` and assignments, so a helper function written in a new cell is graded
+    with the module. Its other statements (calls, prints, loops: scratch work) run only in the
+    notebook, and a cell that is not plain Python (IPython ``%`` or ``!`` lines) is left out
+    whole, with a comment saying so. The notebook's checking cells (tagged ``setup`` and
+    ``check:N``) are never part of the module. Cells keep the notebook's order.
+    """
+    if len(lab.student_modules) != 1:
+        raise ValueError(f"lab {lab.name!r}: a notebook holds one student module")
+    try:
+        cells = [c for c in notebook["cells"] if c.get("cell_type") == "code"]
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError("not a Jupyter notebook (no list of cells)") from None
+    parts = {}
+    for index, cell in enumerate(cells, start=1):
+        tags = cell.get("metadata", {}).get("tags", [])
+        source = cell.get("source", "")
+        source = ("".join(source) if isinstance(source, list) else str(source)).rstrip("\n")
+        modules = [t.split(":", 1)[1] for t in tags if t.startswith("module:")]
+        if modules:
+            for name in modules:
+                parts.setdefault(name, []).append(source)
+            continue
+        if any(t.startswith(_CHECK_TAGS) for t in tags) or not source.strip():
+            continue
+        try:
+            kept = [chunk for node, chunk in _statements(source) if isinstance(node, _DEFINITIONS)]
+        except SyntaxError:
+            kept = [f"# (code cell {index} left out: it is not plain Python)"]
+        if kept:
+            parts.setdefault(lab.student_modules[0], []).append("\n\n".join(kept))
+    return {name: "\n\n\n".join(chunks) + "\n" for name, chunks in parts.items()
+            if name in lab.student_modules}
 
 
 def tasks_of(lab: Lab) -> list[tuple[int, str, str]]:
@@ -402,7 +633,7 @@ def render_lab(lab: Lab, format: str = "files") -> dict[str, str]:
         files[f"{module}.py"] = flatten_imports(given)
     for test in lab.tests:
         files[f"tests/{pathlib.PurePosixPath(test).name}"] = flatten_imports(
-            read_source(REPO / test))
+            read_source(lab_file(test)))
     files["pytest.ini"] = _PYTEST_INI
     files["conftest.py"] = _CONFTEST
     all_tasks.sort()
@@ -411,7 +642,7 @@ def render_lab(lab: Lab, format: str = "files") -> dict[str, str]:
     for n, name, _ in all_tasks:
         functions.setdefault(str(n), []).append(name)
     manifest = {"lab": lab.name, "title": lab.title, "tasks": functions}
-    if format == "notebook":
+    if format in ("notebook", "nbgrader"):
         for module in lab.student_modules:
             del files[f"{module}.py"]
         files[f"{lab.name}.ipynb"] = json.dumps(render_notebook(lab), indent=1) + "\n"
@@ -421,5 +652,21 @@ def render_lab(lab: Lab, format: str = "files") -> dict[str, str]:
                                              f"| `{lab.name}.ipynb` |")
         manifest["format"] = "notebook"
     files["lab.json"] = json.dumps(manifest, indent=1) + "\n"
+    if format == "gradescope":
+        from .gradescope import autograder_files, zip_bytes
+
+        modules = " or ".join(f"`{m}.py`" for m in lab.student_modules)
+        files["README.md"] = files["README.md"].replace(
+            "Check your work (from", f"Hand in {modules} on Gradescope (or `{lab.name}.ipynb`, "
+            "a notebook of the lab);\nits autograder grades it as described at the end, with "
+            "more tests than this\nfolder holds (their results are shown after the due "
+            "date).\n\nCheck your work (from", 1)
+        files = {f"student/{name}": text for name, text in files.items()}
+        files["autograder.zip"] = zip_bytes(autograder_files(lab))
+    elif format == "nbgrader":
+        files = {f"source/{lab.name}/{name}": text for name, text in files.items()}
+        files[f"source/{lab.name}/{lab.name}.ipynb"] = json.dumps(
+            render_notebook(lab, solutions=True), indent=1) + "\n"
+        files["nbgrader_config.py"] = _NBGRADER_CONFIG
     return files
 

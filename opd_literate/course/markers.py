@@ -15,15 +15,16 @@ with its hint and a stub:
     # TODO (Task 1): teacher_logp - student_logp, detached; exactly 0 where mask is 0
     raise NotImplementedError("Task 1: reverse_kl_rewards")
 
-This module only reads text: the lab folders are written by ``course.labs``, graded by
-``course.grade``.
+[nbgrader_solutions][opd_literate.course.markers.nbgrader_solutions] writes the same regions in
+nbgrader's own form, for an nbgrader *source* notebook. This module only reads text: the lab
+folders are written by ``course.labs``, graded by ``course.grade``.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["MarkerError", "strip_solutions", "solution_lines"]
+__all__ = ["MarkerError", "strip_solutions", "solution_lines", "nbgrader_solutions"]
 
 BEGIN = re.compile(r"^(?P<indent>\s*)### BEGIN SOLUTION(?P<rest>.*)$")
 END = re.compile(r"^\s*### END SOLUTION\s*$")
@@ -113,3 +114,34 @@ def solution_lines(text: str) -> list[str]:
         elif inside and line.strip() and not line.strip().startswith("#"):
             lines.append(line.strip())
     return lines
+
+
+def nbgrader_solutions(text: str, filename: str = "<string>") -> str:
+    r"""``text`` with every solution region in nbgrader's form: the hint on a ``# TODO`` line
+    above a plain ``### BEGIN SOLUTION``, so that ``nbgrader generate_assignment``, which
+    replaces each region (its BEGIN line included) by its own stub, keeps the hint.
+
+    Raises MarkerError as [strip_solutions][opd_literate.course.markers.strip_solutions] does.
+
+    Examples
+    --------
+    >>> source = '''def f(x):
+    ...     ### BEGIN SOLUTION Task 7: double it
+    ...     return 2 * x
+    ...     ### END SOLUTION
+    ... '''
+    >>> nbgrader_solutions(source).split("\n")[:4]  # (printed, the lines would be markers)
+    ['def f(x):', '    # TODO (Task 7): double it', '    ### BEGIN SOLUTION', '    return 2 * x']
+    """
+    strip_solutions(text, filename)  # the same checks: balanced, not nested, "Task N: hint"
+    out = []
+    for line in text.split("\n"):
+        begin = BEGIN.match(line)
+        if begin:
+            task = TASK.match(begin.group("rest"))
+            indent = begin.group("indent")
+            out += [f"{indent}# TODO (Task {task.group('task')}): {task.group('hint').strip()}",
+                    f"{indent}### BEGIN SOLUTION"]
+        else:
+            out.append(line)
+    return "\n".join(out)

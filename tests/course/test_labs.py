@@ -167,6 +167,22 @@ class TestBadInput:
         with pytest.raises(MarkerError, match=message):
             strip_solutions(text, "src.py")
 
+    @pytest.mark.parametrize("points, message", [
+        ({1: 3, 2: 3}, r"points are given for tasks \[1, 2\], expected exactly the tasks of "
+                       r"the source, \[1, 2, 3\]"),
+        ({1: 3, 2: 3, 3: 0}, "Task 3 has points 0, expected a positive finite number"),
+        ({1: 3, 2: float("nan"), 3: 4}, "Task 2 has points nan"),
+        ({1: True, 2: 3, 3: 4}, "Task 1 has points True"),
+    ])
+    def test_points_that_do_not_fit_the_tasks(self, points, message):
+        import dataclasses
+
+        lab = dataclasses.replace(LABS["opd"], points=points)
+        with pytest.raises(ValueError, match=f"lab 'opd': {message}"):
+            course_labs.lab_points(lab)
+        with pytest.raises(ValueError, match=message):
+            course_labs.render_lab(lab)
+
     def test_grade_a_folder_that_is_not_a_lab(self, tmp_path):
         with pytest.raises(ValueError, match="is not a lab folder"):
             grade(tmp_path)

@@ -1,14 +1,16 @@
 """``--format notebook``: the lab as a Jupyter notebook that runs top to bottom when solved, and
 that the grader grades like a folder of files."""
 
+import dataclasses
 import json
 import shutil
+import textwrap
 import time
 
 import pytest
 
 from opd_literate.course.grade import grade
-from opd_literate.course.labs import LABS, render_notebook, write_lab
+from opd_literate.course.labs import LABS, notebook_modules, render_notebook, write_lab
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook extra: pip install .[notebook]")
 
@@ -72,3 +74,58 @@ def test_the_grader_grades_a_notebook_task_by_task(solved, tmp_path):
     assert len(others) == 7 and all(t["status"] == "passed" and t["passed"] == t["tests"] > 0
                                     for t in others)
     assert result["score"] == result["total"] - 1 == 7
+
+
+def _code(source, tags=()):
+    return {"cell_type": "code", "metadata": {"tags": list(tags)} if tags else {},
+            "execution_count": None, "outputs": [], "source": source}
+
+
+def test_a_helper_in_a_new_untagged_cell_is_part_of_the_graded_module():
+    """The definitions of a cell a student added (Jupyter leaves it untagged) join the module
+    in the notebook's order; its scratch statements, a cell of IPython syntax and the check
+    cells do not."""
+    notebook = render_notebook(LABS["mismatch"])
+    tagged = [c for c in notebook["cells"] if "module:estimators" in c["metadata"].get("tags", [])]
+    at = notebook["cells"].index(tagged[-1]) + 1
+    notebook["cells"][at:at] = [
+        _code(["import math\n", "\n", "CAP = 2.0\n", "\n", "@staticmethod\n",
+               "def clipped(x):\n", "    return min(x, CAP)\n", "\n",
+               "print(clipped(3.0))\n", "for i in range(3):\n", "    print(i)\n"]),
+        _code("%timeit clipped(1.0)"),
+        _code("check(1)"),  # a student's extra call, untagged: scratch, not a definition
+    ]
+    module = notebook_modules(notebook, LABS["mismatch"])["estimators"]
+    assert module.startswith("\n\n\n".join(c["source"] for c in tagged))
+    tail = module[len("\n\n\n".join(c["source"] for c in tagged)):]
+    assert tail == ("\n\n\nimport math\n\nCAP = 2.0\n\n@staticmethod\ndef clipped(x):\n"
+                    "    return min(x, CAP)\n\n\n# (code cell "
+                    f"{sum(c['cell_type'] == 'code' for c in notebook['cells'][:at + 2])} "
+                    "left out: it is not plain Python)\n")
+    compile(module, "estimators.py", "exec")
+    assert "def check(" not in module and "check(1)" not in module
+
+
+def test_notebook_modules_refuses_what_is_not_a_notebook():
+    with pytest.raises(ValueError, match="not a Jupyter notebook"):
+        notebook_modules({"worksheets": []}, LABS["mismatch"])
+    with pytest.raises(ValueError, match="a notebook holds one student module"):
+        notebook_modules({"cells": []}, dataclasses.replace(
+            LABS["mismatch"], student_modules=("estimators", "toy")))
+
+
+@pytest.mark.slow
+def test_the_grader_keeps_a_helper_cell_of_a_notebook(solved, tmp_path):
+    """Task 1 (naive) answered through a helper defined in a new, untagged cell."""
+    folder = tmp_path / "lab"
+    shutil.copytree(solved, folder)
+    notebook = json.loads((folder / "mismatch.ipynb").read_text())
+    cell = next(c for c in notebook["cells"] if "def naive(" in c["source"])
+    body = cell["source"].split('"""')[-1]
+    cell["source"] = cell["source"][:-len(body)] + "\n    return _naive_weights(toy, baseline, " \
+        "return_weights)\n"
+    notebook["cells"].insert(notebook["cells"].index(cell) + 1, _code(
+        "def _naive_weights(toy, baseline, return_weights):\n" + textwrap.indent(
+            textwrap.dedent(body), "    ").rstrip() + "\n"))
+    (folder / "mismatch.ipynb").write_text(json.dumps(notebook))
+    assert grade(folder)["tasks"][1]["status"] == "passed"

@@ -1,0 +1,304 @@
+"""``--format gradescope``: the autograder zip, its run on a submission laid out as Gradescope
+lays it out, and results.json checked against Gradescope's format.
+
+The format, from Gradescope's "Autograder Specifications" (gradescope-autograders.readthedocs.io,
+specs page, read 2026-12): the zip holds ``setup.sh`` and ``run_autograder`` at its root and is
+extracted into ``/autograder/source``; the submission is in ``/autograder/submission``; the
+run writes ``/autograder/results/results.json``: an object with ``score`` (required unless every
+test has one), optional ``execution_time`` (seconds), ``output``, ``visibility``,
+``stdout_visibility``, ``extra_data`` and ``tests``, a list of objects with ``score``,
+``max_score``, ``status`` ("passed" or "failed"), ``name``, ``number``, ``output``, ``tags``
+and ``visibility`` ("hidden", "after_due_date", "after_published" or "visible").
+"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import tomllib
+
+from opd_literate.course import gradescope, labs
+from opd_literate.course.labs import LABS, PACKAGE, write_lab
+from opd_literate.course.markers import solution_lines, strip_solutions
+
+VISIBILITIES = {"hidden", "after_due_date", "after_published", "visible"}
+TOP_LEVEL = {"score", "execution_time", "output", "visibility", "stdout_visibility",
+             "extra_data", "tests", "leaderboard", "output_format", "test_output_format",
+             "test_name_format"}
+TEST_KEYS = {"score", "max_score", "status", "name", "name_format", "number", "output",
+             "output_format", "tags", "visibility", "extra_data"}
+
+
+def assert_gradescope_results(data):
+    """results.json as Gradescope's specification describes it (the keys above, their types)."""
+    assert isinstance(data, dict) and set(data) <= TOP_LEVEL, set(data) - TOP_LEVEL
+    number = (int, float)
+    assert isinstance(data["score"], number) and not isinstance(data["score"], bool)
+    assert isinstance(data.get("execution_time", 0), int)
+    assert isinstance(data.get("output", ""), str)
+    for test in data.get("tests", []):
+        assert set(test) <= TEST_KEYS, set(test) - TEST_KEYS
+        assert isinstance(test["score"], number) and isinstance(test["max_score"], number)
+        assert 0 <= test["score"] <= test["max_score"]
+        assert test.get("status", "passed") in ("passed", "failed")
+        assert test.get("visibility", "visible") in VISIBILITIES
+        assert isinstance(test.get("name", ""), str) and isinstance(test.get("output", ""), str)
+        assert all(isinstance(tag, str) for tag in test.get("tags", []))
+
+
+@pytest.fixture(scope="module")
+def handout(tmp_path_factory):
+    return write_lab("opd", tmp_path_factory.mktemp("gs") / "opd", format="gradescope")[0]
+
+
+def test_the_zip_holds_the_two_scripts_at_its_root_and_the_tests_with_the_hidden_ones(handout):
+    with zipfile.ZipFile(handout / "autograder.zip") as archive:
+        names = set(archive.namelist())
+        modes = {i.filename: i.external_attr >> 16 for i in archive.infolist()}
+        assert json.loads(archive.read("autograder.json")) == {"lab": "opd"}
+    for script in ("setup.sh", "run_autograder"):
+        assert script in names and modes[script] & stat.S_IXUSR, script
+    assert {"opd_literate/course/lab_tests/opd/test_lab_opd.py",
+            "opd_literate/course/lab_tests/opd/test_lab_opd_hidden.py",
+            "opd_literate/course/gradescope.py", "opd_literate/opd.py"} <= names
+    assert not any("__pycache__" in name for name in names)
+
+
+def test_the_student_folder_has_no_hidden_test_and_no_solution(handout):
+    student = handout / "student"
+    assert sorted(p.name for p in (student / "tests").iterdir()) == ["test_lab_opd.py"]
+    assert "Hand in `opd.py` on Gradescope" in (student / "README.md").read_text()
+    secret = set(solution_lines((PACKAGE / "opd.py").read_text()))
+    given = {line.strip() for line in strip_solutions((PACKAGE / "opd.py").read_text())[0]
+             .split("\n")}
+    secret -= given
+    assert len(secret) >= 5
+    for path in student.rglob("*"):
+        if path.is_file():
+            assert not secret & {line.strip() for line in path.read_text().split("\n")}, path
+
+
+def test_the_zip_is_the_same_bytes_every_time(handout, tmp_path):
+    again = write_lab("opd", tmp_path / "again", format="gradescope")[0]
+    assert (again / "autograder.zip").read_bytes() == (handout / "autograder.zip").read_bytes()
+
+
+def test_setup_installs_the_packages_pyproject_pins():
+    """setup.sh's numpy and torch are this package's dependencies, as pyproject.toml pins them."""
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    pins = {d.split(">")[0].split("<")[0].split("=")[0]: d
+            for d in pyproject["project"]["dependencies"]}
+    script = gradescope.SETUP_SH.format(requirements=gradescope._requirements())
+    for name in ("numpy", "torch"):
+        assert f"'{pins[name]}'" in script, (name, pins[name])
+    assert "'pytest" in script
+
+
+def _report(statuses):
+    """A grade() report for the OPD lab: ``{task: (status, tests, passed, failed node ids)}``."""
+    tasks = {}
+    for number, (status, tests, passed, failed) in statuses.items():
+        tasks[number] = dict(function=f"f{number}", status=status, tests=tests, passed=passed,
+                             messages=[f"{nodeid}: AssertionError: wrong" for nodeid in failed])
+    return dict(lab="opd", tasks=tasks, score=0, total=3, files={})
+
+
+COLLECTED = {1: [("tests/a.py::t1", "tests/a.py"), ("tests/a.py::t2", "tests/a.py"),
+                 ("tests/h.py::t3", "tests/h.py")],
+             2: [("tests/a.py::u1", "tests/a.py"), ("tests/a.py::u2", "tests/a.py")],
+             3: [("tests/a.py::v1", "tests/a.py")]}
+
+
+def test_results_share_each_tasks_points_among_its_tests():
+    report = _report({1: ("failed", 3, 2, ["tests/h.py::t3"]), 2: ("passed", 2, 2, []),
+                      3: ("timed out", 0, 0, [])})
+    data = gradescope.results(LABS["opd"], report, COLLECTED, 12.4, hidden={"tests/h.py"})
+    assert_gradescope_results(data)
+    by_name = {t["name"].split(": ", 1)[1]: t for t in data["tests"]}
+    points = LABS["opd"].points
+    assert by_name["t1"]["score"] == by_name["t1"]["max_score"] == points[1] / 3
+    assert by_name["t3"]["score"] == 0 and by_name["t3"]["output"] == "AssertionError: wrong"
+    assert by_name["t3"]["visibility"] == "after_due_date"
+    assert by_name["t1"]["visibility"] == "visible"
+    assert by_name["u1"]["score"] == points[2] / 2
+    assert by_name["v1"]["score"] == 0 and by_name["v1"]["status"] == "failed"
+    assert data["score"] == pytest.approx(2 * points[1] / 3 + points[2])
+    assert sum(t["max_score"] for t in data["tests"]) == pytest.approx(sum(points.values()))
+    assert data["execution_time"] == 12
+
+
+def test_results_take_a_reports_own_per_test_entries_when_it_has_them():
+    """A grader that judges each lab test as a case (``cases``: name, passed, message) needs
+    no collection: its entries are the tests, as the report names them."""
+    report = _report({1: ("failed", 2, 1, []), 2: ("passed", 1, 1, []),
+                      3: ("timed out", 0, 0, [])})
+    report["tasks"][1]["cases"] = [
+        dict(name="tests/test_lab_opd.py::a", passed=True, message=""),
+        dict(name="tests/test_lab_opd_hidden.py::b", passed=False, message="AssertionError: x")]
+    report["tasks"][2]["cases"] = [dict(name="tests/test_lab_opd.py::c", passed=True,
+                                        message="")]
+    report["tasks"][3]["cases"] = []
+    data = gradescope.results(LABS["opd"], report, None, 3.0,
+                              hidden={"tests/test_lab_opd_hidden.py"})
+    assert_gradescope_results(data)
+    points = LABS["opd"].points
+    assert [(t["name"], t["score"], t["visibility"], t["output"]) for t in data["tests"]] == [
+        ("Task 1 (f1): a", points[1] / 2, "visible", ""),
+        ("Task 1 (f1): b", 0.0, "after_due_date", "AssertionError: x"),
+        ("Task 2 (f2): c", points[2], "visible", ""),
+        ("Task 3 (f3)", 0.0, "visible", "timed out")]
+    assert data["score"] == pytest.approx(points[1] / 2 + points[2])
+
+
+def test_a_task_without_collected_tests_keeps_its_points_in_the_total():
+    report = _report({1: ("passed", 3, 3, []), 2: ("passed", 2, 2, []),
+                      3: ("no tests", 0, 0, [])})
+    data = gradescope.results(LABS["opd"], report, {1: COLLECTED[1], 2: COLLECTED[2]}, 1.0)
+    assert_gradescope_results(data)
+    (entry,) = [t for t in data["tests"] if t["tags"] == ["task 3"]]
+    assert entry["score"] == 0 and entry["max_score"] == LABS["opd"].points[3]
+    assert sum(t["max_score"] for t in data["tests"]) == pytest.approx(10)
+
+
+def test_results_give_nothing_when_the_counts_disagree_with_the_collected_tests():
+    """A task reported "passed" with fewer tests run than collected (a test skipped, say)
+    earns nothing, and the output says why."""
+    report = _report({1: ("passed", 2, 2, []), 2: ("passed", 2, 2, []),
+                      3: ("passed", 1, 1, [])})
+    data = gradescope.results(LABS["opd"], report, COLLECTED, 1.0)
+    task1 = [t for t in data["tests"] if t["tags"] == ["task 1"]]
+    assert [t["score"] for t in task1] == [0.0, 0.0, 0.0]
+    assert "the grader ran 2 tests of Task 1" in task1[0]["output"]
+    assert data["score"] == pytest.approx(LABS["opd"].points[2] + LABS["opd"].points[3])
+
+
+# ------------------------------------------------------------------ run_autograder, for real
+# Task 3 written with log(softmax): it passes the visible tests, and the three hidden ones fail
+# (NaN for large logits and for a masked row of -inf, float16 out for float16 in).
+NAIVE_TASK_3 = [
+    "p = torch.softmax(student_logits / temperature, -1)",
+    "log_q = torch.log_softmax(teacher_logits.detach() / temperature, -1)",
+    "kl = (p * (torch.log(p) - log_q)).sum(-1)",
+    "return (kl * mask).sum() / mask.sum().clamp_min(1)",
+]
+
+
+def _autograder_root(handout, tmp_path, submission_files):
+    """/autograder as Gradescope lays it out, under tmp_path: source/ (the zip, extracted),
+    submission/ (the student's files), results/ empty."""
+    root = tmp_path / "autograder"
+    with zipfile.ZipFile(handout / "autograder.zip") as archive:
+        archive.extractall(root / "source")
+    for info in zipfile.ZipFile(handout / "autograder.zip").infolist():  # extractall drops modes
+        (root / "source" / info.filename).chmod((info.external_attr >> 16) & 0o777)
+    (root / "submission").mkdir()
+    (root / "results").mkdir()
+    for name, text in submission_files.items():
+        (root / "submission" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "submission" / name).write_text(text)
+    return root
+
+
+def _run_autograder(root):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(AUTOGRADER_ROOT=str(root), AUTOGRADER_PYTHON=sys.executable,
+               AUTOGRADER_TRUSTED="1")
+    run = subprocess.run([str(root / "source" / "run_autograder")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # the grader that ran is the zip's copy, not this checkout
+    assert f"opd_literate from {root / 'source' / 'opd_literate'}" in run.stdout, run.stdout
+    data = json.loads((root / "results" / "results.json").read_text())
+    assert_gradescope_results(data)
+    return data
+
+
+def _opd_student(keep, stubs=None):
+    text, _ = strip_solutions(labs.source_of("opd").read_text(), keep=set(keep))
+    text = labs.flatten_imports(text)
+    for task, lines in (stubs or {}).items():
+        stub = next(line for line in text.split("\n")
+                    if f'raise NotImplementedError("Task {task}: full_vocab' in line)
+        indent = stub[:len(stub) - len(stub.lstrip())]
+        text = text.replace(stub, "\n".join(indent + line for line in lines))
+    return text
+
+
+@pytest.mark.slow
+def test_run_autograder_grades_a_submission_with_the_hidden_tests(handout, tmp_path):
+    """Task 1 solved, Task 2 a stub, Task 3 naive, in a subfolder as an uploaded zip leaves it.
+    Counted by hand in tests/opd/: Task 1 has 10 visible tests and 2 hidden, Task 3 10 visible
+    and 3 hidden (the naive version fails exactly the hidden three)."""
+    root = _autograder_root(handout, tmp_path, {
+        "my_lab/opd.py": _opd_student({1}, {3: NAIVE_TASK_3})})
+    data = _run_autograder(root)
+    points = LABS["opd"].points
+    tests = {n: [t for t in data["tests"] if t["tags"] == [f"task {n}"]] for n in (1, 2, 3)}
+    assert [len(tests[n]) for n in (1, 2, 3)] == [12, 14, 13]
+    assert all(t["status"] == "passed" for t in tests[1])
+    assert all(t["status"] == "failed" for t in tests[2])
+    failed = [t for t in tests[3] if t["status"] == "failed"]
+    assert len(failed) == 3 and all(t["visibility"] == "after_due_date" for t in failed)
+    assert all(t["visibility"] == "visible" for t in tests[3] if t["status"] == "passed")
+    assert data["score"] == pytest.approx(points[1] + points[3] * 10 / 13)
+    assert sum(t["max_score"] for t in data["tests"]) == pytest.approx(sum(points.values()))
+    assert data["extra_data"]["statuses"] == {"1": "passed", "2": "not implemented",
+                                              "3": "failed"}
+
+
+@pytest.mark.slow
+def test_run_autograder_grades_a_notebook_and_keeps_its_helper_cells(handout, tmp_path):
+    """The notebook handout with Task 1 solved through a helper defined in a new, untagged
+    cell (as Jupyter inserts it), and a scratch cell that would fail if it were run."""
+    notebook = labs.render_notebook(LABS["opd"])
+    cell = next(c for c in notebook["cells"] if "def reverse_kl_rewards" in c["source"])
+    stub = next(line for line in cell["source"].split("\n") if "NotImplementedError" in line)
+    cell["source"] = cell["source"].replace(
+        stub, "    return _masked_difference(teacher_logp, student_logp, mask)")
+    cell["source"] = "\n".join(line for line in cell["source"].split("\n")
+                               if "# TODO (Task 1)" not in line)
+    helper = {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+              "id": "student-helper", "source": [
+                  "def _masked_difference(teacher_logp, student_logp, mask):\n",
+                  "    dtype = compute_dtype(student_logp, teacher_logp)\n",
+                  "    diff = teacher_logp.detach().to(dtype) - student_logp.detach().to(dtype)\n",
+                  "    return torch.where(mask, diff, torch.zeros_like(diff))\n",
+                  "\n",
+                  "print(_masked_difference)  # scratch: not part of the module\n"]}
+    scratch = {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+               "id": "student-scratch", "source": "%timeit reverse_kl_rewards(a, b, m)"}
+    assert any("compute_dtype" in c["source"] for c in notebook["cells"]
+               if c["cell_type"] == "code")  # the helper's import is given code
+    at = notebook["cells"].index(cell) + 1
+    notebook["cells"][at:at] = [helper, scratch]
+    root = _autograder_root(handout, tmp_path, {"opd.ipynb": json.dumps(notebook)})
+    data = _run_autograder(root)
+    assert data["extra_data"]["statuses"] == {"1": "passed", "2": "not implemented",
+                                              "3": "not implemented"}
+    assert data["score"] == pytest.approx(LABS["opd"].points[1])
+    assert data["output"].startswith("graded opd.ipynb")
+
+
+def test_a_submission_without_the_module_gets_zero_and_says_what_it_holds(handout, tmp_path):
+    root = _autograder_root(handout, tmp_path, {"notes.txt": "hello"})
+    data = gradescope.run(root)
+    assert_gradescope_results(data)
+    assert data["score"] == 0 and data["tests"] == []
+    assert data["output"] == ("not graded: the submission holds no opd.py (nor opd.ipynb); it "
+                              "holds: notes.txt")
+    assert json.loads((root / "results" / "results.json").read_text()) == data
+
+
+def test_the_cli_writes_the_gradescope_format(tmp_path):
+    from opd_literate.course import cli
+
+    assert cli.main([str(tmp_path / "out"), "--lab", "all", "--format", "gradescope"]) == 0
+    for name in LABS:
+        assert (tmp_path / "out" / name / "autograder.zip").is_file()
+        assert (tmp_path / "out" / name / "student" / "lab.json").is_file()
+    shutil.rmtree(tmp_path / "out")
