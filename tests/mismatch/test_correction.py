@@ -250,8 +250,10 @@ def _normaliser(mask, reduction):
         "token-mean": torch.full_like(mask, 1.0 / max(float(mask.sum()), 1.0)),
         "seq-mean-token-sum": torch.full_like(mask, 1.0 / B),
         "seq-mean-token-mean": (1.0 / (B * n_b)).expand(B, T),
-        "seq-mean-token-sum-norm": torch.full_like(mask, 1.0 / T),
+        "seq-mean-token-sum-norm": torch.full_like(mask, 1.0 / (B * T)),
         "sum": torch.ones_like(mask),
+        "token-sum": torch.ones_like(mask),
+        "token-sum-norm": torch.full_like(mask, 1.0 / T),
     }[reduction] * mask
 
 
@@ -540,29 +542,45 @@ def test_metric_names_are_verls():
 
 
 def test_metric_values_against_float64_formulas():
+    """verl 0.9.1's compute_is_metrics and compute_offpolicy_metrics, written out in numpy:
+    the IS statistics are of the applied (truncated) weights, the fractions of the ratios."""
     trainer, sampler, mask, _ = _random_batch(12)
     m = mask.numpy() > 0
     x = (trainer - sampler).numpy()
     r = np.exp(x)
     c = C.rollout_correction(trainer, sampler, mask, rollout_is="token", rollout_is_threshold=1.5)
     got = {k.removeprefix("rollout_corr/"): v for k, v in c.metrics.items()}
-    assert got["rollout_is_mean"] == pytest.approx(r[m].mean(), rel=1e-12)
-    assert got["rollout_is_max"] == pytest.approx(r[m].max(), rel=1e-12)
-    assert got["rollout_is_min"] == pytest.approx(r[m].min(), rel=1e-12)
+    w = np.minimum(r, 1.5)
+    assert got["rollout_is_mean"] == pytest.approx(w[m].mean(), rel=1e-12)
+    assert got["rollout_is_max"] == pytest.approx(w[m].max(), rel=1e-12)
+    assert got["rollout_is_min"] == pytest.approx(w[m].min(), rel=1e-12)
     assert got["rollout_is_ratio_fraction_high"] == pytest.approx((r[m] > 1.5).mean())
     assert got["rollout_is_ratio_fraction_low"] == pytest.approx((r[m] < 1 / 1.5).mean())
-    clamped = np.clip(r[m], 1 / 1.5, 1.5)
+    assert got["rollout_is_std"] == pytest.approx(w[m].std(), rel=1e-10)
     assert got["rollout_is_eff_sample_size"] == pytest.approx(
-        clamped.mean() ** 2 / (clamped ** 2).mean(), rel=1e-12)
+        w[m].mean() ** 2 / (w[m] ** 2).mean(), rel=1e-12)
+    rows = m.any(1)
+    seq_w = ((w * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    seq_r = ((r * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    assert got["rollout_is_seq_mean"] == pytest.approx(seq_w.mean(), rel=1e-12)
+    assert got["rollout_is_seq_std"] == pytest.approx(seq_w.std(ddof=1), rel=1e-10)
+    assert got["rollout_is_seq_max_deviation"] == pytest.approx(np.abs(seq_w - 1).max(),
+                                                                rel=1e-12)
+    assert got["rollout_is_seq_fraction_high"] == pytest.approx((seq_r > 1.5).mean())
     assert got["kl"] == pytest.approx((-x[m]).mean(), rel=1e-12)
     assert got["k3_kl"] == pytest.approx((r[m] - 1 - x[m]).mean(), rel=1e-12)
     assert got["chi2_token"] == pytest.approx((r[m] ** 2).mean() - 1, rel=1e-12)
-    seq = (x * m).sum(1)[m.any(1)]
+    seq = (x * m).sum(1)[rows]
     assert got["chi2_seq"] == pytest.approx(np.exp(2 * seq).mean() - 1, rel=1e-12)
+    mean_logp = ((trainer.numpy() * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    mean_logq = ((sampler.numpy() * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    assert got["training_ppl"] == pytest.approx(np.exp(-mean_logp).mean(), rel=1e-12)
+    assert got["rollout_log_ppl"] == pytest.approx((-mean_logq).mean(), rel=1e-12)
+    assert got["ppl_ratio"] == pytest.approx(np.exp(mean_logq - mean_logp).mean(), rel=1e-12)
 
 
-def test_the_module_cites_the_verl_commit_of_the_fixture():
-    assert C.VERL_COMMIT == FIXTURE["commit"]
+def test_the_module_cites_the_verl_version_of_the_fixture():
+    assert C.VERL_VERSION == FIXTURE["version"]
     assert C.VERL_COMMIT is E.VERL_COMMIT  # one definition, in _numerics, re-exported by both
     assert C.SAFETY_BOUND == FIXTURE["safety_bound"]
     assert C.RS_OPTIONS == tuple(FIXTURE["rollout_rs_options"])
