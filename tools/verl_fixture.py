@@ -24,7 +24,6 @@ FIXTURE = ROOT / "tests" / "fixtures" / "verl_rollout_correction.json"
 def build() -> dict:
     """The fixture's content, read from verl's own objects (nothing typed by hand but names)."""
     import omegaconf
-
     import verl
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo import core_algos
