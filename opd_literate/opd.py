@@ -816,8 +816,9 @@ def kl_estimator(student_logp, teacher_logp, kind="k1"):
     token probability 0, its true value).
 
     References: ``kl_penalty`` and ``kl_penalty_forward`` in ``verl/trainer/ppo/core_algos.py``
-    and ``kl_loss_type`` in ``verl/workers/config/actor.py``, volcengine/verl at commit
-    ``b178a3cd56f58b2d502255daba591e92833930a7``.
+    and ``kl_loss_type`` in ``verl/trainer/config/actor/actor.yaml``, verl 0.9.1 (whose
+    ``kl_penalty`` ``tests/integration/test_verl.py`` calls; the ``"+"`` suffix works there
+    since commit ``7e80ab0``, before which it raised ``NotImplementedError``).
 
     Examples
     --------
@@ -1037,11 +1038,10 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
     -----
     References: ``agg_loss`` in ``verl/trainer/ppo/core_algos.py`` (the five
     ``loss_agg_mode`` values and the exclusion of fully masked sequences) and
-    ``loss_agg_mode: token-mean`` in ``verl/trainer/config/actor/actor.yaml``, verl 0.9.1
-    (``tests/integration/test_verl.py`` calls its ``agg_loss``), and
-    ``global_batch_size=ppo_mini_batch_size`` in ``verl/trainer/ppo/ray_trainer.py``,
-    volcengine/verl at commit ``b178a3cd56f58b2d502255daba591e92833930a7``. The exclusion
-    entered in commit ``4424616d7dfe03cc564866dc5e99dfaba1daba2e`` (October 2025).
+    ``loss_agg_mode: token-mean`` in ``verl/trainer/config/actor/actor.yaml`` and
+    ``global_batch_size=ppo_mini_batch_size`` in ``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1
+    (``tests/integration/test_verl.py`` calls its ``agg_loss``). The exclusion entered in commit
+    ``4424616d7dfe03cc564866dc5e99dfaba1daba2e`` (October 2025).
 
     Examples
     --------
