@@ -11,7 +11,8 @@ would check the same mask again.
 lengths, the reductions of a per-token loss, the cancellation-free KL to a mixture (torch), and
 the exponential of a log-ratio that refuses to overflow (numpy).
 
-**Constants** read by several modules, defined here once: ``REDUCTIONS`` and ``VERL_COMMIT``.
+**Constants** read by several modules, defined here once: ``REDUCTIONS``, ``VERL_VERSION`` and
+``VERL_COMMIT``.
 The modules that document them re-export them under the same name.
 
 The numpy-only modules import this file, so it imports no third-party package at import time:
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # the numpy-only modules import this file: torch is loaded on
 
 __all__ = [
     "REDUCTIONS",
+    "VERL_VERSION",
     "VERL_COMMIT",
     "MAX_LOG_RATIO",
     "check_float_tensor",
@@ -48,13 +50,23 @@ __all__ = [
 ]
 
 REDUCTIONS = (
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum"
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum",
+    "token-sum", "token-sum-norm",
 )
-"""The loss reductions of [opd_literate.opd.aggregate_loss][]: verl's four ``loss_agg_mode``
-names, and ``"sum"`` (not a verl mode)."""
+"""The loss reductions of [opd_literate.opd.aggregate_loss][]: verl's five ``loss_agg_mode``
+names (``"token-sum"`` since commit 4730d46), ``"sum"`` (the same as ``"token-sum"``), and
+``"token-sum-norm"``, the meaning verl gave ``"seq-mean-token-sum-norm"`` until commit b8d91ef
+(not a verl name)."""
 
-VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
-"""The volcengine/verl commit read for every "verl" statement of the package."""
+VERL_VERSION = "0.9.1"
+"""The verl release every "verl" statement of the package is checked against: the ``verl``
+extra's pin, whose functions ``tests/integration/test_verl.py`` calls."""
+
+VERL_COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"
+"""The newest verl-project/verl commit read from source (2026-08-22), for the history of a
+statement ("since commit ..."). The 0.9.1 release (tagged later, PR #7947) is not in the stored
+snapshot: its ``rollout_corr_helper.py`` equals this commit's byte for byte, its
+``core_algos.py`` differs from it only in GSPO's reduction (``docs/references.md``)."""
 
 MAX_LOG_RATIO = math.log(sys.float_info.max)
 """709.78: ``exp`` of a larger log-ratio is ``inf`` in float64, and ``inf * 0`` is NaN."""
@@ -239,15 +251,19 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: str) 
     if reduction == "token-mean":
         return masked_mean(per_token_loss, mask)
     masked = select(mask, per_token_loss)
-    if reduction == "sum":
+    if reduction in ("sum", "token-sum"):
         return masked.sum()
-    if reduction == "seq-mean-token-sum-norm":
-        # a constant normaliser: the padded length T (verl's default loss_scale_factor)
+    if reduction == "token-sum-norm":
+        # verl's seq-mean-token-sum-norm before b8d91ef: the sum over the padded length T
         return masked.sum() / max(masked.shape[1], 1)
     per_sequence = masked.sum(dim=1)  # (B,)
     if reduction == "seq-mean-token-mean":
         per_sequence = per_sequence / lengths(mask, masked.dtype)
-    return per_sequence.sum() / max(per_sequence.shape[0], 1)
+    loss = per_sequence.sum() / max(per_sequence.shape[0], 1)
+    if reduction == "seq-mean-token-sum-norm":
+        # the sequence mean over the padded length T (verl's default loss_scale_factor)
+        loss = loss / max(masked.shape[1], 1)
+    return loss
 
 
 def kl_to_mixture(log_a: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ Conventions shared by every function here:
 per-state identities (E over $y_t$ of the Task-2 gradient = the Task-3 gradient; discount 1
 gives the sequence reverse-KL gradient) survive the batch reduction only when its normaliser
 does not depend on the sampled lengths: ``"sum"``, ``"seq-mean-token-sum"`` (a fixed $1/B$) and
-``"seq-mean-token-sum-norm"`` (a fixed $1/T$). With ``"token-mean"`` (Task 2 and Task 3 as
+``"seq-mean-token-sum-norm"`` (a fixed $1/(BT)$). With ``"token-mean"`` (Task 2 and Task 3 as
 written) or ``"seq-mean-token-mean"`` the expected gradients differ. On the enumerable two-step
 model with ``<eos>`` of ``tests/opd/test_reductions.py`` the discount-1 expected gradient of
 ``token-mean`` points 7.26 degrees away from the sequence-KL gradient (3.42 degrees with two
@@ -818,8 +818,9 @@ def kl_estimator(student_logp, teacher_logp, kind="k1"):
     token probability 0, its true value).
 
     References: ``kl_penalty`` and ``kl_penalty_forward`` in ``verl/trainer/ppo/core_algos.py``
-    and ``kl_loss_type`` in ``verl/workers/config/actor.py``, volcengine/verl at commit
-    ``b178a3cd56f58b2d502255daba591e92833930a7``.
+    and ``kl_loss_type`` in ``verl/trainer/config/actor/actor.yaml``, verl 0.9.1 (whose
+    ``kl_penalty`` ``tests/integration/test_verl.py`` calls; the ``"+"`` suffix works there
+    since commit ``7e80ab0``, before which it raised ``NotImplementedError``).
 
     Examples
     --------
@@ -994,13 +995,20 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
       same, so a token of a short response weighs more than one of a long response: a length
       bias.
     * ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normaliser):
-      $\frac{1}{T} \sum_{b,t} m_{b,t}\ell_{b,t}$ with $T$ the padded length
-      ``per_token_loss.shape[1]``, verl's default ``loss_scale_factor``.
-    * ``"sum"`` (not a verl mode): $\sum_{b,t} m_{b,t}\ell_{b,t}$. No normalization; the
-      gradient scale depends on the batch size and lengths.
+      $\frac{1}{BT} \sum_{b,t} m_{b,t}\ell_{b,t}$, the ``"seq-mean-token-sum"`` divided by
+      $T$, the padded length ``per_token_loss.shape[1]`` (verl's default
+      ``loss_scale_factor``). This is verl's meaning since commit ``b8d91ef`` (PR #5417,
+      February 2026); before it verl divided the plain sum by $T$, which is ``"token-sum-norm"``
+      here.
+    * ``"sum"``, and its verl name ``"token-sum"`` (a ``loss_agg_mode`` since commit
+      ``4730d46``, August 2026): $\sum_{b,t} m_{b,t}\ell_{b,t}$. No normalization; the gradient
+      scale depends on the batch size and lengths.
+    * ``"token-sum-norm"`` (verl's ``"seq-mean-token-sum-norm"`` before ``b8d91ef``, e.g. at
+      b178a3c; not a verl name): $\frac{1}{T} \sum_{b,t} m_{b,t}\ell_{b,t}$.
 
-    **Which are unbiased.** ``"sum"``, ``"seq-mean-token-sum"`` and ``"seq-mean-token-sum-norm"``
-    divide by a constant ($1$, $B$, $T$), so the expectation of the reduced loss's gradient is
+    **Which are unbiased.** ``"sum"``, ``"token-sum"``, ``"seq-mean-token-sum"``,
+    ``"seq-mean-token-sum-norm"`` and ``"token-sum-norm"`` divide by a constant ($1$, $B$,
+    $BT$, $T$), so the expectation of the reduced loss's gradient is
     the constant times the expectation of the summed one: the per-state identities of OPD carry
     over to the batch. ``"token-mean"`` and ``"seq-mean-token-mean"`` divide by token counts
     that depend on the sampled lengths; with responses that can end at ``<eos>`` their
@@ -1030,12 +1038,12 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
 
     Notes
     -----
-    References: ``agg_loss`` in ``verl/trainer/ppo/core_algos.py`` (the four
-    ``loss_agg_mode`` values and the exclusion of fully masked sequences),
-    ``loss_agg_mode: token-mean`` in ``verl/trainer/config/actor/actor.yaml``, and
-    ``global_batch_size=ppo_mini_batch_size`` in ``verl/trainer/ppo/ray_trainer.py``,
-    volcengine/verl at commit ``b178a3cd56f58b2d502255daba591e92833930a7``. The exclusion
-    entered in commit ``4424616d7dfe03cc564866dc5e99dfaba1daba2e`` (October 2025).
+    References: ``agg_loss`` in ``verl/trainer/ppo/core_algos.py`` (the five
+    ``loss_agg_mode`` values and the exclusion of fully masked sequences) and
+    ``loss_agg_mode: token-mean`` in ``verl/trainer/config/actor/actor.yaml`` and
+    ``global_batch_size=ppo_mini_batch_size`` in ``verl/trainer/ppo/ray_trainer.py``, verl 0.9.1
+    (``tests/integration/test_verl.py`` calls its ``agg_loss``). The exclusion entered in commit
+    ``4424616d7dfe03cc564866dc5e99dfaba1daba2e`` (October 2025).
 
     Examples
     --------
@@ -1044,10 +1052,11 @@ def aggregate_loss(per_token_loss, mask, reduction="token-mean"):
     >>> loss = torch.tensor([[3.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     >>> mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     >>> [aggregate_loss(loss, mask, r).item() for r in REDUCTIONS]
-    [1.5, 3.0, 2.0, 2.0, 6.0]
+    [1.5, 3.0, 2.0, 1.0, 6.0, 6.0, 2.0]
 
     Tokens: $3 + 3 = 6$ over 4 tokens is 1.5; per sequence $(3 + 3) / 2 = 3$; per sequence
-    means $(3 + 1) / 2 = 2$; over the padded length $6 / T = 6 / 3 = 2$; the sum is 6.
+    means $(3 + 1) / 2 = 2$; the sequence mean over the padded length $3 / T = 3 / 3 = 1$; the
+    sum is 6; the sum over the padded length $6 / 3 = 2$.
     """
     check_float_tensor("per_token_loss", per_token_loss, 2)
     mask = check_mask(mask, "per_token_loss", tuple(per_token_loss.shape))
@@ -1080,7 +1089,7 @@ def sampled_token_opd_loss(student_logp, teacher_logp, mask, gamma=0.0, reductio
 
     The $\gamma = 1$ claim needs a reduction whose normaliser does not depend on the sampled
     lengths: ``"sum"`` ($B$ times the gradient), ``"seq-mean-token-sum"`` (the gradient) or
-    ``"seq-mean-token-sum-norm"`` ($B/T$ times it). With ``"token-mean"`` or
+    ``"seq-mean-token-sum-norm"`` ($1/T$ times it). With ``"token-mean"`` or
     ``"seq-mean-token-mean"`` and responses that can end at ``<eos>``, sampling ``<eos>``
     changes the weight of every token of the response, and the expected gradient is biased: on
     the two-step model of ``tests/opd/test_reductions.py`` it points 7.26 degrees away from the

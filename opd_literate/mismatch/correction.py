@@ -26,12 +26,15 @@ $$
 mask less the rejected tokens) and ``metrics``, named as verl logs them. A trainer multiplies
 its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; on the toy,
 ``weights * keep`` is exactly the weight $w_t$ of the matching numpy estimator
-(``tests/mismatch/test_correction.py`` checks all sixteen). The PPO-style losses of verl's
-*bypass mode* (the sampler's log-probabilities as the PPO anchor) are here as losses whose
-autograd gradient is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with
-verl's dual clip), [opd_literate.mismatch.correction.cispo_loss][],
-[opd_literate.mismatch.correction.gspo_loss][] and
-[opd_literate.mismatch.correction.reinforce_loss][]. [opd_literate.mismatch.correction.kl_penalty][]
+(``tests/mismatch/test_correction.py`` checks all sixteen). The losses take the sampler's
+log-probabilities as the PPO anchor, as verl's *bypass mode* does, and their autograd
+gradient is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with verl's
+dual clip) and [opd_literate.mismatch.correction.reinforce_loss][] are the two losses of
+verl's bypass mode (``loss_type: ppo_clip`` and ``reinforce``);
+[opd_literate.mismatch.correction.cispo_loss][] and [opd_literate.mismatch.correction.gspo_loss][]
+are verl's CISPO and GSPO losses called with the sampler as their anchor, which verl's own
+bypass mode cannot do (it replaces the loss mode by its own, see
+[opd_literate.mismatch.correction.cispo_loss][]). [opd_literate.mismatch.correction.kl_penalty][]
 adds the straight-through ``"k1+"`` / ``"k3+"`` estimators.
 
 **Overflow.** Every ratio is the exponential of a log-ratio clamped to
@@ -53,13 +56,18 @@ anything (``-inf``, NaN) and are selected away with ``torch.where`` before any a
 they are exactly 0 in every value and every gradient. A valid position must hold finite
 log-probabilities: a sampled token has probability $> 0$ under the sampler that drew it.
 
-**Source.** Every "verl" below is volcengine/verl at commit
-``b178a3cd56f58b2d502255daba591e92833930a7`` (``VERL_COMMIT``): the rollout-correction helper
-``verl/trainer/ppo/rollout_corr_helper.py``, its config ``RolloutCorrectionConfig`` in
-``verl/trainer/config/algorithm.py`` and ``verl/trainer/config/algorithm/rollout_correction.yaml``,
-and the losses in ``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_vanilla``,
+**Source.** Every "verl" below is the verl release ``VERL_VERSION`` (0.9.1, from the package
+index), whose functions ``tests/integration/test_verl.py`` calls on the same batches as this
+module: the rollout-correction helper ``verl/trainer/ppo/rollout_corr_helper.py``, its config
+``RolloutCorrectionConfig`` in ``verl/trainer/config/algorithm.py`` and
+``verl/trainer/config/algorithm/rollout_correction.yaml``, and the losses in
+``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_vanilla``,
 ``compute_policy_loss_cispo``, ``compute_policy_loss_gspo``, ``compute_policy_loss_reinforce``,
-``compute_policy_loss_bypass_mode``, ``kl_penalty``).
+``compute_policy_loss_bypass_mode``, ``agg_loss``, ``kl_penalty``). The history ("since
+commit ...") is read from verl-project/verl up to ``VERL_COMMIT`` (1dda039, 2026-08-22, the
+newest stored commit; 0.9.1's ``rollout_corr_helper.py`` is byte-identical to it, and its
+``core_algos.py`` differs only in GSPO's reduction, see
+[opd_literate.mismatch.correction.gspo_loss][]).
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ import torch
 
 from .._numerics import (
     VERL_COMMIT,
+    VERL_VERSION,
     aggregate,
     check_band,
     check_finite_number,
@@ -87,11 +96,13 @@ from ..opd import kl_estimator
 
 __all__ = [
     "VERL_COMMIT",
+    "VERL_VERSION",
     "SAFETY_BOUND",
     "IS_LEVELS",
     "IS_MODES",
     "RS_OPTIONS",
     "KL_PENALTIES",
+    "PRESETS",
     "Correction",
     "log_ratios",
     "importance_weights",
@@ -115,7 +126,8 @@ levels ``"token"`` and ``"sequence"``, and the geometric mean (not a ``rollout_i
 verl)."""
 
 IS_MODES = ("truncate", "mask", "clamp")
-"""What happens outside the band: cap the weight (verl's only mode), drop it, or clamp it."""
+"""What happens outside the band: cap the weight (verl's TIS), drop it (verl's IcePop, a
+``"lower_upper"`` threshold), or clamp it (not a verl mode)."""
 
 RS_OPTIONS = (
     "token_k1", "token_k2", "token_k3",
@@ -123,7 +135,7 @@ RS_OPTIONS = (
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
 )
-"""verl's ``rollout_rs`` criteria (``SUPPORTED_ROLLOUT_RS_OPTIONS`` at ``VERL_COMMIT``)."""
+"""verl's ``rollout_rs`` criteria (``SUPPORTED_ROLLOUT_RS_OPTIONS`` in ``VERL_VERSION``)."""
 
 KL_PENALTIES = ("k1", "k2", "k3", "k1+", "k3+")
 """The estimators of [opd_literate.mismatch.correction.kl_penalty][] (verl's ``kl_penalty``)."""
@@ -232,17 +244,22 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     valid tokens for ``"token"``, over the responses with a token for the sequence levels
     (verl's two means), unless that mean is below $10^{-8}$ (then unchanged, as in verl).
 
+    ``rollout_is_threshold`` is read as verl reads it: a number (or a string holding one) is
+    the cap $h$ (TIS); a string ``"l_h"`` is IcePop, ``mode="mask"`` with ``lower=l``: the
+    ratio kept inside $[l, h]$ and 0 outside, with $0 < l \le h$ (verl's check, since commit
+    ``d2916f5``, PR #5722; before it verl only truncated).
+
     | option | verl name (``algorithm.rollout_correction``) | default here | verl default |
     | --- | --- | --- | --- |
     | ``rollout_is`` | ``rollout_is`` (``"token"``, ``"sequence"``) | ``"token"`` | ``null`` |
-    | ``rollout_is_threshold`` | ``rollout_is_threshold`` | 2.0 | 2.0 |
+    | ``rollout_is_threshold`` | ``rollout_is_threshold`` (``h`` or ``"l_h"``) | 2.0 | 2.0 |
     | ``rollout_is_batch_normalize`` | ``rollout_is_batch_normalize`` | False | false |
-    | ``mode``, ``lower`` | none: verl only truncates | ``"truncate"``, 0 | |
+    | ``mode="clamp"``, ``lower`` | none: verl truncates or masks (IcePop) | | |
 
-    verl's masked IS is its truncation combined with ``rollout_rs`` (see
-    [opd_literate.mismatch.correction.rejection_mask][]); ``mode="mask"`` does both in one weight,
-    as [opd_literate.mismatch.estimators.token_mis][] does. (verl's ``RolloutCorrectionConfig``
-    dataclass defaults ``rollout_is`` to ``"sequence"``, its YAML to ``null``.)
+    verl's presets ``decoupled_token_icepop`` and ``bypass_pg_token_icepop`` are
+    ``rollout_is="token"`` with ``rollout_is_threshold="0.5_5.0"`` (``PRESETS``). verl's
+    ``RolloutCorrectionConfig`` dataclass defaults ``rollout_is`` to ``"sequence"``, its YAML
+    to ``null``.
 
     Parameters
     ----------
@@ -251,11 +268,12 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     mask : torch.Tensor
         ``(B, T)`` in {0, 1}.
     rollout_is : {"token", "sequence", "geometric"}
-    rollout_is_threshold : float
-        $h > 0$, ``inf`` for none.
+    rollout_is_threshold : float or str
+        $h > 0$ (``inf`` for none), or ``"l_h"`` with $0 < l \le h$ (IcePop).
     mode : {"truncate", "mask", "clamp"}
     lower : float, optional
-        $l \ge 0$ for ``"mask"`` and ``"clamp"`` (default 0); not allowed with ``"truncate"``.
+        $l \ge 0$ for ``"mask"`` and ``"clamp"`` (default 0); not allowed with ``"truncate"``
+        nor with an ``"l_h"`` threshold.
     rollout_is_batch_normalize : bool
 
     Returns
@@ -263,28 +281,46 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     weights : torch.Tensor
         ``(B, T)``, detached, 0 where ``mask`` is 0 (float32 for half-precision inputs).
     metrics : dict
-        verl's names without the ``rollout_corr/`` prefix: ``rollout_is_mean``,
-        ``rollout_is_max``, ``rollout_is_min`` (of the ratio before the cap; per response for
-        the sequence levels), ``rollout_is_ratio_fraction_high`` / ``_low`` (the share of tokens,
-        or responses, with $r > h$ and $r < l'$, where $l' = l$ if $l > 0$ else $1/h$ as in
-        verl), ``rollout_is_eff_sample_size`` (verl's $1 / \overline{\tilde w^2}$ with
-        $\tilde w = \mathrm{clamp}(r, l', h) / \overline{\mathrm{clamp}(r, l', h)}$ over the
-        tokens, in $(0, 1]$), and ``rollout_is_batch_norm_factor`` when normalising.
+        verl's names (``compute_is_metrics``) without the ``rollout_corr/`` prefix, of the
+        applied weights $w$ (before the batch normalisation), with $l' = l$ if $l > 0$ else
+        $1/h$ as in verl:
+
+        * ``rollout_is_mean``: the mean of $w$ over the valid tokens;
+        * ``rollout_is_max``, ``rollout_is_min``: of $w$ over the valid tokens for
+          ``"token"``; for the sequence levels, of the response's ratio $r$ before the cap,
+          from its unclamped log-ratio (reported at most $e^{20}$, where verl's minimum is not
+          capped);
+        * ``rollout_is_ratio_fraction_high`` / ``_low``: the share of tokens (or responses)
+          whose ratio is above $h$ / below $l'$;
+        * ``rollout_is_std`` and ``rollout_is_eff_sample_size`` of $\min(w, h)$ over the
+          tokens: the standard deviation (population, 0 for one token) and
+          $\bar u^2 / \overline{u^2}$ with $u = \min(w, h)$, in $(0, 1]$ (0 when every weight
+          is 0, where verl's formula gives $\infty$);
+        * ``rollout_is_seq_mean``, ``_seq_std`` (with $n - 1$), ``_seq_max``, ``_seq_min``,
+          ``_seq_max_deviation`` ($\max |\bar w_b - 1|$) of the per-response mean weight
+          $\bar w_b$, and ``rollout_is_seq_fraction_high`` / ``_low``, the share of
+          responses whose mean *ratio* is above $h$ / below $l'$;
+        * ``rollout_is_oob_ratio`` (IcePop only): the share of tokens outside $[l, h]$;
+        * ``rollout_is_batch_norm_factor`` when normalising.
+
+        The ``rollout_is_seq_*`` metrics are over the responses with a token; verl also counts
+        a row with no token (with $\bar w_b = 0$), and its sequence-level max, min and
+        fractions count such a row as a ratio of 1.
 
     Examples
     --------
-    The ratios $0.625$ and $2.5$: the cap 2 truncates the second, the band $[0, 2]$ drops it,
-    the band $[0.7, 2]$ clamps both:
+    The ratios $0.625$ and $2.5$: the cap 2 truncates the second, IcePop's band $[0.5, 2]$
+    drops it, the band $[0.7, 2]$ clamps both:
 
     >>> trainer = torch.log(torch.tensor([[0.5, 0.5]]))
     >>> sampler = torch.log(torch.tensor([[0.8, 0.2]]))
     >>> ones = torch.ones(1, 2)
-    >>> w, _ = importance_weights(trainer, sampler, ones)
-    >>> [round(v, 6) for v in w[0].tolist()]
-    [0.625, 2.0]
-    >>> w, _ = importance_weights(trainer, sampler, ones, mode="mask")
-    >>> [round(v, 6) for v in w[0].tolist()]
-    [0.625, 0.0]
+    >>> w, m = importance_weights(trainer, sampler, ones)
+    >>> [round(v, 6) for v in w[0].tolist()], round(m["rollout_is_max"], 6)
+    ([0.625, 2.0], 2.0)
+    >>> w, m = importance_weights(trainer, sampler, ones, rollout_is_threshold="0.5_2.0")
+    >>> [round(v, 6) for v in w[0].tolist()], m["rollout_is_oob_ratio"]
+    ([0.625, 0.0], 0.5)
     >>> w, _ = importance_weights(trainer, sampler, ones, mode="clamp", lower=0.7)
     >>> [round(v, 6) for v in w[0].tolist()]
     [0.7, 2.0]
@@ -295,28 +331,52 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
     >>> [round(v, 6) for v in w[0].tolist()], round(m["rollout_is_max"], 6)
     ([1.5625, 1.5625], 1.5625)
     """
-    low, high = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
-                                  rollout_is_batch_normalize)
+    low, high, mode = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
+                                        rollout_is_batch_normalize)
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     return _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low, high,
                                mode, rollout_is_batch_normalize)
 
 
+def _parse_is_threshold(rollout_is_threshold):
+    """verl's reading of ``rollout_is_threshold``: (lower or None, upper); "l_h" is IcePop."""
+    if not isinstance(rollout_is_threshold, str):
+        return None, rollout_is_threshold
+    spec = rollout_is_threshold.strip()
+    parts = spec.split("_", 1) if "_" in spec else [None, spec]
+    try:
+        lower, upper = (None if p is None else float(p) for p in parts)
+    except ValueError:
+        raise ValueError("rollout_is_threshold must be a number or a string 'upper' or "
+                         f"'lower_upper' such as '0.5_5.0', got {rollout_is_threshold!r}"
+                         ) from None
+    if lower is not None:
+        lower = check_finite_number("rollout_is_threshold's lower bound", lower, positive=True)
+    return lower, upper
+
+
 def _check_is_options(rollout_is, rollout_is_threshold, mode, lower, rollout_is_batch_normalize):
-    """Validate the options of importance_weights; return the band (lower or 0, threshold)."""
+    """Validate the options of importance_weights; return the band (lower or 0, threshold) and
+    the mode ("mask" for an IcePop threshold "l_h")."""
     if rollout_is not in IS_LEVELS:
         raise ValueError(f"rollout_is must be one of {IS_LEVELS}, got {rollout_is!r}")
     if mode not in IS_MODES:
         raise ValueError(f"mode must be one of {IS_MODES}, got {mode!r}")
+    icepop_lower, upper = _parse_is_threshold(rollout_is_threshold)
+    if icepop_lower is not None:
+        if mode != "truncate" or lower is not None:
+            raise ValueError(f"rollout_is_threshold={rollout_is_threshold!r} (IcePop) sets the "
+                             f"band itself; got also mode={mode!r}, lower={lower!r}")
+        mode, lower = "mask", icepop_lower
     if mode == "truncate" and lower is not None:
         raise ValueError(f"lower applies to mode 'mask' or 'clamp', not 'truncate' (got "
                          f"lower={lower!r}); truncation caps from above only")
-    low, high = check_band(0.0 if lower is None else lower, rollout_is_threshold,
+    low, high = check_band(0.0 if lower is None else lower, upper,
                            "lower", "rollout_is_threshold", cap=True)
     if not isinstance(rollout_is_batch_normalize, bool):
         raise TypeError("rollout_is_batch_normalize must be a bool, got "
                         f"{type(rollout_is_batch_normalize).__name__}")
-    return low, high
+    return low, high, mode
 
 
 def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low, high, mode,
@@ -325,7 +385,7 @@ def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low
     with torch.no_grad():  # the weights change the measure, not the objective: detached
         log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
         log_r = _level_log_ratio(log_rho_t, mask, rollout_is)
-        ratio = _exp_safe(log_r)  # (B, T), in [e^-20, e^20]
+        ratio = select(mask, _exp_safe(log_r))  # (B, T), in [e^-20, e^20], 0 on the padding
         if mode == "truncate":
             weights = torch.clamp(ratio, max=high)  # min(r, h)
         elif mode == "mask":
@@ -333,8 +393,11 @@ def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low
         else:
             weights = torch.clamp(ratio, min=low, max=high)
         weights = select(mask, weights)
-        metrics = _is_metrics(ratio, log_r, mask, rollout_is, low if low > 0 else 1.0 / high,
-                              high)
+        metrics = _is_metrics(weights, ratio, log_r, mask, rollout_is,
+                              low if low > 0 else 1.0 / high, high)
+        if mode == "mask" and low > 0 and bool(mask.any()):  # verl's IcePop diagnostic
+            outside = (ratio < low) | (ratio > high)
+            metrics["rollout_is_oob_ratio"] = float(masked_mean(outside.to(dtype), mask))
         if rollout_is_batch_normalize:
             if rollout_is == "token":
                 mean = masked_mean(weights, mask)
@@ -348,25 +411,43 @@ def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low
     return weights, metrics
 
 
-def _is_metrics(ratio, log_r, mask, level, low, high):
+def _is_metrics(weights, ratio, log_r, mask, level, low, high):
+    """verl's ``compute_is_metrics``: the applied weights, the ratios for the fractions."""
     if not bool(mask.any()):
         return {}
-    metrics = {"rollout_is_mean": float(masked_mean(ratio, mask))}
-    if level == "token":
-        unit_values, unit_log = ratio[mask], log_r[mask]
-    else:  # one value per response with a token
-        has_token = mask.any(dim=1)
-        unit_values, unit_log = ratio[:, 0][has_token], log_r[:, 0][has_token]
-    metrics["rollout_is_max"] = float(unit_values.max())
-    metrics["rollout_is_min"] = float(unit_values.min())
-    # verl decides these in log space for the sequence levels: exact beyond the clamp too
+    metrics = {"rollout_is_mean": float(masked_mean(weights, mask))}
     log_high = math.log(high) if math.isfinite(high) else math.inf
     log_low = math.log(low) if low > 0 else -math.inf
+    has_token = mask.any(dim=1)
+    if level == "token":
+        metrics["rollout_is_max"] = float(weights[mask].max())
+        metrics["rollout_is_min"] = float(weights[mask].min())
+        unit_log = log_r[mask]
+    else:  # one ratio per response with a token, read in log space: exact beyond the clamp
+        unit_log = log_r[:, 0][has_token]
+        metrics["rollout_is_max"] = math.exp(min(float(unit_log.max()), SAFETY_BOUND))
+        metrics["rollout_is_min"] = math.exp(min(float(unit_log.min()), SAFETY_BOUND))
     metrics["rollout_is_ratio_fraction_high"] = float((unit_log > log_high).double().mean())
     metrics["rollout_is_ratio_fraction_low"] = float((unit_log < log_low).double().mean())
-    clamped = torch.clamp(ratio, min=low, max=high)
-    normalised = clamped / masked_mean(clamped, mask)
-    metrics["rollout_is_eff_sample_size"] = float(1.0 / masked_mean(normalised.square(), mask))
+    capped = torch.clamp(weights, max=high)
+    mean = masked_mean(capped, mask)
+    mean_square = masked_mean(capped.square(), mask)
+    n_tokens = int(mask.sum())
+    metrics["rollout_is_std"] = (float(torch.sqrt((mean_square - mean.square()).clamp_min(0.0)))
+                                 if n_tokens > 1 else 0.0)
+    # ESS / n = mean(u)^2 / mean(u^2); 0 (not 0/0) when every weight is 0
+    metrics["rollout_is_eff_sample_size"] = (float(mean.square() / mean_square)
+                                             if float(mean_square) > 0 else 0.0)
+    lengths_ = lengths(mask, weights.dtype)
+    seq_weight = (weights.sum(dim=1) / lengths_)[has_token]  # (responses,) mean weight
+    seq_ratio = (ratio.sum(dim=1) / lengths_)[has_token]  # mean ratio, before the cap
+    metrics["rollout_is_seq_mean"] = float(seq_weight.mean())
+    metrics["rollout_is_seq_std"] = float(seq_weight.std()) if seq_weight.numel() > 1 else 0.0
+    metrics["rollout_is_seq_max"] = float(seq_weight.max())
+    metrics["rollout_is_seq_min"] = float(seq_weight.min())
+    metrics["rollout_is_seq_max_deviation"] = float((seq_weight - 1.0).abs().max())
+    metrics["rollout_is_seq_fraction_high"] = float((seq_ratio > high).double().mean())
+    metrics["rollout_is_seq_fraction_low"] = float((seq_ratio < low).double().mean())
     return metrics
 
 
@@ -420,6 +501,9 @@ def _parse_rs(rollout_rs, rollout_rs_threshold):
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"rollout_rs_threshold for {option!r} must be positive and "
                                  f"finite, got {spec!r}")
+        if lower is not None and lower > upper:  # verl's check: an empty band is a mistake
+            raise ValueError(f"rollout_rs_threshold for {option!r} must have lower <= upper, "
+                             f"got {spec!r} (lower {lower!r} > upper {upper!r})")
         bounds[option] = (lower, upper)
     return bounds
 
@@ -442,18 +526,30 @@ def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_thre
     $1/b \le \rho_{\mathrm{geo}} \le 1/a$ (``seq_mean_k1``); a single number $h$ means
     ``"1/h_h"``, the band $[1/h, h]$. Several criteria separated by commas are chained: a token
     is kept when every one keeps it. ``rollout_rs_threshold`` gives one threshold for all or
-    one per criterion, separated by commas, and must be positive. This is verl's
-    ``rollout_rs`` / ``rollout_rs_threshold`` (config defaults ``null``: off), option by option.
+    one per criterion, separated by commas, and must be positive, with $a \le b$ in a band
+    (``"2.0_0.5"``, or a single $h < 1$ for a k1 criterion, is a ``ValueError``, as in verl).
+    This is verl's ``rollout_rs`` / ``rollout_rs_threshold`` (config defaults ``null``: off),
+    option by option.
 
     Returns
     -------
     keep : torch.Tensor
         ``(B, T)`` bool: ``mask`` and every criterion.
     metrics : dict
-        verl's names, without the prefix: per criterion ``rollout_rs_<option>_masked_fraction``
-        (the share of valid tokens it rejects) and ``..._seq_masked_fraction`` (of responses
-        with a token, the share in which it rejects one); then ``rollout_rs_masked_fraction``
-        and ``rollout_rs_seq_masked_fraction`` for all criteria together.
+        verl's names (``compute_rs_metrics``), without the prefix. Per criterion
+        ``rollout_rs_<option>_masked_fraction`` (the share of valid tokens it rejects) and
+        ``..._seq_masked_fraction`` (of responses with a token, the share in which it rejects
+        one), and the statistics of its value $s$ ($k_1$, $k_2$ or $k_3$ per token, or the
+        response's sum, mean or max) against its band ($[\log a, \log b]$ for k1, $[0, u]$
+        otherwise): ``_mean`` (over the valid tokens), ``_max``, ``_min``, ``_fraction_high``,
+        ``_fraction_low`` (over the tokens for ``token_`` criteria, over the responses
+        otherwise; ``_fraction_low`` is 0 but for k1), ``_std`` (of $s$ clamped to the band,
+        over the tokens), and over the responses' values (a token criterion's mean per
+        response) ``_seq_mean``, ``_seq_std`` (with $n - 1$), ``_seq_max``, ``_seq_min``,
+        ``_seq_max_deviation`` ($\max |s|$), ``_seq_fraction_high`` and, for k1,
+        ``_seq_fraction_low``. Then ``rollout_rs_masked_fraction`` and
+        ``rollout_rs_seq_masked_fraction`` for all criteria together; verl divides the last
+        by all $B$ rows, here by the responses with a token (the same when none is empty).
 
     Examples
     --------
@@ -496,16 +592,47 @@ def _rejection_mask(trainer_logp, sampler_logp, mask, dtype, bounds):
                 stat = per_token.sum(dim=1, keepdim=True) / lengths(mask, dtype)[:, None]
             else:  # seq_max: over the response's tokens only (k2, k3 >= 0, so 0 is below all)
                 stat = per_token.max(dim=1, keepdim=True).values
-            if kind == "k1":
-                passes = (stat >= math.log(lower)) & (stat <= math.log(upper))
-            else:
-                passes = stat <= upper
+            # k1 keeps log a <= k1 <= log b; k2 and k3 keep a value <= u
+            low, high = (math.log(lower), math.log(upper)) if kind == "k1" else (None, upper)
+            passes = stat <= high if low is None else (stat >= low) & (stat <= high)
             passes = passes.expand_as(mask) & mask
             rejected = mask & ~passes
+            metrics.update(_rs_statistics(f"rollout_rs_{option}_", stat.expand_as(mask), mask,
+                                          has_token, level == "token", low, high))
             metrics.update(_fractions(f"rollout_rs_{option}_", rejected, mask, has_token))
             keep &= passes
         metrics.update(_fractions("rollout_rs_", mask & ~keep, mask, has_token))
     return keep, metrics
+
+
+def _rs_statistics(prefix, stat, mask, has_token, token_level, low, high):
+    """verl's ``compute_rs_metrics`` for one criterion: its statistic against its band."""
+    if not bool(mask.any()):
+        return {}
+    # one value per response: the criterion's own for the sequence levels, else the mean
+    per_response = (select(mask, stat).sum(dim=1) / lengths(mask, stat.dtype))[has_token]
+    unit = per_response if not token_level else stat[mask]
+    floor = -math.inf if low is None else low
+    clamped = stat.clamp(min=0.0 if low is None else low, max=high)
+    mean = masked_mean(clamped, mask)
+    spread = masked_mean(clamped.square(), mask) - mean.square()
+    metrics = {
+        "mean": float(masked_mean(stat, mask)),
+        "max": float(unit.max()),
+        "min": float(unit.min()),
+        "fraction_high": float((unit > high).double().mean()),
+        "fraction_low": float((unit < floor).double().mean()),
+        "std": float(spread.clamp_min(0.0).sqrt()) if int(mask.sum()) > 1 else 0.0,
+        "seq_mean": float(per_response.mean()),
+        "seq_std": float(per_response.std()) if per_response.numel() > 1 else 0.0,
+        "seq_max": float(per_response.max()),
+        "seq_min": float(per_response.min()),
+        "seq_max_deviation": float(per_response.abs().max()),
+        "seq_fraction_high": float((per_response > high).double().mean()),
+    }
+    if low is not None:
+        metrics["seq_fraction_low"] = float((per_response < low).double().mean())
+    return {prefix + name: value for name, value in metrics.items()}
 
 
 def _fractions(prefix, rejected, mask, has_token):
@@ -520,7 +647,7 @@ def veto_mask(trainer_logp, sampler_logp, mask, veto_threshold=1e-4):
     r"""The catastrophic-token veto: reject a whole response if any $\rho_t < \tau$.
 
     verl's former ``rollout_token_veto_threshold`` (see
-    [opd_literate.mismatch.estimators.token_veto][]), no longer an option at ``VERL_COMMIT``; its
+    [opd_literate.mismatch.estimators.token_veto][]), no longer an option in ``VERL_VERSION``; its
     nearest criteria there are ``seq_max_k2`` and ``seq_max_k3``, which are two-sided. The default
     $\tau = 10^{-4}$ is the value of the former presets. Compared in log space: $\log \rho_t < \log
     \tau$.
@@ -565,17 +692,30 @@ def offpolicy_metrics(trainer_logp, sampler_logp, mask):
     * ``chi2_seq``: the mean over responses of $\rho^2$, minus 1, an estimate of the sequence
       $\chi^2$ that drives the variance of sequence IS.
 
-    The ratios are clamped as everywhere here ($|x| \le 20$). verl averages ``chi2_seq`` over
-    all $B$ rows; here over the responses with a token.
+    Per response, with $\bar\ell^\pi_b$ and $\bar\ell^\mu_b$ the mean log-probabilities of its
+    tokens under the trainer and the sampler, averaged over the responses:
+
+    * ``training_log_ppl`` $= \overline{-\bar\ell^\pi_b}$ and ``training_ppl``
+      $= \overline{e^{-\bar\ell^\pi_b}}$; ``rollout_log_ppl`` and ``rollout_ppl`` the same
+      for $\mu$;
+    * ``log_ppl_diff`` $= \overline{d_b}$ with $d_b = \bar\ell^\mu_b - \bar\ell^\pi_b
+      = -\log \rho_{\mathrm{geo}}$, ``log_ppl_abs_diff`` $= \overline{|d_b|}$,
+      ``log_ppl_diff_max``, ``log_ppl_diff_min``, and ``ppl_ratio`` $= \overline{e^{d_b}}$.
+
+    Every exponent is clamped to $\pm 20$ as everywhere here, so no value overflows; verl
+    clamps only the $\chi^2$ ones (its ``k3_kl``, perplexities and ``ppl_ratio`` agree with
+    these while $|x_t|$, $|\bar\ell_b|$ and $|d_b|$ stay below 20). verl averages the
+    per-response metrics over all $B$ rows (a row with no token counts as $\rho = 1$ and a
+    perplexity of 1); here over the responses with a token.
 
     Examples
     --------
     >>> trainer = torch.log(torch.tensor([[0.5, 0.5]]))
     >>> sampler = torch.log(torch.tensor([[0.8, 0.2]]))   # rho_t = 0.625, 2.5
     >>> m = offpolicy_metrics(trainer, sampler, torch.ones(1, 2))
-    >>> # (0.625^2 + 2.5^2) / 2 - 1 = 2.3203; 1.5625^2 - 1 = 1.4414
-    >>> round(m["chi2_token"], 4), round(m["chi2_seq"], 4)
-    (2.3203, 1.4414)
+    >>> # (0.625^2 + 2.5^2) / 2 - 1 = 2.3203; 1.5625^2 - 1 = 1.4414; 1 / 0.5 = 2
+    >>> round(m["chi2_token"], 4), round(m["chi2_seq"], 4), round(m["training_ppl"], 4)
+    (2.3203, 1.4414, 2.0)
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     return _offpolicy_metrics(trainer_logp, sampler_logp, mask, dtype)
@@ -590,12 +730,76 @@ def _offpolicy_metrics(trainer_logp, sampler_logp, mask, dtype):
         x_safe = x.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         has_token = mask.any(dim=1)
         seq = x.sum(dim=1)[has_token].clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        return {
+        n = lengths(mask, dtype)
+        trainer_mean = (select(mask, trainer_logp.detach().to(dtype)).sum(dim=1) / n)[has_token]
+        sampler_mean = (select(mask, sampler_logp.detach().to(dtype)).sum(dim=1) / n)[has_token]
+        log_ppl_diff = sampler_mean - trainer_mean  # (responses,) -log rho_geo
+        metrics = {
+            "training_ppl": float(_exp_safe(-trainer_mean).mean()),
+            "training_log_ppl": float((-trainer_mean).mean()),
             "kl": float(masked_mean(-x, mask)),
             "k3_kl": float(masked_mean(torch.expm1(x_safe) - x_safe, mask)),
+            "rollout_ppl": float(_exp_safe(-sampler_mean).mean()),
+            "rollout_log_ppl": float((-sampler_mean).mean()),
+            "log_ppl_diff": float(log_ppl_diff.mean()),
+            "log_ppl_abs_diff": float(log_ppl_diff.abs().mean()),
+            "log_ppl_diff_max": float(log_ppl_diff.max()),
+            "log_ppl_diff_min": float(log_ppl_diff.min()),
+            "ppl_ratio": float(_exp_safe(log_ppl_diff).mean()),
             "chi2_token": float(masked_mean(torch.exp(2.0 * x_safe), mask)) - 1.0,
             "chi2_seq": float(torch.exp(2.0 * seq).mean()) - 1.0,
         }
+    return metrics
+
+
+PRESETS = {
+    "decoupled_token_is": dict(rollout_is="token", rollout_is_threshold=2.0),
+    "decoupled_seq_is": dict(rollout_is="sequence", rollout_is_threshold=2.0),
+    "decoupled_token_icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0"),
+    "decoupled_seq_is_rs": dict(rollout_is="sequence", rollout_is_threshold=2.0,
+                                rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
+    "decoupled_geo_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+    "decoupled_geo_rs_seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0,
+                                     rollout_rs="seq_mean_k1",
+                                     rollout_rs_threshold="0.999_1.001"),
+    "decoupled_geo_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0,
+                                       rollout_rs="seq_mean_k1",
+                                       rollout_rs_threshold="0.999_1.001"),
+    "decoupled_k3_rs": dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "decoupled_k3_rs_seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0,
+                                    rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "decoupled_k3_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0,
+                                      rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "bypass_ppo_clip": dict(bypass_mode=True, loss_type="ppo_clip"),
+    "bypass_ppo_clip_geo_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001",
+                                   bypass_mode=True, loss_type="ppo_clip"),
+    "bypass_ppo_clip_k3_rs": dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01,
+                                  bypass_mode=True, loss_type="ppo_clip"),
+    "bypass_pg_is": dict(rollout_is="sequence", rollout_is_threshold=2.0, bypass_mode=True,
+                         loss_type="reinforce"),
+    "bypass_pg_token_icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0",
+                                   bypass_mode=True, loss_type="reinforce"),
+    "bypass_pg_geo_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001",
+                             bypass_mode=True, loss_type="reinforce"),
+    "bypass_pg_geo_rs_seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0,
+                                     rollout_rs="seq_mean_k1",
+                                     rollout_rs_threshold="0.999_1.001", bypass_mode=True,
+                                     loss_type="reinforce"),
+    "bypass_pg_geo_rs_token_tis": dict(rollout_is="token", rollout_is_threshold=2.0,
+                                       rollout_rs="seq_mean_k1",
+                                       rollout_rs_threshold="0.999_1.001", bypass_mode=True,
+                                       loss_type="reinforce"),
+    "disabled": dict(),
+}
+"""verl's ``RolloutCorrectionConfig`` presets with their default arguments (the classmethods
+of ``verl/trainer/config/algorithm.py``): the fields each sets that differ from
+``rollout_is=None``, ``rollout_rs=None``, ``bypass_mode=False``, ``loss_type="ppo_clip"``.
+Without ``bypass_mode`` and ``loss_type``, a preset is the keyword arguments of
+[opd_literate.mismatch.correction.rollout_correction][]; with ``bypass_mode=True`` the loss is
+[opd_literate.mismatch.correction.ppo_clip_loss][] over ``keep`` (``loss_type="ppo_clip"``,
+whose importance weights verl computes for its metrics only) or
+[opd_literate.mismatch.correction.reinforce_loss][] with ``weights`` over ``keep``
+(``"reinforce"``)."""
 
 
 def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
@@ -614,9 +818,11 @@ def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
     effective weight is ``weights * keep``, and a trainer reduces its loss over ``keep`` (verl
     replaces its ``response_mask`` by it).
 
-    Presets: verl's ``decoupled_geo_rs_token_tis`` is ``rollout_is="token"`` with
-    ``rollout_rs="seq_mean_k1"`` and ``rollout_rs_threshold="0.999_1.001"``; its
-    ``decoupled_k3_rs`` is ``rollout_rs="seq_mean_k3"`` at 0.01 without IS.
+    Presets: ``PRESETS`` holds verl's nineteen, e.g. ``decoupled_geo_rs_token_tis`` is
+    ``rollout_is="token"`` with ``rollout_rs="seq_mean_k1"`` and
+    ``rollout_rs_threshold="0.999_1.001"``, ``decoupled_token_icepop`` is
+    ``rollout_is="token"`` with ``rollout_is_threshold="0.5_5.0"``, and ``decoupled_k3_rs``
+    is ``rollout_rs="seq_mean_k3"`` at 0.01 without IS.
 
     Examples
     --------
@@ -637,8 +843,8 @@ def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
                              "('token', 'sequence' or 'geometric'); it is None")
         weights = mask.to(dtype)
     else:
-        low, high = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
-                                      rollout_is_batch_normalize)
+        low, high, mode = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
+                                            rollout_is_batch_normalize)
         weights, is_metrics = _importance_weights(trainer_logp, sampler_logp, mask, dtype,
                                                   rollout_is, low, high, mode,
                                                   rollout_is_batch_normalize)
@@ -773,17 +979,21 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     $$
 
     The weight of [opd_literate.mismatch.estimators.cispo][] (whose defaults are the paper's
-    $\varepsilon_l = 1$, i.e. no floor, and this project's $\varepsilon_h = 4$). verl's
-    ``loss_mode: cispo`` (``compute_policy_loss_cispo``) reads the actor's ``clip_ratio_low``
-    and ``clip_ratio_high`` (0.2 each in ``ActorConfig``, the defaults here) and the same
-    clamped ratio; in bypass mode the anchor is the sampler, as here.
+    $\varepsilon_l = 1$, i.e. no floor, and this project's $\varepsilon_h = 4$). This is
+    verl's ``compute_policy_loss_cispo`` (``loss_mode: cispo``) called with
+    ``old_log_prob = sampler_logp``: it reads the actor's ``clip_ratio_low`` and
+    ``clip_ratio_high`` (0.2 each in ``ActorConfig``, the defaults here) and the same clamped
+    ratio. verl's trainer does not make that call: in decoupled mode CISPO's anchor is the
+    recomputed ``old_log_prob``, and ``bypass_mode: true`` (``apply_bypass_mode``) sets
+    ``loss_mode = "bypass_mode"``, whose loss is PPO's clip or REINFORCE
+    (``compute_policy_loss_bypass_mode``, ``loss_type``), never CISPO.
 
     Returns
     -------
     loss : torch.Tensor
     metrics : dict
-        ``actor/pg_clipfrac`` (share of valid tokens whose ratio was clipped) and
-        ``actor/ppo_kl``.
+        ``actor/pg_clipfrac`` (share of valid tokens whose ratio was clipped),
+        ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (0, as verl logs it).
 
     Examples
     --------
@@ -810,6 +1020,7 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     metrics = {
         "actor/pg_clipfrac": float(masked_mean((weight != ratio).to(dtype), mask)),
         "actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask)),
+        "actor/pg_clipfrac_lower": 0.0,
     }
     return loss, metrics
 
@@ -829,13 +1040,17 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     $$
 
     With ``reduction="sum"`` the gradient of each token is the weight of
-    [opd_literate.mismatch.estimators.gspo][] times $-A$; verl reduces GSPO by
-    ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (the default here too), which
-    divides each response's gradient by its length, as the GSPO objective does. No dual clip.
+    [opd_literate.mismatch.estimators.gspo][] times $-A$; the default here,
+    ``"seq-mean-token-mean"``, divides each response's gradient by its length, as the GSPO
+    objective does. verl 0.9.1 reduces GSPO by the actor's ``loss_agg_mode`` (default
+    ``"token-mean"``); until then (verl-project/verl up to ``VERL_COMMIT`` at least, e.g. at
+    b178a3c) it used ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` said. No dual clip.
     Defaults: the GSPO paper's $\varepsilon_l = 3 \cdot 10^{-4}$, $\varepsilon_h = 4 \cdot
-    10^{-4}$; verl (``loss_mode: gspo``) reads the actor's ``clip_ratio_low`` /
-    ``clip_ratio_high``, whose defaults (0.2) must be set to these. verl clamps $\log s_t$ at
-    10 from above only; here at $\pm 20$ like every ratio.
+    10^{-4}$; verl (``loss_mode: gspo``, ``compute_policy_loss_gspo``) reads the actor's
+    ``clip_ratio_low`` / ``clip_ratio_high``, whose defaults (0.2) must be set to these. verl
+    clamps $\log s_t$ at 10 from above only; here at $\pm 20$ like every ratio. As for
+    [opd_literate.mismatch.correction.cispo_loss][], verl's bypass mode cannot select GSPO:
+    the sampler as its anchor is this module's call, not a verl configuration.
 
     Examples
     --------
@@ -866,6 +1081,7 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     metrics = {
         "actor/pg_clipfrac": float(masked_mean((clipped > unclipped).to(dtype), mask)),
         "actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask)),
+        "actor/pg_clipfrac_lower": 0.0,
     }
     return loss, metrics
 
@@ -921,7 +1137,9 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
     whose expectation over $y \sim \pi_\theta$ is the gradient of the reverse KL (k1 and k3 as
     losses have the expected gradients 0 and $\nabla \mathrm{KL}(\pi_{\mathrm{ref}} \,\|\,
     \pi_\theta)$). verl's ``kl_penalty`` (``actor.kl_loss_type``, e.g. ``"k3+"``; there
-    ``"k2+"`` is ``"k2"``). verl's k3 clamps $-d$ to $\pm 20$ and the value to $\pm 10$; this
+    ``"k2+"`` is ``"k2"``) computes these since commit ``7e80ab0`` (PR #6058, April 2026): before
+    it, e.g. at b178a3c, verl passed the suffixed name on and every ``"+"`` name raised
+    ``NotImplementedError``. verl's k3 clamps $-d$ to $\pm 20$ and the value to $\pm 10$; this
     one is [opd_literate.opd.kl_estimator][]'s, unclamped.
 
     Returns

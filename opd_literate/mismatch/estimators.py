@@ -508,13 +508,14 @@ def icepop(toy, low=0.5, high=5.0, baseline=0.0, *, return_weights=False):
     $$
 
     From the Ling team's IcePop (inclusionAI, Ring-1T, 2025): two-sided token masking, i.e.
-    ``token_mis`` with a band of its own. The band is a hyperparameter; $[0.5, 5]$ is this
-    module's default, not a value read from a released config. slime implements IcePop as
-    ``icepop_function`` (``slime/backends/megatron_utils/loss.py`` at commit ``624b824``), which
-    keeps $\rho_t$ where ``tis_clip_low`` $\le \rho_t \le$ ``tis_clip`` and zeroes it elsewhere.
-    Tokens whose training and inference probabilities disagree by more than the band
-    contribute no gradient at all. Biased in general: the ratio corrects its own token, not the
-    others on which the reward also depends, and the mask drops mass.
+    ``token_mis`` with a band of its own. The band is a hyperparameter; $[0.5, 5]$ is the
+    default of verl's IcePop presets (``decoupled_token_icepop``, ``bypass_pg_token_icepop``:
+    ``rollout_is: token`` with ``rollout_is_threshold: "0.5_5.0"``, verl 0.9.1). slime
+    implements IcePop as ``icepop_function`` (``slime/backends/megatron_utils/loss.py`` at commit
+    ``624b824``), which keeps $\rho_t$ where ``tis_clip_low`` $\le \rho_t \le$ ``tis_clip`` and
+    zeroes it elsewhere. Tokens whose training and inference probabilities disagree by more than
+    the band contribute no gradient at all. Biased in general: the ratio corrects its own token,
+    not the others on which the reward also depends, and the mask drops mass.
 
     Examples
     --------
@@ -901,7 +902,7 @@ REGISTRY = {
 }
 """Every estimator of this module by name, with its default thresholds and source.
 
-Each "verl" source is verl's code at ``VERL_COMMIT``: its files
+Each "verl" source is the verl release ``VERL_VERSION`` (0.9.1): its files
 ``verl/trainer/ppo/rollout_corr_helper.py``, ``verl/trainer/ppo/core_algos.py`` and
 ``verl/trainer/config/algorithm.py``."""
 

@@ -323,16 +323,17 @@ def expected_reduced_gradient(toy, gamma=0.0, reduction="token-mean", batch_size
     $g_b = \sum_t G_{b,t}\, s_{b,t}$ (the gradient of $-\sum_t \mathrm{sg}(A_t) \log
     \pi(y_t)$, see [opd_literate.mismatch.opd_mismatch.opd_estimate][]), and the reduction divides:
 
-    * ``"sum"``: $\mathbb{E}[\sum_b g_b] = B\, \mathbb{E}[g]$;
+    * ``"sum"`` and ``"token-sum"``: $\mathbb{E}[\sum_b g_b] = B\, \mathbb{E}[g]$;
     * ``"seq-mean-token-sum"``: $\mathbb{E}[g]$; ``"seq-mean-token-sum-norm"``:
-      $\tfrac{B}{T} \mathbb{E}[g]$ ($T$ the padded length);
+      $\tfrac{1}{T} \mathbb{E}[g]$ ($T$ the padded length); ``"token-sum-norm"``:
+      $\tfrac{B}{T} \mathbb{E}[g]$;
     * ``"seq-mean-token-mean"``: $\mathbb{E}[g / n]$ ($n$ the response's length), whatever $B$;
     * ``"token-mean"``: $\mathbb{E}[\sum_b g_b / \sum_b n_b] = B\,
       \mathbb{E}\big[g_1\, \mathbb{E}[1 / (n_1 + N')]\big]$, with $N'$ the total length of the
       other $B - 1$ responses, whose distribution is the $(B-1)$-fold convolution of the
       length distribution under $\pi$. So no sum over the $M^B$ batches is needed.
 
-    With $\gamma = 1$, $\mathbb{E}[g] = \nabla \mathcal{K}$ (``kl_grad``), so the first three
+    With $\gamma = 1$, $\mathbb{E}[g] = \nabla \mathcal{K}$ (``kl_grad``), so the first five
     are exact up to a constant; the two means are not when the lengths vary. With
     $\gamma = 0$, $\mathbb{E}[g]$ is ``kl_grad_per_state``, which is not $\nabla \mathcal{K}$
     on the autoregressive toy.
@@ -372,11 +373,13 @@ def expected_reduced_gradient(toy, gamma=0.0, reduction="token-mean", batch_size
     pi = toy["p_train"]
     lengths = response_mask(toy).sum(axis=1)  # (M,) n(y)
     T = per_seq.shape[1]
-    if reduction == "sum":
+    if reduction in ("sum", "token-sum"):
         weight = np.full(len(pi), float(batch_size))
     elif reduction == "seq-mean-token-sum":
         weight = np.ones(len(pi))
     elif reduction == "seq-mean-token-sum-norm":
+        weight = np.full(len(pi), 1.0 / T)
+    elif reduction == "token-sum-norm":
         weight = np.full(len(pi), batch_size / T)
     elif reduction == "seq-mean-token-mean":
         weight = 1.0 / lengths

@@ -296,7 +296,8 @@ def test_the_opd_table_statements():
 def test_the_reduction_table_statements():
     rows = reduction_table(add_teacher(make_ar_toy(**SIZE)), batch_sizes=(1, 8))
     cell = {(r["gamma"], r["reduction"], r["batch_size"]): r for r in rows}
-    fixed_normaliser = ("sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+    fixed_normaliser = ("sum", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                        "token-sum-norm")
     for (gamma, reduction, B), r in cell.items():
         exact = gamma == 1.0 and reduction in fixed_normaliser
         assert (r["rel_bias"] < 1e-12) == exact, (gamma, reduction, B)

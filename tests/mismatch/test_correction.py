@@ -250,8 +250,10 @@ def _normaliser(mask, reduction):
         "token-mean": torch.full_like(mask, 1.0 / max(float(mask.sum()), 1.0)),
         "seq-mean-token-sum": torch.full_like(mask, 1.0 / B),
         "seq-mean-token-mean": (1.0 / (B * n_b)).expand(B, T),
-        "seq-mean-token-sum-norm": torch.full_like(mask, 1.0 / T),
+        "seq-mean-token-sum-norm": torch.full_like(mask, 1.0 / (B * T)),
         "sum": torch.ones_like(mask),
+        "token-sum": torch.ones_like(mask),
+        "token-sum-norm": torch.full_like(mask, 1.0 / T),
     }[reduction] * mask
 
 
@@ -540,29 +542,45 @@ def test_metric_names_are_verls():
 
 
 def test_metric_values_against_float64_formulas():
+    """verl 0.9.1's compute_is_metrics and compute_offpolicy_metrics, written out in numpy:
+    the IS statistics are of the applied (truncated) weights, the fractions of the ratios."""
     trainer, sampler, mask, _ = _random_batch(12)
     m = mask.numpy() > 0
     x = (trainer - sampler).numpy()
     r = np.exp(x)
     c = C.rollout_correction(trainer, sampler, mask, rollout_is="token", rollout_is_threshold=1.5)
     got = {k.removeprefix("rollout_corr/"): v for k, v in c.metrics.items()}
-    assert got["rollout_is_mean"] == pytest.approx(r[m].mean(), rel=1e-12)
-    assert got["rollout_is_max"] == pytest.approx(r[m].max(), rel=1e-12)
-    assert got["rollout_is_min"] == pytest.approx(r[m].min(), rel=1e-12)
+    w = np.minimum(r, 1.5)
+    assert got["rollout_is_mean"] == pytest.approx(w[m].mean(), rel=1e-12)
+    assert got["rollout_is_max"] == pytest.approx(w[m].max(), rel=1e-12)
+    assert got["rollout_is_min"] == pytest.approx(w[m].min(), rel=1e-12)
     assert got["rollout_is_ratio_fraction_high"] == pytest.approx((r[m] > 1.5).mean())
     assert got["rollout_is_ratio_fraction_low"] == pytest.approx((r[m] < 1 / 1.5).mean())
-    clamped = np.clip(r[m], 1 / 1.5, 1.5)
+    assert got["rollout_is_std"] == pytest.approx(w[m].std(), rel=1e-10)
     assert got["rollout_is_eff_sample_size"] == pytest.approx(
-        clamped.mean() ** 2 / (clamped ** 2).mean(), rel=1e-12)
+        w[m].mean() ** 2 / (w[m] ** 2).mean(), rel=1e-12)
+    rows = m.any(1)
+    seq_w = ((w * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    seq_r = ((r * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    assert got["rollout_is_seq_mean"] == pytest.approx(seq_w.mean(), rel=1e-12)
+    assert got["rollout_is_seq_std"] == pytest.approx(seq_w.std(ddof=1), rel=1e-10)
+    assert got["rollout_is_seq_max_deviation"] == pytest.approx(np.abs(seq_w - 1).max(),
+                                                                rel=1e-12)
+    assert got["rollout_is_seq_fraction_high"] == pytest.approx((seq_r > 1.5).mean())
     assert got["kl"] == pytest.approx((-x[m]).mean(), rel=1e-12)
     assert got["k3_kl"] == pytest.approx((r[m] - 1 - x[m]).mean(), rel=1e-12)
     assert got["chi2_token"] == pytest.approx((r[m] ** 2).mean() - 1, rel=1e-12)
-    seq = (x * m).sum(1)[m.any(1)]
+    seq = (x * m).sum(1)[rows]
     assert got["chi2_seq"] == pytest.approx(np.exp(2 * seq).mean() - 1, rel=1e-12)
+    mean_logp = ((trainer.numpy() * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    mean_logq = ((sampler.numpy() * m).sum(1) / np.maximum(m.sum(1), 1))[rows]
+    assert got["training_ppl"] == pytest.approx(np.exp(-mean_logp).mean(), rel=1e-12)
+    assert got["rollout_log_ppl"] == pytest.approx((-mean_logq).mean(), rel=1e-12)
+    assert got["ppl_ratio"] == pytest.approx(np.exp(mean_logq - mean_logp).mean(), rel=1e-12)
 
 
-def test_the_module_cites_the_verl_commit_of_the_fixture():
-    assert C.VERL_COMMIT == FIXTURE["commit"]
+def test_the_module_cites_the_verl_version_of_the_fixture():
+    assert C.VERL_VERSION == FIXTURE["version"]
     assert C.VERL_COMMIT is E.VERL_COMMIT  # one definition, in _numerics, re-exported by both
     assert C.SAFETY_BOUND == FIXTURE["safety_bound"]
     assert C.RS_OPTIONS == tuple(FIXTURE["rollout_rs_options"])
@@ -587,3 +605,84 @@ def test_a_clamped_log_ratio_stops_the_gradient_only_where_it_flows_through_the_
         value, _ = getattr(C, loss)(trainer, sampler, advantage, ones)
     value.backward()
     assert trainer.grad.item() == pytest.approx(expected, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# verl 0.9.1's threshold forms, band checks and presets (without verl: tests/integration has it)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_an_icepop_threshold_is_the_mask_mode_with_its_lower_bound(level):
+    trainer, sampler, mask, _ = _random_batch(21)
+    icepop, m = C.importance_weights(trainer, sampler, mask, level, rollout_is_threshold="0.6_1.7")
+    masked, _ = C.importance_weights(trainer, sampler, mask, level, rollout_is_threshold=1.7,
+                                     mode="mask", lower=0.6)
+    assert torch.equal(icepop, masked)
+    ratio = C.log_ratios(trainer, sampler, mask, level).exp()
+    outside = ((ratio < 0.6) | (ratio > 1.7))[mask > 0]
+    assert m["rollout_is_oob_ratio"] == pytest.approx(outside.double().mean().item(), rel=1e-12)
+    # a number in a string is the cap, as a number is
+    assert torch.equal(C.importance_weights(trainer, sampler, mask, level,
+                                            rollout_is_threshold="1.7")[0],
+                       C.importance_weights(trainer, sampler, mask, level,
+                                            rollout_is_threshold=1.7)[0])
+
+
+@pytest.mark.parametrize("threshold, match", [
+    ("2.0_0.5", "lower must be <= rollout_is_threshold"),
+    ("0_2", "rollout_is_threshold's lower bound must be > 0"),
+    ("a_2", "rollout_is_threshold must be a number or a string"),
+    ("", "rollout_is_threshold must be a number or a string"),
+])
+def test_a_bad_icepop_threshold_names_the_argument(threshold, match):
+    trainer, sampler, mask, _ = _random_batch(22)
+    with pytest.raises(ValueError, match=match):
+        C.importance_weights(trainer, sampler, mask, rollout_is_threshold=threshold)
+
+
+def test_an_icepop_threshold_refuses_a_second_band():
+    trainer, sampler, mask, _ = _random_batch(22)
+    with pytest.raises(ValueError, match="sets the band itself"):
+        C.importance_weights(trainer, sampler, mask, rollout_is_threshold="0.5_2", mode="clamp")
+
+
+@pytest.mark.parametrize("option, threshold", [("token_k1", "2.0_0.5"), ("seq_mean_k1", 0.5),
+                                               ("seq_sum_k1", "1.5_1.2,")])
+def test_an_empty_rejection_band_is_an_error_not_a_rejection_of_everything(option, threshold):
+    """verl refuses lower > upper; this module accepted "2.0_0.5" and rejected every token."""
+    trainer, sampler, mask, _ = _random_batch(23)
+    with pytest.raises(ValueError, match=f"rollout_rs_threshold for '{option}' must have lower"):
+        C.rejection_mask(trainer, sampler, mask, option, threshold)
+
+
+def test_every_weight_rejected_gives_a_zero_ess_not_inf():
+    trainer, sampler, mask, _ = _random_batch(24)
+    _, m = C.importance_weights(trainer, sampler, mask, rollout_is_threshold="100_200")
+    assert m["rollout_is_eff_sample_size"] == 0.0 and m["rollout_is_mean"] == 0.0
+    assert all(math.isfinite(v) for v in m.values())
+
+
+@pytest.mark.parametrize("name", sorted(C.PRESETS))
+def test_every_preset_runs_and_its_bypass_loss_is_the_named_one(name):
+    trainer, sampler, mask, A = _random_batch(25)
+    fields = dict(C.PRESETS[name])
+    bypass, loss_type = fields.pop("bypass_mode", False), fields.pop("loss_type", "ppo_clip")
+    assert set(fields) <= {"rollout_is", "rollout_is_threshold", "rollout_rs",
+                           "rollout_rs_threshold"}
+    c = C.rollout_correction(trainer, sampler, mask, **fields)
+    assert all(math.isfinite(v) for v in c.metrics.values())
+    assert bypass == name.startswith("bypass_")
+    assert (loss_type == "reinforce") == name.startswith("bypass_pg_")
+
+
+def test_the_perplexity_metrics_by_hand():
+    trainer = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.0]], dtype=torch.float64))
+    sampler = torch.log(torch.tensor([[0.25, 0.25], [1.0, 1.0]], dtype=torch.float64))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    m = C.offpolicy_metrics(trainer, sampler, mask)
+    # response 1: mean log pi = log(0.5 * 0.25) / 2, ppl = 1 / sqrt(0.125); response 2: 2
+    assert m["training_ppl"] == pytest.approx((0.125 ** -0.5 + 2.0) / 2, rel=1e-12)
+    assert m["rollout_ppl"] == pytest.approx((4.0 + 1.0) / 2, rel=1e-12)
+    # d_b = mean log mu - mean log pi: log(0.25 / 0.125 ** 0.5) and log(1 / 0.5)
+    d = [math.log(0.25 / 0.125 ** 0.5), math.log(2.0)]
+    assert m["log_ppl_diff"] == pytest.approx(sum(d) / 2, rel=1e-12)
+    assert m["ppl_ratio"] == pytest.approx((math.exp(d[0]) + math.exp(d[1])) / 2, rel=1e-12)

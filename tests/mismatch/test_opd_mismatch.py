@@ -279,8 +279,8 @@ def test_the_two_step_model_figures_of_test_opd_lengths():
     for B in (1, 2):
         g = expected_reduced_gradient(toy, 1.0, "seq-mean-token-mean", B)
         assert angle_degrees(g, toy["kl_grad"]) == pytest.approx(TOKEN_MEAN_ANGLE[1], abs=0.01)
-        for reduction, scale in [("sum", B), ("seq-mean-token-sum", 1.0),
-                                 ("seq-mean-token-sum-norm", B / 2)]:
+        for reduction, scale in [("sum", B), ("token-sum", B), ("seq-mean-token-sum", 1.0),
+                                 ("seq-mean-token-sum-norm", 1 / 2), ("token-sum-norm", B / 2)]:
             np.testing.assert_allclose(expected_reduced_gradient(toy, 1.0, reduction, B),
                                        scale * toy["kl_grad"], rtol=1e-12, atol=1e-14)
 
@@ -290,7 +290,8 @@ def test_reduction_table_statements():
     means biased with <eos>; gamma = 0 biased for the sequence KL whatever the reduction."""
     rows = reduction_table(add_teacher(make_ar_toy(T=4, V=3)), batch_sizes=(1, 4))
     for r in rows:
-        fixed = r["reduction"] in ("sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+        fixed = r["reduction"] in ("sum", "token-sum", "seq-mean-token-sum",
+                                   "seq-mean-token-sum-norm", "token-sum-norm")
         if r["gamma"] == 1.0 and fixed:
             assert r["rel_bias"] < 1e-12, r
         else:
@@ -594,9 +595,10 @@ def _enumerated(toy, gamma, reduction, B=2):
     for i in range(len(pi)):
         for j in range(len(pi)):
             gs, ns = g[i] + g[j], n[i] + n[j]
-            reduced = {"sum": gs, "seq-mean-token-sum": gs / B,
+            reduced = {"sum": gs, "token-sum": gs, "seq-mean-token-sum": gs / B,
                        "seq-mean-token-mean": (g[i] / n[i] + g[j] / n[j]) / B,
-                       "seq-mean-token-sum-norm": gs / T, "token-mean": gs / ns}[reduction]
+                       "seq-mean-token-sum-norm": gs / (B * T), "token-sum-norm": gs / T,
+                       "token-mean": gs / ns}[reduction]
             total += pi[i] * pi[j] * reduced
     return total
 
@@ -698,7 +700,7 @@ def test_reduction_table_rows(small_ar):
 def test_reduction_table_defaults(small_ar):
     rows = reduction_table(small_ar)
     assert [(r["gamma"], r["batch_size"]) for r in rows][:2] == [(0.0, 1), (0.0, 8)]
-    assert len(rows) == 2 * 5 * 2
+    assert len(rows) == 2 * 7 * 2
     assert {r["reduction"] for r in rows} == {"token-mean", "seq-mean-token-sum",
                                               "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                                              "sum"}
+                                              "sum", "token-sum", "token-sum-norm"}

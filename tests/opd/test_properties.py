@@ -185,8 +185,10 @@ def reference_sampled_token(student, teacher, mask, gamma, reduction):
     if reduction == "seq-mean-token-mean":
         return (per_token.sum(1) / np.maximum(n, 1)).sum() / max(B, 1)
     if reduction == "seq-mean-token-sum-norm":
+        return per_token.sum() / max(B, 1) / max(T, 1)
+    if reduction == "token-sum-norm":
         return per_token.sum() / max(T, 1)
-    return per_token.sum()
+    return per_token.sum()  # "sum", "token-sum"
 
 
 @given(token_case(), st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from(opd.REDUCTIONS))

@@ -142,9 +142,10 @@ def gamma_one(reduction):
 def test_gamma_one_is_unbiased_with_a_length_independent_normaliser(B):
     theta, phi = model()
     true = sequence_kl_gradient(theta, phi)
-    # E[sum over the batch] = B * grad KL; seq-mean-token-sum divides by B; -norm by T = 2
-    for reduction, scale in [("sum", B), ("seq-mean-token-sum", 1.0),
-                             ("seq-mean-token-sum-norm", B / T)]:
+    # E[sum over the batch] = B * grad KL; seq-mean-token-sum divides by B; -norm by B T
+    # (T = 2); token-sum-norm (verl's -norm before b8d91ef) by T
+    for reduction, scale in [("sum", B), ("token-sum", B), ("seq-mean-token-sum", 1.0),
+                             ("seq-mean-token-sum-norm", 1.0 / T), ("token-sum-norm", B / T)]:
         got = expected_gradient(theta, phi, gamma_one(reduction), B)
         torch.testing.assert_close(got, scale * true, rtol=1e-12, atol=1e-13)
 
@@ -307,8 +308,12 @@ class TestDiscountAndReductions:
             (10 / 4 + 30 / 2 + 0) / 3
         )
         assert aggregate_loss(loss, mask, "sum").item() == pytest.approx(40.0)
-        # a constant 1 / T (T = 4, the padded length), not 1 / B nor 1 / (tokens)
-        assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10.0)
+        assert aggregate_loss(loss, mask, "token-sum").item() == pytest.approx(40.0)
+        # a constant 1 / (B T) (B = 3 rows, T = 4, the padded length), not 1 / (tokens)
+        assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(
+            40 / 12)
+        # the old meaning, a constant 1 / T
+        assert aggregate_loss(loss, mask, "token-sum-norm").item() == pytest.approx(10.0)
         # the fully masked third sequence counts in 1 / B (verl's agg_loss would divide by 2)
         assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() != pytest.approx(20.0)
 
@@ -348,8 +353,10 @@ def _hand_reductions(x, m):
         "token-mean": (x * m).sum() / m.sum(),
         "seq-mean-token-sum": (x * m).sum(1).mean(),
         "seq-mean-token-mean": ((x * m).sum(1) / n).mean(),
-        "seq-mean-token-sum-norm": (x * m).sum() / x.shape[1],
+        "seq-mean-token-sum-norm": (x * m).sum(1).mean() / x.shape[1],
         "sum": (x * m).sum(),
+        "token-sum": (x * m).sum(),
+        "token-sum-norm": (x * m).sum() / x.shape[1],
     }
 
 

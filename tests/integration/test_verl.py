@@ -1,0 +1,388 @@
+"""opd_literate.mismatch.correction against verl itself: verl's own functions on the same batches.
+
+Every option and preset that ``correction.py`` attributes to verl is run twice on the same
+random float64 ``(B, T)`` batches with ragged masks: once through this package, once through
+verl's ``verl.trainer.ppo.rollout_corr_helper`` and ``verl.trainer.ppo.core_algos``. Weights,
+masks, losses, gradients and metrics must agree.
+
+Tolerance: ``rel=1e-6, abs=1e-8``. Both sides compute in float64 from the same inputs; the only
+systematic difference is verl's ``masked_mean``, which divides by ``count + 1e-8`` (a relative
+error below ``1e-8`` for a count of 1 or more, so an absolute one of that size on a metric that
+is a difference of values near 1, such as ``rollout_is_seq_max_deviation``), and its ESS, which
+divides by ``mean + 1e-8``.
+Masks are compared exactly: a threshold would have to fall within ``1e-8`` of a statistic drawn
+from a continuous distribution for the two to disagree.
+
+Marker ``verl``: deselected by the README's command, run by ``.ci/run`` in the environment that
+``tools/verl-venv.sh`` builds (verl's pins conflict with the ``trl`` extra's transformers). The
+module is skipped when verl cannot be imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+
+try:
+    import verl
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo import rollout_corr_helper as helper
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+except ImportError as error:  # the fast tier, or a machine without the verl environment
+    pytest.skip(f"verl is not importable ({error}); build it with tools/verl-venv.sh",
+                allow_module_level=True)
+
+from opd_literate.mismatch import correction as C
+from opd_literate.opd import aggregate_loss
+
+pytestmark = pytest.mark.verl
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+F64 = torch.float64
+REL, ABS = 1e-6, 1e-8
+VERL_REDUCTIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                   "seq-mean-token-sum-norm")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches and the two sides
+# ---------------------------------------------------------------------------------------------
+def _batch(seed, scale=0.4, B=6, T=9, empty_row=False):
+    """Random (B, T) log-probabilities, a ragged mask (every row has a token unless empty_row),
+    per-token advantages of both signs. The padding holds finite values, as verl requires."""
+    g = torch.Generator().manual_seed(seed)
+    trainer = torch.log(torch.rand(B, T, generator=g, dtype=F64) * 0.98 + 0.01)
+    sampler = trainer - scale * torch.randn(B, T, generator=g, dtype=F64)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(F64)
+    if empty_row:
+        mask[1] = 0.0
+    advantages = torch.randn(B, T, generator=g, dtype=F64)
+    return trainer, sampler, mask, advantages
+
+
+BATCHES = [(seed, scale) for seed in (0, 1) for scale in (0.05, 0.4, 1.2)]
+# 0.002: mean log-ratios inside and outside the geometric presets' band (0.999, 1.001)
+GEO_BATCHES = BATCHES + [(2, 0.002)]
+
+
+def _ours(c):
+    return {k.removeprefix("rollout_corr/"): v for k, v in c.metrics.items()}
+
+
+def _verl(trainer, sampler, mask, **options):
+    weights, keep, metrics = helper.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=trainer, rollout_log_prob=sampler, response_mask=mask, **options)
+    weights = None if weights is None else weights.batch["rollout_is_weights"]
+    return weights, keep, {k.removeprefix("rollout_corr/"): v for k, v in metrics.items()}
+
+
+def _assert_metrics_equal(ours, theirs):
+    assert set(ours) == set(theirs), (set(ours) ^ set(theirs))
+    for name, value in theirs.items():
+        if name.endswith("_std") and not name.endswith("_seq_std"):
+            # both sides compute sqrt(E[s^2] - E[s]^2), whose variance carries verl's
+            # 1e-8 / count in each mean as an absolute error of about 1e-8 E[s^2]: compare the
+            # variances (statistics here are below 10, so 1e-6 bounds it)
+            assert ours[name] ** 2 == pytest.approx(value ** 2, rel=REL, abs=1e-6), name
+        else:
+            assert ours[name] == pytest.approx(value, rel=REL, abs=ABS), name
+
+
+def _actor(B, clip_low=0.2, clip_high=0.2, clip_c=3.0, rollout_correction=None,
+           loss_mode="vanilla"):
+    """verl's ActorConfig with the trainer's global batch size (every row counts in 1/B)."""
+    policy_loss = PolicyLossConfig(loss_mode=loss_mode,
+                                   rollout_correction=rollout_correction
+                                   or RolloutCorrectionConfig())
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                       clip_ratio=0.2, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                       clip_ratio_c=clip_c, global_batch_info={"global_batch_size": B},
+                       policy_loss=policy_loss)
+
+
+def _grad(loss_fn, trainer):
+    """The loss and its gradient with respect to a fresh leaf copy of trainer."""
+    leaf = trainer.clone().requires_grad_(True)
+    loss, *rest = loss_fn(leaf)
+    loss.backward()
+    return loss.item(), leaf.grad, (rest[0] if rest else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The release and the citations
+# ---------------------------------------------------------------------------------------------
+def test_the_installed_verl_is_the_pinned_release():
+    assert verl.__version__ == C.VERL_VERSION
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"verl=={C.VERL_VERSION}"' in pyproject
+
+
+def test_the_cited_files_are_the_installed_ones():
+    """docs/references.md gives the sha256 of each verl file it cites; the installed release
+    must hold exactly those files (a newer verl fails here until the page is read again)."""
+    page = (ROOT / "docs" / "references.md").read_text()
+    rows = re.findall(r"\| `(verl/[\w/]+\.(?:py|yaml))` \| `([0-9a-f]{64})` \|", page)
+    assert len(rows) >= 5
+    package = pathlib.Path(verl.__file__).parent
+    for path, digest in rows:
+        installed = package / pathlib.Path(path).relative_to("verl")
+        assert hashlib.sha256(installed.read_bytes()).hexdigest() == digest, path
+
+
+def test_the_fixture_is_read_from_the_installed_verl():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import verl_fixture
+    finally:
+        sys.path.pop(0)
+    committed = json.loads((ROOT / "tests" / "fixtures" / "verl_rollout_correction.json")
+                           .read_text())
+    assert json.loads(json.dumps(verl_fixture.build())) == committed
+
+
+def test_presets_are_verls():
+    fields = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+              "rollout_rs_threshold", "bypass_mode", "loss_type")
+    base = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+                rollout_rs=None, rollout_rs_threshold=None, bypass_mode=False,
+                loss_type="ppo_clip")
+    verl_presets = {name for name, value in vars(RolloutCorrectionConfig).items()
+                    if isinstance(value, classmethod) and name != "from_dict"}
+    assert set(C.PRESETS) == verl_presets
+    for name, ours in C.PRESETS.items():
+        theirs = getattr(RolloutCorrectionConfig, name)()
+        assert {**base, **ours} == {f: getattr(theirs, f) for f in fields}, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Importance weights, rejection, diagnostics
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed, scale", BATCHES)
+@pytest.mark.parametrize("rollout_is", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [2.0, 1.5, "1.5", "0.5_5.0", "0.8_1.25"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_importance_weights_and_metrics_are_verls(seed, scale, rollout_is, threshold,
+                                                  normalize):
+    trainer, sampler, mask, _ = _batch(seed, scale)
+    c = C.rollout_correction(trainer, sampler, mask, rollout_is=rollout_is,
+                             rollout_is_threshold=threshold,
+                             rollout_is_batch_normalize=normalize)
+    weights, keep, metrics = _verl(trainer, sampler, mask, rollout_is=rollout_is,
+                                   rollout_is_threshold=threshold,
+                                   rollout_is_batch_normalize=normalize)
+    torch.testing.assert_close(c.weights, weights, rtol=REL, atol=ABS)
+    assert torch.equal(c.keep, keep > 0)
+    _assert_metrics_equal(_ours(c), metrics)
+
+
+RS_CASES = [(option, threshold) for option in C.RS_OPTIONS
+            for threshold in (("0.5_2.0", 1.5, "0.9_1.3") if option.endswith("k1")
+                              else (0.02, 0.3))]
+RS_CASES += [("token_k1,seq_mean_k3", "0.5_2.0,0.1"), ("seq_max_k2,seq_sum_k1", "0.4,0.2_5"),
+             ("token_k2,token_k2,seq_mean_k1", 0.5 * 4.0)]
+
+
+@pytest.mark.parametrize("seed, scale", BATCHES)
+@pytest.mark.parametrize("option, threshold", RS_CASES)
+def test_rejection_masks_and_metrics_are_verls(seed, scale, option, threshold):
+    trainer, sampler, mask, _ = _batch(seed, scale)
+    c = C.rollout_correction(trainer, sampler, mask, rollout_rs=option,
+                             rollout_rs_threshold=threshold)
+    _, keep, metrics = _verl(trainer, sampler, mask, rollout_rs=option,
+                             rollout_rs_threshold=threshold)
+    assert torch.equal(c.keep, keep > 0)
+    _assert_metrics_equal(_ours(c), metrics)
+
+
+@pytest.mark.parametrize("seed, scale", GEO_BATCHES)
+@pytest.mark.parametrize("preset", sorted(C.PRESETS))
+def test_every_preset_is_verls(seed, scale, preset):
+    """The weights, the mask and every metric of each preset; for the bypass presets also
+    verl's bypass-mode loss (PPO's clip or REINFORCE over the kept tokens), its gradient and
+    its actor metrics."""
+    trainer, sampler, mask, advantages = _batch(seed, scale)
+    fields = dict(C.PRESETS[preset])
+    bypass, loss_type = fields.pop("bypass_mode", False), fields.pop("loss_type", "ppo_clip")
+    c = C.rollout_correction(trainer, sampler, mask, **fields)
+    weights, keep, metrics = _verl(trainer, sampler, mask, **fields)
+    if weights is not None:
+        torch.testing.assert_close(c.weights, weights, rtol=REL, atol=ABS)
+    assert torch.equal(c.keep, keep > 0)
+    _assert_metrics_equal(_ours(c), metrics)
+    if not bypass:
+        return
+    B = trainer.shape[0]
+    config = _actor(B, rollout_correction=getattr(RolloutCorrectionConfig, preset)(),
+                    loss_mode="bypass_mode")
+
+    def theirs(leaf):
+        return core_algos.compute_policy_loss_bypass_mode(
+            sampler, leaf, advantages, mask, loss_agg_mode="token-mean", config=config)
+
+    def ours(leaf):
+        kept = C.rollout_correction(leaf.detach(), sampler, mask, **fields)
+        if loss_type == "ppo_clip":
+            return C.ppo_clip_loss(leaf, sampler, advantages, kept.keep)
+        w = kept.weights if fields.get("rollout_is") else None
+        return (C.reinforce_loss(leaf, advantages, kept.keep, weights=w),)
+
+    loss, grad, their_metrics = _grad(theirs, trainer)
+    our_loss, our_grad, our_metrics = _grad(ours, trainer)
+    if not bool(c.keep.any()):
+        # every token rejected: verl's token-mean divides 0 by 0 tokens, a NaN loss (and NaN
+        # gradients); here an empty mean is 0 with a zero gradient
+        assert math.isnan(loss) and our_loss == 0.0 and not bool(our_grad.any())
+        return
+    assert our_loss == pytest.approx(loss, rel=REL, abs=ABS)
+    torch.testing.assert_close(our_grad, grad, rtol=REL, atol=ABS)
+    for name, value in (our_metrics or {}).items():
+        assert their_metrics[name] == pytest.approx(value, rel=REL, abs=ABS), name
+
+
+@pytest.mark.parametrize("seed, scale", BATCHES)
+def test_offpolicy_metrics_are_verls(seed, scale):
+    trainer, sampler, mask, _ = _batch(seed, scale)
+    theirs = helper.compute_offpolicy_metrics(trainer, sampler, mask)
+    _assert_metrics_equal(C.offpolicy_metrics(trainer, sampler, mask), theirs)
+
+
+def test_a_row_with_no_token_changes_only_the_documented_metrics():
+    """With a fully masked row, weights, masks and token metrics still agree; the metrics that
+    verl averages over all B rows (documented in correction's docstrings) do not."""
+    trainer, sampler, mask, _ = _batch(3, 0.4, empty_row=True)
+    options = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                   rollout_rs_threshold=2.0)
+    c = C.rollout_correction(trainer, sampler, mask, **options)
+    weights, keep, metrics = _verl(trainer, sampler, mask, **options)
+    torch.testing.assert_close(c.weights, weights, rtol=REL, atol=ABS)
+    assert torch.equal(c.keep, keep > 0)
+    ours = _ours(c)
+    per_row = {"rollout_is_max", "rollout_is_min", "rollout_is_ratio_fraction_high",
+               "rollout_is_ratio_fraction_low", "rollout_rs_seq_masked_fraction", "chi2_seq",
+               "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl",
+               "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
+               "ppl_ratio"}
+    differ = {n for n in metrics if ours[n] != pytest.approx(metrics[n], rel=REL, abs=ABS)}
+    assert differ <= per_row | {n for n in metrics if n.startswith("rollout_is_seq_")}
+    assert "rollout_rs_masked_fraction" not in differ and "rollout_is_mean" not in differ
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad thresholds: refused on both sides
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("option, threshold", [("token_k1", "2.0_0.5"), ("seq_mean_k1", 0.5),
+                                               ("seq_sum_k1", "0_2"), ("token_k3", "0.1_0.2"),
+                                               ("token_k2", -1.0)])
+def test_a_band_verl_refuses_is_refused(option, threshold):
+    trainer, sampler, mask, _ = _batch(0)
+    with pytest.raises(ValueError):
+        _verl(trainer, sampler, mask, rollout_rs=option, rollout_rs_threshold=threshold)
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):
+        C.rollout_correction(trainer, sampler, mask, rollout_rs=option,
+                             rollout_rs_threshold=threshold)
+
+
+@pytest.mark.parametrize("threshold", ["5.0_0.5", "0_2", "-1_2", "a_b", 0.0])
+def test_an_is_threshold_verl_refuses_is_refused(threshold):
+    trainer, sampler, mask, _ = _batch(0)
+    with pytest.raises(ValueError):
+        _verl(trainer, sampler, mask, rollout_is="token", rollout_is_threshold=threshold)
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        C.rollout_correction(trainer, sampler, mask, rollout_is="token",
+                             rollout_is_threshold=threshold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses, reductions, KL penalties
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed, scale", BATCHES)
+@pytest.mark.parametrize("reduction", VERL_REDUCTIONS)
+def test_aggregate_loss_is_verls_agg_loss(seed, scale, reduction):
+    _, _, mask, loss = _batch(seed, scale, empty_row=True)
+    B = mask.shape[0]
+    theirs = core_algos.agg_loss(loss, mask, reduction, global_batch_size=B)
+    assert aggregate_loss(loss, mask, reduction).item() == pytest.approx(theirs.item(),
+                                                                         rel=REL, abs=ABS)
+    if reduction in ("token-mean", "token-sum"):  # the normaliser does not count rows
+        assert core_algos.agg_loss(loss, mask, reduction).item() == pytest.approx(
+            theirs.item(), rel=REL, abs=ABS)
+
+
+LOSS_CASES = [
+    ("ppo_clip", dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)),
+    ("ppo_clip", dict(clip_ratio_low=0.1, clip_ratio_high=0.1, clip_ratio_c=1.5)),
+    ("cispo", dict(clip_ratio_low=0.2, clip_ratio_high=0.2)),
+    ("cispo", dict(clip_ratio_low=1.0, clip_ratio_high=4.0)),
+    ("gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
+    ("gspo", dict(clip_ratio_low=0.2, clip_ratio_high=0.2)),
+    ("reinforce", dict()),
+]
+
+
+@pytest.mark.parametrize("seed, scale", BATCHES)
+@pytest.mark.parametrize("reduction", VERL_REDUCTIONS)
+@pytest.mark.parametrize("loss_name, clip", LOSS_CASES)
+def test_losses_gradients_and_metrics_are_verls(seed, scale, reduction, loss_name, clip):
+    """Each loss with the sampler as the anchor (verl's old_log_prob = rollout_log_prob)."""
+    trainer, sampler, mask, advantages = _batch(seed, scale, empty_row=(seed == 1))
+    B = trainer.shape[0]
+    config = _actor(B, clip.get("clip_ratio_low", 0.2), clip.get("clip_ratio_high", 0.2),
+                    clip.get("clip_ratio_c", 3.0))
+    verl_fn = {"ppo_clip": core_algos.compute_policy_loss_vanilla,
+               "cispo": core_algos.compute_policy_loss_cispo,
+               "gspo": core_algos.compute_policy_loss_gspo}.get(loss_name)
+    if loss_name == "reinforce":
+        weights, _ = C.importance_weights(trainer, sampler, mask)
+
+        def theirs(leaf):
+            return core_algos.compute_policy_loss_reinforce(
+                sampler, leaf, advantages, mask, loss_agg_mode=reduction, config=config,
+                rollout_is_weights=weights)
+
+        def ours(leaf):
+            return (C.reinforce_loss(leaf, advantages, mask, weights=weights,
+                                     reduction=reduction),)
+    else:
+        def theirs(leaf):
+            return verl_fn(sampler, leaf, advantages, mask, loss_agg_mode=reduction,
+                           config=config)
+
+        def ours(leaf):
+            ours_fn = getattr(C, f"{loss_name}_loss")
+            return ours_fn(leaf, sampler, advantages, mask, reduction=reduction, **clip)
+
+    loss, grad, their_metrics = _grad(theirs, trainer)
+    our_loss, our_grad, our_metrics = _grad(ours, trainer)
+    assert our_loss == pytest.approx(loss, rel=REL, abs=ABS)
+    torch.testing.assert_close(our_grad, grad, rtol=REL, atol=ABS)
+    if our_metrics is not None:
+        assert set(our_metrics) == set(their_metrics)
+        for name, value in their_metrics.items():
+            assert our_metrics[name] == pytest.approx(value, rel=REL, abs=ABS), name
+
+
+@pytest.mark.parametrize("kind", C.KL_PENALTIES)
+def test_kl_penalties_and_their_gradients_are_verls(kind):
+    """Values and gradients; |d| < 20 here, where verl's clamps of k3 are inactive."""
+    trainer, ref, mask, _ = _batch(4, 0.8)
+    mask = torch.ones_like(mask)  # verl's kl_penalty takes no mask
+
+    def theirs(leaf):
+        return (core_algos.kl_penalty(leaf, ref, kind).sum(),)
+
+    def ours(leaf):
+        return (C.kl_penalty(leaf, ref, mask, kind).sum(),)
+
+    loss, grad, _ = _grad(theirs, trainer)
+    our_loss, our_grad, _ = _grad(ours, trainer)
+    assert our_loss == pytest.approx(loss, rel=REL, abs=ABS)
+    torch.testing.assert_close(our_grad, grad, rtol=REL, atol=ABS)
