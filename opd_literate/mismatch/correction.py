@@ -407,7 +407,8 @@ def _parse_rs(rollout_rs, rollout_rs_threshold):
         raise TypeError("rollout_rs_threshold must be a number or a string such as "
                         f"'0.5_2.0,0.01', got {rollout_rs_threshold!r}")
     if isinstance(rollout_rs_threshold, numbers.Real):
-        specs = [str(float(rollout_rs_threshold))]
+        specs = [str(check_finite_number("rollout_rs_threshold", rollout_rs_threshold,
+                                         allow_inf=True))]
     elif isinstance(rollout_rs_threshold, str):
         specs = _rs_entries("rollout_rs_threshold", rollout_rs_threshold, "a threshold")
     else:
