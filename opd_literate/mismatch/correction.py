@@ -256,7 +256,8 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
         ``(B, T)`` in {0, 1}.
     rollout_is : {"token", "sequence", "geometric"}
     rollout_is_threshold : float
-        $h > 0$, ``inf`` for none.
+        $h > 0$, ``inf`` for none; a finite $h$ must be a normal number of the compute dtype
+        (in float32 $1.2 \cdot 10^{-38} \le h \le 3.4 \cdot 10^{38}$).
     mode : {"truncate", "mask", "clamp"}
     lower : float, optional
         $l \ge 0$ for ``"mask"`` and ``"clamp"`` (default 0); not allowed with ``"truncate"``.
@@ -490,7 +491,10 @@ def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_thre
     $1/b \le \rho_{\mathrm{geo}} \le 1/a$ (``seq_mean_k1``); a single number $h$ means
     ``"1/h_h"``, the band $[1/h, h]$. Several criteria separated by commas are chained: a token
     is kept when every one keeps it. ``rollout_rs_threshold`` gives one threshold for all or
-    one per criterion, separated by commas, and must be positive. This is verl's
+    one per criterion, separated by commas, and must be positive; a k1 band must not be empty
+    ($a \le b$; a single $h$ must be $\ge 1$), and an empty entry, a repeated criterion or a
+    number that ``float`` reads only leniently (``"2_0"``) is an error (verl at ``VERL_COMMIT``
+    skips empty entries and repeats, and accepts an empty band). This is verl's
     ``rollout_rs`` / ``rollout_rs_threshold`` (config defaults ``null``: off), option by option.
 
     Returns
