@@ -688,8 +688,56 @@ def test_kl_penalty_names_ref_logp():
 
 def test_k3_just_inside_float32_is_finite_and_beyond_is_refused():
     mask = torch.ones(1, 1)
-    d = math.log(torch.finfo(torch.float32).max) - 1.0  # e^{d} fits, e^{d + 2} does not
+    d = math.log(torch.finfo(torch.float32).max) - 1.0  # e^{d} fits in float32, e^{100} does not
     k = C.kl_penalty(torch.zeros(1, 1), torch.tensor([[d]]), mask, "k3")
     assert torch.isfinite(k).all() and k.item() == pytest.approx(math.exp(d) - 1 - d, rel=1e-5)
-    with pytest.raises(ValueError, match=r"overflows torch\.float32 at position \(0, 0\)"):
-        C.kl_penalty(torch.zeros(1, 1), torch.tensor([[d + 2.0]]), mask, "k3")
+    with pytest.raises(ValueError, match=r"overflows torch\.float32 at position \(0, 1\)") as err:
+        C.kl_penalty(torch.zeros(1, 2), torch.tensor([[0.0, 100.0]]), torch.ones(1, 2), "k3")
+    assert "kl_penalty 'k3' overflows" in str(err.value)
+    assert "d = trainer_logp - ref_logp = -100.0; use float64 inputs" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by mutation testing
+# ---------------------------------------------------------------------------------------------
+def _gspo_case(rhos, A):
+    """One response per row with the token ratios ``rhos``; trainer_logp requires grad."""
+    trainer = torch.full((len(rhos), len(rhos[0])), math.log(0.5), dtype=torch.float64)
+    sampler = trainer - torch.log(torch.tensor(rhos, dtype=torch.float64))
+    return trainer.requires_grad_(), sampler, torch.tensor(A, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rhos, A, clipped", [
+    ([[0.625, 2.5]], [1.0], True),    # s = 1.25 > 1 + 4e-4, A > 0: the cap bites
+    ([[0.8, 0.8]], [1.0], False),     # s = 0.8, A > 0: below the band, the unclipped term wins
+    ([[0.8, 0.8]], [-1.0], True),     # s = 0.8 < 1 - 3e-4, A < 0: the floor bites
+    ([[1.0001, 1.0001]], [-1.0], False),  # s inside [1 - 3e-4, 1 + 4e-4]: nothing clipped
+])
+def test_gspo_default_band_is_the_papers(rhos, A, clipped):
+    trainer, sampler, A = _gspo_case(rhos, A)
+    loss, metrics = C.gspo_loss(trainer, sampler, A, torch.ones(trainer.shape))
+    loss.backward()
+    s = math.prod(rhos[0]) ** (1 / len(rhos[0]))
+    expected = [0.0, 0.0] if clipped else [-A.item() * s / 2] * 2  # seq-mean-token-mean
+    assert trainer.grad[0].tolist() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert metrics["actor/pg_clipfrac"] == (1.0 if clipped else 0.0)
+    # mean of -log rho_t over the tokens
+    assert metrics["actor/ppo_kl"] == pytest.approx(-sum(map(math.log, rhos[0])) / 2, rel=1e-12)
+
+
+def test_gspo_clip_fraction_counts_tokens():
+    # a clipped response (s = 1.25, A = 1) and one at s = 1 exactly, where the two terms are
+    # equal and nothing is clipped: half of the four tokens
+    trainer, sampler, A = _gspo_case([[0.625, 2.5], [1.0, 1.0]], [1.0, 1.0])
+    _, metrics = C.gspo_loss(trainer, sampler, A, torch.ones(2, 2))
+    assert metrics["actor/pg_clipfrac"] == 0.5
+
+
+def test_gspo_without_a_lower_clip_ratio_has_a_floor_of_one():
+    # clip_ratio_low=None is epsilon_l = 0: the band [1, 1 + eps_h], so s = 0.8 with A < 0 is
+    # clipped up to 1 (a constant, no gradient)
+    trainer, sampler, A = _gspo_case([[0.8, 0.8]], [-1.0])
+    loss, metrics = C.gspo_loss(trainer, sampler, A, torch.ones(1, 2), clip_ratio_low=None)
+    loss.backward()
+    assert loss.item() == pytest.approx(1.0, rel=1e-12) and trainer.grad.abs().max() == 0
+    assert metrics["actor/pg_clipfrac"] == 1.0
