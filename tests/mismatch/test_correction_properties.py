@@ -467,8 +467,15 @@ MALFORMED = [
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a.long(), m), TypeError, "advantages"),
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a[:1], m), ValueError, "advantages must have"),
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a[:, None], m), ValueError, "advantages must have"),
-    (lambda t, s, m, a: C.reinforce_loss(t, a, m, weights=t[:, :2]), ValueError, "weights"),
-    (lambda t, s, m, a: C.reinforce_loss(t, a, m, weights=m), TypeError, "weights"),
+    (lambda t, s, m, a: C.reinforce_loss(t, a, m, weights=t[:, :2]), ValueError,
+     r"^weights must have the same shape as trainer_logp \(2, 3\)"),
+    (lambda t, s, m, a: C.reinforce_loss(t, a, m, weights=m), TypeError, "^weights must have a"),
+    (lambda t, s, m, a: C.reinforce_loss(t, a, m, weights=t[0]), ValueError,
+     "^weights must have 2 dimensions"),
+    (lambda t, s, m, a: C.reinforce_loss(t.numpy(), a, m), TypeError,
+     "^trainer_logp must be a torch.Tensor"),
+    (lambda t, s, m, a: C.reinforce_loss(t[0], a, m[0]), ValueError,
+     "^trainer_logp must have 2 dimensions"),
     (lambda t, s, m, a: C.kl_penalty(t, s[:, :2], m), ValueError, "ref_logp must have the same"),
     (lambda t, s, m, a: C.kl_penalty(t, s.long(), m), TypeError, "ref_logp"),
     # importance-weight options
@@ -741,3 +748,13 @@ def test_gspo_without_a_lower_clip_ratio_has_a_floor_of_one():
     loss.backward()
     assert loss.item() == pytest.approx(1.0, rel=1e-12) and trainer.grad.abs().max() == 0
     assert metrics["actor/pg_clipfrac"] == 1.0
+
+
+def test_cispo_clip_fraction_and_kl():
+    # rho = 9 is clipped to 1.2, the two rho = 1 are not: a third of the tokens; ppo_kl is the
+    # mean of -log rho
+    trainer = torch.log(torch.tensor([[0.9, 0.5, 0.5]], dtype=torch.float64))
+    sampler = torch.log(torch.tensor([[0.1, 0.5, 0.5]], dtype=torch.float64))
+    _, metrics = C.cispo_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 3))
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3, rel=1e-12)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(9.0) / 3, rel=1e-12)
