@@ -142,6 +142,9 @@ def check_finite_number(name: str, value, low: float | None = None, high: float 
         number = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a real number, got {value!r}") from None
+    except OverflowError:  # an int beyond float's range, such as 10**400
+        raise ValueError(f"{name} must be a finite number, got an int of "
+                         f"{len(str(abs(value)))} digits") from None
     if math.isnan(number) or (math.isinf(number) and not allow_inf):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and number < low:

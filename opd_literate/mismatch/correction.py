@@ -73,6 +73,8 @@ newest stored commit; 0.9.1's ``rollout_corr_helper.py`` is byte-identical to it
 from __future__ import annotations
 
 import math
+import numbers
+import re
 from typing import NamedTuple
 
 import torch
@@ -157,13 +159,15 @@ class Correction(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # Checks and log-ratios
 # ---------------------------------------------------------------------------------------------
-def _check_batch(trainer_logp, sampler_logp, mask):
-    """Validate the (B, T) pair and the mask; return the bool mask and the compute dtype."""
+def _check_batch(trainer_logp, sampler_logp, mask, sampler_name="sampler_logp"):
+    """Validate the (B, T) pair and the mask; return the bool mask and the compute dtype.
+
+    ``sampler_name`` names the second tensor in the errors (kl_penalty's is ``ref_logp``)."""
     check_float_tensor("trainer_logp", trainer_logp, 2)
-    check_float_tensor("sampler_logp", sampler_logp, 2)
-    check_same_shape("trainer_logp", trainer_logp, "sampler_logp", sampler_logp)
+    check_float_tensor(sampler_name, sampler_logp, 2)
+    check_same_shape("trainer_logp", trainer_logp, sampler_name, sampler_logp)
     mask = check_mask(mask, "trainer_logp", tuple(trainer_logp.shape))
-    for name, logp in (("trainer_logp", trainer_logp), ("sampler_logp", sampler_logp)):
+    for name, logp in (("trainer_logp", trainer_logp), (sampler_name, sampler_logp)):
         bad = mask & ~torch.isfinite(logp.detach())
         if bool(bad.any()):
             b, t = (int(i) for i in bad.nonzero()[0])
@@ -269,7 +273,9 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
         ``(B, T)`` in {0, 1}.
     rollout_is : {"token", "sequence", "geometric"}
     rollout_is_threshold : float or str
-        $h > 0$ (``inf`` for none), or ``"l_h"`` with $0 < l \le h$ (IcePop).
+        $h > 0$ (``inf`` for none), or ``"l_h"`` with $0 < l \le h$ (IcePop); a finite bound
+        must be a normal number of the compute dtype (in float32
+        $1.2 \cdot 10^{-38} \le h \le 3.4 \cdot 10^{38}$).
     mode : {"truncate", "mask", "clamp"}
     lower : float, optional
         $l \ge 0$ for ``"mask"`` and ``"clamp"`` (default 0); not allowed with ``"truncate"``
@@ -345,6 +351,9 @@ def _parse_is_threshold(rollout_is_threshold):
     spec = rollout_is_threshold.strip()
     parts = spec.split("_", 1) if "_" in spec else [None, spec]
     try:
+        # a plain decimal each (float() alone would read "0.5_5_0"'s upper "5_0" as 50)
+        if any(p is not None and not _NUMBER.fullmatch(p.strip()) for p in parts):
+            raise ValueError
         lower, upper = (None if p is None else float(p) for p in parts)
     except ValueError:
         raise ValueError("rollout_is_threshold must be a number or a string 'upper' or "
@@ -382,6 +391,7 @@ def _check_is_options(rollout_is, rollout_is_threshold, mode, lower, rollout_is_
 def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low, high, mode,
                         rollout_is_batch_normalize):
     """[opd_literate.mismatch.correction.importance_weights][] on checked inputs."""
+    _check_threshold_fits(high, dtype)
     with torch.no_grad():  # the weights change the measure, not the objective: detached
         log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
         log_r = _level_log_ratio(log_rho_t, mask, rollout_is)
@@ -403,12 +413,25 @@ def _importance_weights(trainer_logp, sampler_logp, mask, dtype, rollout_is, low
                 mean = masked_mean(weights, mask)
             else:
                 has_token = mask.any(dim=1)
-                mean = weights.max(dim=1).values.sum() / has_token.sum().clamp_min(1)
-                # max over a response = its one weight (all its tokens share it, padding is 0)
+                # max over a response = its one weight (all its tokens share it, padding is 0);
+                # a (B, 0) batch has no token, and max over an empty dimension is an error
+                per_response = (weights.max(dim=1).values if weights.shape[1]
+                                else weights.new_zeros(weights.shape[0]))
+                mean = per_response.sum() / has_token.sum().clamp_min(1)
             factor = float(mean) if float(mean) > 1e-8 else 1.0
             weights = weights / factor
             metrics["rollout_is_batch_norm_factor"] = factor
     return weights, metrics
+
+
+def _check_threshold_fits(high, dtype):
+    """Refuse a finite cap that the compute dtype cannot hold (it would round to 0 or inf)."""
+    info = torch.finfo(dtype)
+    if math.isfinite(high) and not info.tiny <= high <= info.max:
+        raise ValueError(
+            f"rollout_is_threshold={high!r} is outside the normal range of {dtype} "
+            f"[{info.tiny:.3g}, {info.max:.3g}], the dtype the weights are computed in (float32 "
+            "for half-precision inputs); use float64 inputs, or inf for no cap")
 
 
 def _is_metrics(weights, ratio, log_r, mask, level, low, high):
@@ -459,19 +482,21 @@ def _parse_rs(rollout_rs, rollout_rs_threshold):
     if not isinstance(rollout_rs, str):
         raise TypeError(f"rollout_rs must be a string such as 'token_k1,seq_mean_k3', got "
                         f"{type(rollout_rs).__name__} {rollout_rs!r}")
-    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
-    if not options:
-        raise ValueError(f"rollout_rs must name at least one of {RS_OPTIONS}, got {rollout_rs!r}")
+    options = _rs_entries("rollout_rs", rollout_rs, f"at least one of {RS_OPTIONS}")
     unknown = [o for o in options if o not in RS_OPTIONS]
     if unknown:
         raise ValueError(f"rollout_rs options {unknown} are not verl's; known: {RS_OPTIONS}")
+    repeated = sorted({o for o in options if options.count(o) > 1})
+    if repeated:
+        raise ValueError(f"rollout_rs names {repeated} more than once: {rollout_rs!r}")
     if isinstance(rollout_rs_threshold, bool) or rollout_rs_threshold is None:
         raise TypeError("rollout_rs_threshold must be a number or a string such as "
                         f"'0.5_2.0,0.01', got {rollout_rs_threshold!r}")
-    if isinstance(rollout_rs_threshold, (int, float)):
-        specs = [str(rollout_rs_threshold)]
+    if isinstance(rollout_rs_threshold, numbers.Real):
+        specs = [str(check_finite_number("rollout_rs_threshold", rollout_rs_threshold,
+                                         allow_inf=True))]
     elif isinstance(rollout_rs_threshold, str):
-        specs = [s.strip() for s in rollout_rs_threshold.split(",") if s.strip()]
+        specs = _rs_entries("rollout_rs_threshold", rollout_rs_threshold, "a threshold")
     else:
         raise TypeError("rollout_rs_threshold must be a number or a string, got "
                         f"{type(rollout_rs_threshold).__name__}")
@@ -482,30 +507,55 @@ def _parse_rs(rollout_rs, rollout_rs_threshold):
     specs = specs * len(options) if len(specs) == 1 else specs
     bounds = {}
     for option, spec in zip(options, specs):
-        try:
-            if option.endswith("k1"):
-                # "a_b" keeps log a <= -log rho <= log b; a single h means "1/h_h"
-                lower, upper = spec.split("_", 1) if "_" in spec else (1.0 / float(spec), spec)
-                lower, upper = float(lower), float(upper)
-            elif "_" in spec:
-                raise ValueError(f"rollout_rs_threshold for {option!r} is one upper bound, got "
-                                 f"{spec!r}")
-            else:
-                lower, upper = None, float(spec)
-        except (TypeError, ValueError) as error:
-            if "one upper bound" in str(error):
-                raise
-            raise ValueError(f"rollout_rs_threshold {spec!r} for {option!r} is not a number "
-                             "(k1 takes 'lower_upper' or one number)") from None
-        for value in (lower, upper):
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"rollout_rs_threshold for {option!r} must be positive and "
-                                 f"finite, got {spec!r}")
-        if lower is not None and lower > upper:  # verl's check: an empty band is a mistake
-            raise ValueError(f"rollout_rs_threshold for {option!r} must have lower <= upper, "
-                             f"got {spec!r} (lower {lower!r} > upper {upper!r})")
+        if option.endswith("k1"):
+            # "a_b" keeps log a <= -log rho <= log b; a single h means "1/h_h"
+            parts = spec.split("_")
+            if len(parts) > 2:
+                raise ValueError(f"rollout_rs_threshold {spec!r} for {option!r}: k1 takes "
+                                 "'lower_upper' or one number")
+            upper = _rs_number(option, spec, parts[-1])
+            lower = _rs_number(option, spec, parts[0]) if len(parts) == 2 else 1.0 / upper
+            if not lower <= upper:  # an empty band would silently reject every token
+                raise ValueError(
+                    f"rollout_rs_threshold {spec!r} for {option!r} is the empty band "
+                    f"[{lower!r}, {upper!r}] (lower > upper; a single number h < 1 means "
+                    "the band [1/h, h])")
+        elif "_" in spec:
+            raise ValueError(f"rollout_rs_threshold for {option!r} is one upper bound, got "
+                             f"{spec!r}")
+        else:
+            lower, upper = None, _rs_number(option, spec, spec)
         bounds[option] = (lower, upper)
     return bounds
+
+
+def _rs_entries(name, text, expected):
+    """The comma-separated entries of an option string; an empty entry is an error, not skipped
+    (it would pair every later threshold with the wrong option)."""
+    entries = [entry.strip() for entry in text.split(",")]
+    if not any(entries):
+        raise ValueError(f"{name} must name {expected}, got {text!r}")
+    if not all(entries):
+        raise ValueError(f"{name} has an empty entry (entry {entries.index('') + 1} of "
+                         f"{len(entries)} in {text!r})")
+    return entries
+
+
+# A plain decimal number: float() would also read "2_0" as 20 and "0.5_2.0_3"'s upper as 2.03
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|infinity|nan)",
+                     re.IGNORECASE)
+
+
+def _rs_number(option, spec, text):
+    """One bound of a rejection threshold: a positive, finite decimal number."""
+    if not _NUMBER.fullmatch(text.strip()):
+        raise ValueError(f"rollout_rs_threshold {spec!r} for {option!r} is not a number "
+                         "(k1 takes 'lower_upper' or one number)")
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"rollout_rs_threshold for {option!r} must be positive and "
+                         f"finite, got {spec!r}")
+    return value
 
 
 def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_threshold):
@@ -526,10 +576,11 @@ def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_thre
     $1/b \le \rho_{\mathrm{geo}} \le 1/a$ (``seq_mean_k1``); a single number $h$ means
     ``"1/h_h"``, the band $[1/h, h]$. Several criteria separated by commas are chained: a token
     is kept when every one keeps it. ``rollout_rs_threshold`` gives one threshold for all or
-    one per criterion, separated by commas, and must be positive, with $a \le b$ in a band
-    (``"2.0_0.5"``, or a single $h < 1$ for a k1 criterion, is a ``ValueError``, as in verl).
-    This is verl's ``rollout_rs`` / ``rollout_rs_threshold`` (config defaults ``null``: off),
-    option by option.
+    one per criterion, separated by commas, and must be positive; a k1 band must not be empty
+    ($a \le b$; a single $h$ must be $\ge 1$: ``"2.0_0.5"`` is a ``ValueError``, as in verl),
+    and an empty entry, a repeated criterion or a number that ``float`` reads only leniently
+    (``"2_0"``) is a ``ValueError`` too. This is verl's ``rollout_rs`` /
+    ``rollout_rs_threshold`` (config defaults ``null``: off), option by option.
 
     Returns
     -------
@@ -574,6 +625,8 @@ def rejection_mask(trainer_logp, sampler_logp, mask, rollout_rs, rollout_rs_thre
 
 def _rejection_mask(trainer_logp, sampler_logp, mask, dtype, bounds):
     """[opd_literate.mismatch.correction.rejection_mask][] on checked inputs and parsed bounds."""
+    if not bool(mask.any()):  # nothing to reject, and seq_max has no max over a (B, 0) batch
+        return mask.clone(), {}
     metrics = {}
     with torch.no_grad():
         x = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype).clamp(-SAFETY_BOUND,
@@ -613,7 +666,10 @@ def _rs_statistics(prefix, stat, mask, has_token, token_level, low, high):
     per_response = (select(mask, stat).sum(dim=1) / lengths(mask, stat.dtype))[has_token]
     unit = per_response if not token_level else stat[mask]
     floor = -math.inf if low is None else low
-    clamped = stat.clamp(min=0.0 if low is None else low, max=high)
+    # a bound beyond the dtype's range cannot bind: clamp at the largest finite value instead
+    # (torch refuses a float32 clamp at 1e100)
+    largest = torch.finfo(stat.dtype).max
+    clamped = stat.clamp(min=0.0 if low is None else min(low, largest), max=min(high, largest))
     mean = masked_mean(clamped, mask)
     spread = masked_mean(clamped.square(), mask) - mean.square()
     metrics = {
@@ -841,6 +897,9 @@ def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
         if mode != "truncate" or lower is not None or rollout_is_batch_normalize:
             raise ValueError("mode, lower and rollout_is_batch_normalize need rollout_is "
                              "('token', 'sequence' or 'geometric'); it is None")
+        # unused without IS, but a NaN or negative threshold is a mistake all the same
+        check_finite_number("rollout_is_threshold", rollout_is_threshold, positive=True,
+                            allow_inf=True)
         weights = mask.to(dtype)
     else:
         low, high, mode = _check_is_options(rollout_is, rollout_is_threshold, mode, lower,
@@ -890,7 +949,10 @@ def _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high):
         "clip_ratio_low", clip_ratio_low, low=0.0)
     high = clip_ratio if clip_ratio_high is None else check_finite_number(
         "clip_ratio_high", clip_ratio_high, low=0.0)
-    return low, high
+    # A ratio lies in [e^-20, e^20]: a floor 1 - low below 0 or a cap 1 + high above e^21 never
+    # binds, so both are cut there, where every compute dtype holds them (1 + 1e39 overflows
+    # float32, and torch.clamp refuses it).
+    return min(low, 1.0), min(high, math.exp(SAFETY_BOUND + 1.0))
 
 
 def ppo_clip_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
@@ -1160,8 +1222,7 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
     """
     if kind not in KL_PENALTIES:
         raise ValueError(f"kind must be one of {KL_PENALTIES}, got {kind!r}")
-    check_float_tensor("ref_logp", ref_logp, 2)
-    mask, dtype = _check_batch(trainer_logp, ref_logp, mask)
+    mask, dtype = _check_batch(trainer_logp, ref_logp, mask, "ref_logp")
     zeros = torch.zeros((), dtype=dtype, device=trainer_logp.device)
     trainer = torch.where(mask, trainer_logp.to(dtype), zeros)
     ref = torch.where(mask, ref_logp.detach().to(dtype), zeros)
@@ -1170,4 +1231,16 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
         k2 = kl_estimator(trainer, ref, "k2")
         # straight through: the value of k, the gradient of k2
         value = k2 - k2.detach() + value.detach()
+    _check_kl_fits(value, trainer, ref, mask, kind)
     return select(mask, value)
+
+
+def _check_kl_fits(value, trainer, ref, mask, kind):
+    """Refuse a KL estimate that overflows its dtype (k3's e^{-d} beyond e^88 in float32)."""
+    bad = mask & ~torch.isfinite(value.detach())
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"kl_penalty {kind!r} overflows {value.dtype} at position ({b}, {t}): "
+            f"d = trainer_logp - ref_logp = {(trainer[b, t] - ref[b, t]).item()!r}; "
+            "use float64 inputs, or k1 or k2 (which grow like d and d^2, not e^{-d})")

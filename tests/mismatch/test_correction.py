@@ -646,11 +646,11 @@ def test_an_icepop_threshold_refuses_a_second_band():
 
 
 @pytest.mark.parametrize("option, threshold", [("token_k1", "2.0_0.5"), ("seq_mean_k1", 0.5),
-                                               ("seq_sum_k1", "1.5_1.2,")])
+                                               ("seq_sum_k1", "1.5_1.2")])
 def test_an_empty_rejection_band_is_an_error_not_a_rejection_of_everything(option, threshold):
     """verl refuses lower > upper; this module accepted "2.0_0.5" and rejected every token."""
     trainer, sampler, mask, _ = _random_batch(23)
-    with pytest.raises(ValueError, match=f"rollout_rs_threshold for '{option}' must have lower"):
+    with pytest.raises(ValueError, match=r"rollout_rs_threshold .* is the empty band"):
         C.rejection_mask(trainer, sampler, mask, option, threshold)
 
 
