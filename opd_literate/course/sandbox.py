@@ -129,7 +129,9 @@ class Limits:
     """Largest file a process may write (``RLIMIT_FSIZE``); also the size of ``/tmp`` and of
     ``/dev/shm``."""
     processes: int = 64
-    """Processes and threads at once, all of the sandbox's together."""
+    """Processes and threads at once, all of the sandbox's together: on a machine with many
+    cores, pass ``OMP_NUM_THREADS`` (and ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``) in
+    ``env``, or numpy's and torch's thread pools may not start."""
     output_bytes: int = 1 * 2**20
     """Bytes kept of standard output, and of standard error; the rest is discarded."""
 

@@ -403,6 +403,29 @@ def test_a_fork_bomb_is_bounded_and_dies_with_the_run(workdir, marker):
 
 @needs_bwrap
 @pytest.mark.slow
+def test_threads_count_against_the_process_limit(workdir):
+    if sandbox.process_limit().startswith("none"):
+        pytest.skip(f"nothing bounds the process count here: {sandbox.process_limit()}")
+    argv = _script(workdir, """
+        import threading, time
+        started = 0
+        try:
+            for _ in range(100):
+                threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+                started += 1
+        except RuntimeError as error:
+            print("refused after", started, error)
+    """)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    refused, after, started, _ = result.stdout.decode().split(" ", 3)
+    # bwrap's init, the launcher and the script's main thread count too (and, in a pids
+    # cgroup, bwrap itself).
+    assert (refused, after) == ("refused", "after") and int(started) <= QUICK.processes - 3
+
+
+@needs_bwrap
+@pytest.mark.slow
 def test_fork_exec_of_a_shell_has_no_effect_outside(tmp_path, workdir, marker):
     canary = tmp_path / "canary.txt"
     argv = _script(workdir, f"""
