@@ -129,7 +129,9 @@ class Limits:
     """Largest file a process may write (``RLIMIT_FSIZE``); also the size of ``/tmp`` and of
     ``/dev/shm``."""
     processes: int = 64
-    """Processes and threads at once, all of the sandbox's together."""
+    """Processes and threads at once, all of the sandbox's together: on a machine with many
+    cores, pass ``OMP_NUM_THREADS`` (and ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``) in
+    ``env``, or numpy's and torch's thread pools may not start."""
     output_bytes: int = 1 * 2**20
     """Bytes kept of standard output, and of standard error; the rest is discarded."""
 
@@ -505,10 +507,25 @@ class _PidsCgroup:
                 time.sleep(0.01)  # the last processes are still being reaped
 
 
+def _remove_stale_cgroups(parent: pathlib.Path):
+    """Remove the empty cgroups of runs whose grader was killed before it could (``SIGKILL``).
+
+    A live run joins its cgroup milliseconds after making it, and a cgroup holding processes
+    cannot be removed (``EBUSY``), so an empty one older than a minute is a leftover."""
+    now = time.time()
+    for folder in parent.glob(f"{_CGROUP_PREFIX}-*"):
+        try:
+            if now - folder.stat().st_mtime > 60:
+                folder.rmdir()
+        except OSError:
+            continue
+
+
 def _open_cgroup(limits: Limits) -> _PidsCgroup | None:
     parent = _pids_cgroup_parent()
     if parent is None:
         return None
+    _remove_stale_cgroups(parent)
     try:
         return _PidsCgroup(parent, limits.processes)
     except OSError:

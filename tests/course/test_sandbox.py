@@ -151,6 +151,7 @@ def test_only_the_workdir_tmp_and_shm_are_writable(workdir):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_dev_holds_only_the_harmless_devices(workdir):
     argv = _script(workdir, """
         import os, stat
@@ -166,6 +167,7 @@ def test_dev_holds_only_the_harmless_devices(workdir):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_tmp_and_shm_hold_at_most_file_bytes(workdir):
     limits = Limits(file_bytes=2**20)
     argv = _script(workdir, """
@@ -401,6 +403,29 @@ def test_a_fork_bomb_is_bounded_and_dies_with_the_run(workdir, marker):
 
 @needs_bwrap
 @pytest.mark.slow
+def test_threads_count_against_the_process_limit(workdir):
+    if sandbox.process_limit().startswith("none"):
+        pytest.skip(f"nothing bounds the process count here: {sandbox.process_limit()}")
+    argv = _script(workdir, """
+        import threading, time
+        started = 0
+        try:
+            for _ in range(100):
+                threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+                started += 1
+        except RuntimeError as error:
+            print("refused after", started, error)
+    """)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    refused, after, started, _ = result.stdout.decode().split(" ", 3)
+    # bwrap's init, the launcher and the script's main thread count too (and, in a pids
+    # cgroup, bwrap itself).
+    assert (refused, after) == ("refused", "after") and int(started) <= QUICK.processes - 3
+
+
+@needs_bwrap
+@pytest.mark.slow
 def test_fork_exec_of_a_shell_has_no_effect_outside(tmp_path, workdir, marker):
     canary = tmp_path / "canary.txt"
     argv = _script(workdir, f"""
@@ -620,6 +645,29 @@ def test_the_runs_cgroup_is_removed_after_it(workdir, monkeypatch):
     assert result.returncode == 0, result.stderr
     assert [(folder.exists(), limit) for folder, limit in created] == [
         (False, str(QUICK.processes))]
+
+
+@needs_bwrap
+@pytest.mark.slow
+@pytest.mark.skipif(not sandbox.process_limit().startswith("pids cgroup"),
+                    reason="needs a pids cgroup this process may create")
+def test_a_killed_graders_empty_cgroup_is_removed_by_the_next_run(workdir):
+    parent = sandbox._pids_cgroup_parent()
+    stale, fresh = (parent / f"opd-sandbox-test-{kind}-{uuid.uuid4().hex[:8]}"
+                    for kind in ("stale", "fresh"))
+    try:
+        stale.mkdir()
+        fresh.mkdir()
+        hour_ago = time.time() - 3600
+        os.utime(stale, (hour_ago, hour_ago))
+        result = sandbox.run([sys.executable, "-c", "pass"], workdir, limits=QUICK)
+        assert result.returncode == 0, result.stderr
+        # The fresh one may be a concurrent run's, made but not yet joined: it stays.
+        assert (stale.exists(), fresh.exists()) == (False, True)
+    finally:
+        for folder in (stale, fresh):
+            if folder.exists():
+                folder.rmdir()
 
 
 @needs_bwrap
