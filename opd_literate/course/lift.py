@@ -50,7 +50,8 @@ __all__ = ["CopyError", "COPY_READY_MODULES", "public_functions", "snippet", "ma
 PACKAGE = "opd_literate"
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
-COPY_READY_MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch")
+COPY_READY_MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
+                      "mismatch.correction")
 """The modules whose every public function has its snippet on its API page (and is tested)."""
 
 # Heads what only the docstring's examples use: a reader can cut the snippet here.
@@ -429,6 +430,28 @@ def _summary_docstring(docstring: ast.Expr, lines: list[str], offset: int) -> li
     return kept + [indent + '"""']
 
 
+def _unused_loop_names_marked(text: str) -> str:
+    """A loop variable that only the removed error messages used, renamed ``_name`` (as ruff's
+    B007 asks), so that a compact snippet stays lint-clean."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    lines = text.split("\n")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.For):
+            continue
+        used = {n.id for statement in node.body for n in ast.walk(statement)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        targets = [n for n in ast.walk(node.target) if isinstance(n, ast.Name)]
+        for target in sorted(targets, key=lambda n: -n.col_offset):
+            if target.id not in used and not target.id.startswith("_"):
+                line = lines[target.lineno - 1]
+                lines[target.lineno - 1] = (line[:target.col_offset] + "_" +
+                                            line[target.col_offset:])
+    return "\n".join(lines)
+
+
 def _render(definition: _Definition, *, compact: bool = False, whole_docstring: bool = True,
             checks=None) -> str:
     """The text of a definition as a snippet shows it: the imports inside it hoisted (removed
@@ -459,6 +482,8 @@ def _render(definition: _Definition, *, compact: bool = False, whole_docstring: 
     for first, last, replacement in sorted(edits, reverse=True):
         lines[first - offset:last - offset + 1] = replacement
     text = "\n".join(lines)
+    if compact and edits:
+        text = _unused_loop_names_marked(text)
     text = _BARE_REFERENCE.sub(lambda m: f"``{m.group('name')}``", text)
     return _TITLED_REFERENCE.sub(lambda m: m.group("text"), text)
 
