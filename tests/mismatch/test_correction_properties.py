@@ -285,8 +285,9 @@ def loss_calls(draw, case):
             "clip_ratio_high": draw(st.sampled_from([None] + CLIPS))}
     B, T = case["bool_mask"].shape
     g = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    weights = torch.from_numpy(draw(st.sampled_from([1.0, 1e3])) * g.random((B, T))).to(
-        draw(st.sampled_from(DTYPES)))
+    weights = draw(st.sampled_from([1.0, 1e3])) * g.random((B, T))
+    weights[~case["bool_mask"].numpy()] = draw(st.sampled_from(GARBAGE))  # off the mask: anything
+    weights = torch.from_numpy(weights).to(draw(st.sampled_from(DTYPES)))
     return {
         "ppo_clip_loss": (C.ppo_clip_loss, (case["sampler"], A, mask),
                           dict(clip, reduction=reduction,
@@ -567,23 +568,25 @@ MALFORMED = [
     (lambda t, s, m, a: C.rollout_correction(t, s, m, rollout_rs="token_k2"), TypeError,
      "rollout_rs_threshold"),
     # veto, clip ratios, reductions, estimators
-    (lambda t, s, m, a: C.veto_mask(t, s, m, veto_threshold=NAN), ValueError, "veto_threshold"),
+    (lambda t, s, m, a: C.veto_mask(t, s, m, veto_threshold=NAN), ValueError,
+     "^veto_threshold must be a finite"),
     (lambda t, s, m, a: C.veto_mask(t, s, m, veto_threshold=math.inf), ValueError,
      "veto_threshold"),
     (lambda t, s, m, a: C.rollout_correction(t, s, m, veto_threshold=-1e-4), ValueError,
      "veto_threshold"),
-    (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio=-0.1), ValueError, "clip_ratio"),
+    (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio=-0.1), ValueError,
+     "^clip_ratio must be >= 0"),
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio=NAN), ValueError, "clip_ratio"),
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio_high=math.inf), ValueError,
      "clip_ratio_high"),
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio_c=NAN), ValueError,
-     "clip_ratio_c"),
+     "^clip_ratio_c must be a finite"),
     (lambda t, s, m, a: C.ppo_clip_loss(t, s, a, m, clip_ratio_c=0.5), ValueError,
      "clip_ratio_c must be > 1"),
     (lambda t, s, m, a: C.cispo_loss(t, s, a, m, clip_ratio_low="0.2"), TypeError,
      "clip_ratio_low"),
     (lambda t, s, m, a: C.gspo_loss(t, s, a, m, clip_ratio_low=-1e-4), ValueError,
-     "clip_ratio_low"),
+     "^clip_ratio_low must be >= 0"),
     (lambda t, s, m, a: C.gspo_loss(t, s, a, m, reduction="token_mean"), ValueError,
      "reduction"),
     (lambda t, s, m, a: C.reinforce_loss(t, a, m, reduction=None), ValueError, "reduction"),
@@ -759,3 +762,50 @@ def test_cispo_clip_fraction_and_kl():
     _, metrics = C.cispo_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 3))
     assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3, rel=1e-12)
     assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(9.0) / 3, rel=1e-12)
+
+
+def test_veto_default_is_1e_minus_4():
+    trainer = torch.log(torch.tensor([[5e-5, 1.0], [2e-4, 1.0]], dtype=torch.float64))
+    keep = C.veto_mask(trainer, torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 2))
+    assert keep.tolist() == [[False, False], [True, True]]
+
+
+def _ppo(rhos, A, **options):
+    trainer = torch.log(torch.tensor([rhos], dtype=torch.float64)).requires_grad_()
+    sampler = torch.zeros(1, len(rhos), dtype=torch.float64)
+    loss, metrics = C.ppo_clip_loss(trainer, sampler, torch.tensor([A], dtype=torch.float64),
+                                    torch.ones(1, len(rhos)), reduction="sum", **options)
+    loss.backward()
+    return loss.item(), trainer.grad[0].tolist(), metrics
+
+
+def test_ppo_defaults_clip_at_0_2_and_dual_clip_at_3():
+    # A = -1: rho = 0.5 is clipped up to 0.8 (no gradient), 1.1 is inside, 3.5 is above the
+    # dual clip 3 (the constant -cA = 3, no gradient); 2 is only PPO-clipped from above, which
+    # for A < 0 keeps the unclipped term 2 (gradient -A rho = 2)
+    loss, grad, metrics = _ppo([0.5, 1.1, 2.0, 3.5], -1.0)
+    assert loss == pytest.approx(0.8 + 1.1 + 2.0 + 3.0, rel=1e-12)
+    assert grad == pytest.approx([0.0, 1.1, 2.0, 0.0], rel=1e-12)
+    assert metrics["actor/pg_clipfrac"] == 0.25  # only 0.5: the clipped term is the larger
+    assert metrics["actor/pg_clipfrac_lower"] == 0.25  # only 3.5
+    assert metrics["actor/ppo_kl"] == pytest.approx(
+        -sum(map(math.log, [0.5, 1.1, 2.0, 3.5])) / 4, rel=1e-12)
+
+
+def test_ppo_dual_clip_counts_only_negative_advantages_and_strict_excess():
+    # A = 0.5 > 0: the dual clip never applies, whatever -cA is
+    _, _, metrics = _ppo([1.0, 1.0], 0.5)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    # L = -cA exactly is not counted (verl's torch.gt, core_algos.py at VERL_COMMIT)
+    r = torch.exp(torch.log(torch.tensor([[2.5]], dtype=torch.float64))).item()  # as computed
+    _, _, metrics = _ppo([2.5], -1.0, clip_ratio_c=r)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_a_ratio_equal_to_the_veto_threshold_is_not_vetoed():
+    # the veto is rho_t < tau, strictly: log rho_t = log 0.5 exactly here
+    trainer = torch.log(torch.tensor([[0.5, 1.0]], dtype=torch.float64))
+    assert trainer[0, 0].item() == math.log(0.5)
+    keep = C.veto_mask(trainer, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2),
+                       veto_threshold=0.5)
+    assert keep.all()
