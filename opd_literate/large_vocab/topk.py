@@ -117,6 +117,14 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, torch.full_like(x, -math.inf), value)
 
 
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    r"""``logsumexp`` over the last axis (kept), $-\infty$ with a zero gradient for a row of
+    $-\infty$ only (torch's has a NaN gradient there: the double ``where``)."""
+    empty = (x == -math.inf).all(dim=-1, keepdim=True)
+    value = torch.logsumexp(torch.where(empty, torch.zeros_like(x), x), dim=-1, keepdim=True)
+    return torch.where(empty, torch.full_like(value, -math.inf), value)
+
+
 def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     r"""$\sum a (\log a - \log b)$ over the last axis: $0 \log 0 = 0$; $+\infty$ if $a > 0 = b$.
 
@@ -205,6 +213,15 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
     V, k = student_logits.shape[-1], topk_ids.shape[-1]
     if k < 1 or k > V:
         raise ValueError(f"teacher_topk_logp must report 1 <= k <= V = {V} tokens, got k = {k}")
+    if bool(torch.isnan(student_logits).any()):
+        index = torch.isnan(student_logits).nonzero()[0].tolist()
+        raise ValueError(f"student_logits holds NaN (first at index {tuple(index)})")
+    if bool((student_logits == math.inf).any()):
+        raise ValueError("student_logits holds +inf: a logit must be finite, or -inf for a "
+                         "token the student cannot emit")
+    if bool((student_logits == -math.inf).all(dim=-1).any()):
+        raise ValueError("student_logits has a position whose logits are all -inf: the "
+                         "student must be able to emit at least one token")
     if bool(((topk_ids < 0) | (topk_ids >= V)).any()):
         raise ValueError(f"topk_ids must lie in [0, V) = [0, {V}), got values from "
                          f"{topk_ids.min().item()} to {topk_ids.max().item()}")
@@ -219,7 +236,13 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
     dtype = compute_dtype(student_logits, teacher_topk_logp)
-    log_p = F.log_softmax(student_logits.to(dtype), dim=-1)  # (..., V)
+    logits = student_logits.to(dtype)
+    log_p = F.log_softmax(logits, dim=-1)  # (..., V)
+    # A finite logit whose log-probability is -inf: its distance to the row's largest logit
+    # overflowed the compute dtype (a spread above about 3.4e38 in float32).
+    if bool(((log_p == -math.inf) & (logits > -math.inf)).any()):
+        raise ValueError(f"student_logits span more than the range of {dtype} within a "
+                         "position: log_softmax overflows (shift or rescale them)")
     # s_v = log p_v at the reported ids (the student's full softmax), t_v = log q_v
     s = log_p.gather(-1, topk_ids)  # (..., k)
     t = teacher_topk_logp.detach().to(dtype)  # (..., k)
@@ -228,22 +251,25 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
         # (c): sum_{v in S} a_v log(a_v / b_v)
         return _kl_terms(log_a, log_b)
     # log A, log B: the captured masses (Q can exceed 1 by rounding only; then the tail is 0)
-    log_A = torch.logsumexp(log_a, dim=-1, keepdim=True)
-    log_B = torch.logsumexp(log_b, dim=-1, keepdim=True)
+    log_A, log_B = _logsumexp(log_a), _logsumexp(log_b)
     if approximation == "renormalize":
-        # (a): KL(a~ || b~) with a~ = a / A on S
-        return _kl_terms(log_a - log_A, log_b - log_B)
+        # (a): KL(a~ || b~) with a~ = a / A on S. A = 0 (a has no mass on S): a~ does not
+        # exist, and the value is 0 (every term is 0 log 0); B = 0 < A: +inf. Dividing by a
+        # mass of 0 would be -inf - (-inf) = NaN, in the value or the gradient: divide by 1.
+        return _kl_terms(log_a - torch.where(log_A > -math.inf, log_A, torch.zeros_like(log_A)),
+                         log_b - torch.where(log_B > -math.inf, log_B, torch.zeros_like(log_B)))
     # (b): append the bucket and take the KL over k + 1 outcomes. The student's tail mass
     # 1 - P is summed from its own entries off S (no cancellation when P is close to 1); the
     # teacher's can only be log(1 - Q).
     in_S = torch.zeros_like(log_p, dtype=torch.bool).scatter_(-1, topk_ids, True)
-    off_S = torch.where(in_S, torch.full_like(log_p, -math.inf), log_p)
-    empty = (off_S == -math.inf).all(dim=-1, keepdim=True)  # no student mass off S
-    # double where: logsumexp of an all -inf row has a NaN gradient
-    student_tail = torch.where(
-        empty, torch.full_like(log_A, -math.inf),
-        torch.logsumexp(torch.where(empty, torch.zeros_like(off_S), off_S), -1, keepdim=True))
-    teacher_tail = _log1mexp(log_A if direction == "forward" else log_B)  # log(1 - Q)
+    student_tail = _logsumexp(torch.where(in_S, torch.full_like(log_p, -math.inf), log_p))
+    if k == V:
+        # S is the whole vocabulary: the teacher has no tail. log(1 - Q) would read the
+        # rounding of Q (1 - 6e-8, say) as tail mass, against a student tail of exactly 0:
+        # a forward KL of +inf with a zero gradient.
+        teacher_tail = torch.full_like(log_A, -math.inf)
+    else:
+        teacher_tail = _log1mexp(log_A if direction == "forward" else log_B)  # log(1 - Q)
     tail_a, tail_b = ((student_tail, teacher_tail) if direction == "reverse"
                       else (teacher_tail, student_tail))
     return _kl_terms(torch.cat([log_a, tail_a], dim=-1), torch.cat([log_b, tail_b], dim=-1))
