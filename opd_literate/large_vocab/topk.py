@@ -250,8 +250,11 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
     if approximation == "ignore":
         # (c): sum_{v in S} a_v log(a_v / b_v)
         return _kl_terms(log_a, log_b)
-    # log A, log B: the captured masses (Q can exceed 1 by rounding only; then the tail is 0)
-    log_A, log_B = _logsumexp(log_a), _logsumexp(log_b)
+    # log P, log Q: the captured masses. With k = V the student's P is 1 identically: summed,
+    # its rounding (1e-16) would reach the gradient, which can be as small (p close to q).
+    log_P = torch.zeros_like(s[..., :1]) if k == V else _logsumexp(s)
+    log_Q = _logsumexp(t)
+    log_A, log_B = (log_P, log_Q) if direction == "reverse" else (log_Q, log_P)
     if approximation == "renormalize":
         # (a): KL(a~ || b~) with a~ = a / A on S. A = 0 (a has no mass on S): a~ does not
         # exist, and the value is 0 (every term is 0 log 0); B = 0 < A: +inf. Dividing by a
@@ -267,9 +270,16 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
         # S is the whole vocabulary: the teacher has no tail. log(1 - Q) would read the
         # rounding of Q (1 - 6e-8, say) as tail mass, against a student tail of exactly 0:
         # a forward KL of +inf with a zero gradient.
-        teacher_tail = torch.full_like(log_A, -math.inf)
+        teacher_tail = torch.full_like(log_Q, -math.inf)
     else:
-        teacher_tail = _log1mexp(log_A if direction == "forward" else log_B)  # log(1 - Q)
+        teacher_tail = _log1mexp(log_Q)  # log(1 - Q)
+        if direction == "reverse":
+            # 1 - Q is known to the rounding of the sum Q, about k eps: a Q that rounds to 1
+            # made the bucket's term (1 - P) log((1 - P) / (1 - Q)) +inf where the true KL is
+            # finite. Below k eps the tail is taken as k eps, at least the true one: the term
+            # decreases as the teacher's tail grows, so (b) stays a lower bound.
+            floor = math.log(k * torch.finfo(dtype).eps)
+            teacher_tail = teacher_tail.clamp_min(floor)
     tail_a, tail_b = ((student_tail, teacher_tail) if direction == "reverse"
                       else (teacher_tail, student_tail))
     return _kl_terms(torch.cat([log_a, tail_a], dim=-1), torch.cat([log_b, tail_b], dim=-1))
@@ -298,7 +308,10 @@ def zipf_pair(V=4096, exponent=1.1, temperature=1.0, noise=1.0, seed=0):
     >>> [round(v, 4) for v in teacher.softmax(-1).tolist()]  # (1, 1/2, 1/3) / (11/6)
     [0.5455, 0.2727, 0.1818]
     """
-    V = int(V)
+    if isinstance(V, bool) or not isinstance(V, int) or V < 1:
+        raise ValueError(f"V must be a positive int, got {V!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     exponent = check_finite_number("exponent", exponent, low=0.0)
     temperature = check_finite_number("temperature", temperature, positive=True)
     noise = check_finite_number("noise", noise, low=0.0)
@@ -365,16 +378,32 @@ def topk_bias_table(ks, student_logits, teacher_logits):
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"teacher_logits must have the shape of student_logits "
                          f"{tuple(student_logits.shape)}, got {tuple(teacher_logits.shape)}")
+    V = student_logits.shape[0]
+    ks = list(ks)
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
+            raise ValueError(f"ks must hold ints in [1, V] = [1, {V}], got {k!r}")
+    for name, logits in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+        if not bool((logits < math.inf).all()) or bool((logits == -math.inf).all()):
+            raise ValueError(f"{name} must be finite or -inf, with one finite entry")
     log_q = F.log_softmax(teacher_logits.detach().to(torch.float64), dim=-1)
     student = student_logits.detach().to(torch.float64)
+    # the true KL and its gradient, the denominators of the relative biases
+    truth = {d: _grad(lambda z, d=d: _true_kl(z, log_q, d), student) for d in DIRECTIONS}
+    if not all(0.0 < value < math.inf and float(grad.norm()) > 0.0
+               for value, grad in truth.values()):
+        raise ValueError("the true KLs and their gradients must be nonzero and finite for a "
+                         f"relative bias, got KL {[value for value, _ in truth.values()]} "
+                         "(the student equals the teacher, or one side puts mass where the "
+                         "other has none)")
     order = log_q.argsort(descending=True)
     rows = []
     for k in ks:
-        ids = order[:int(k)]
+        ids = order[:k]
         Q = log_q[ids].exp().sum().item()
         P = F.log_softmax(student, -1)[ids].exp().sum().item()
         for direction in DIRECTIONS:
-            true, true_grad = _grad(lambda z, d=direction: _true_kl(z, log_q, d), student)
+            true, true_grad = truth[direction]
             for approximation in APPROXIMATIONS:
                 approx, grad = _grad(
                     lambda z, a=approximation, d=direction, S=ids: topk_kl(z, log_q[S], S, a, d),
@@ -404,6 +433,8 @@ def topk_bias_figure_data(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noise=1
     [1, 64]
     """
     if ks is None:
+        if isinstance(V, bool) or not isinstance(V, int) or V < 2:
+            raise ValueError(f"V must be an int >= 2 for the default ks, got {V!r}")
         # CPU by design: the ks are plain ints
         # k from 1 to V / 2 (at k = V every approximation is the full KL), with the table's
         ks = {int(round(x)) for x in torch.logspace(0, math.log10(V / 2), 25).tolist()}
