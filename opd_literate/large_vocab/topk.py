@@ -42,8 +42,10 @@ it.) With $(a, b, A) = (p, q, P)$ for the reverse KL and $(q, p, Q)$ for the for
   the data-processing inequality: merging outcomes never increases a KL.)
 * (a) satisfies $A \cdot (a) \le (b) \le \mathrm{KL}$, so $(a) \le \mathrm{KL} / A$; but (a)
   itself is **not a bound**: it is 0 whenever $\tilde p = \tilde q$ however different the
-  masses, and it exceeds the true KL when the student spreads its top-k mass differently from
-  a teacher that has little mass there (both cases are in the tests).
+  masses, and it can exceed the true KL, by at most the factor $1 / A$ (so only where
+  $A < 1$): when the two spread their mass on $S$ very differently while the masses
+  themselves and the tails nearly agree, the KL is close to $A \cdot (a)$ (both cases are
+  in the tests).
 * (c) equals $\mathrm{KL} - \sum_{v \notin S} a_v \log(a_v / b_v)$. By the log-sum inequality
   the omitted tail sum is at least $(1 - A)\log\frac{1 - A}{1 - B}$, so (c) $\le \mathrm{KL}$
   whenever $1 - A \ge 1 - B$: **a lower bound of the reverse KL when the student's tail mass is
@@ -53,14 +55,18 @@ it.) With $(a, b, A) = (p, q, P)$ for the reverse KL and $(q, p, Q)$ for the for
   it can exceed the true KL (the tests enumerate a negative lower bound and a value above the
   KL).
 
-No approximation is an upper bound: the teacher's tail is unknown, and any tail distribution is
-consistent with what was reported.
+At $k = V$ all three are the true KL, and at $k = V - 1$ so is (b) (a single unreported
+token: the tails agree). Otherwise none is an upper bound in general: each is below the true
+KL for some reports (the tests give one for each). Not for every report, though: the
+teacher's tail is unknown, but when its mass is small, a report can leave every consistent
+tail below what (a) says (a forward case is in the tests).
 
 **Gradients.** With respect to the student's logits $z$ (all $V$ of them), the true gradients
-are $p \odot (\log p - \log q - \mathrm{KL})$ (reverse) and $p - q$ (forward). The
-approximations differ from these by the exact amounts that
-[opd_literate.large_vocab.topk.topk_bias_table][] reports; for example the forward (c) has gradient
-$Q\,p - q\,\mathbb{1}_S$, which pushes every tail logit down in proportion to $p_v$ only.
+are $p \odot (\log p - \log q - \mathrm{KL})$ (reverse) and $p - q$ (forward);
+[opd_literate.large_vocab.topk.topk_bias_table][] reports how far each approximation's
+gradient is from them, $\lVert \hat g - g \rVert / \lVert g \rVert$, at one position. For
+example the forward (c) has gradient $Q\,p - q\,\mathbb{1}_S$, which pushes every tail logit
+down in proportion to $p_v$ only.
 
 **What the frameworks do** (source read at the commits given; see the chapter for details):
 TRL's ``IWOPDTrainer`` (``trl/experimental/iw_opd/iw_opd_trainer.py``) offers (b) (its
@@ -68,8 +74,19 @@ default) or (a), and the SDFT/SDPO trainers (``trl/experimental/sdft/loss_utils.
 default) or (b); Tinker
 cookbook's SDFT (``tinker_cookbook/distillation/sdft.py``) uses the cross-entropy of the
 student against the renormalised teacher $\tilde q$, that is $\mathrm{KL}(\tilde q \,\|\, p)
-= (c)/Q - \log Q$ in the forward direction; verl's GKD recipe (``gkd/megatron/
-megatron_kl_loss.py`` in ``verl-project/verl-recipe``) computes the forward (c).
+= (c)/Q - \log Q$ in the forward direction; verl's core computes the forward (c) on the
+teacher's top-k (``loss_mode="forward_kl_topk"``, since PR #5041), with log-probabilities
+clamped below at $-10$ by default, and so does its GKD recipe (``gkd/megatron/
+megatron_kl_loss.py`` in ``verl-project/verl-recipe``).
+
+**Conventions.** NaN or $+\infty$ in ``student_logits``, a position whose logits are all
+$-\infty$, and logits whose spread overflows the compute dtype are a ``ValueError``; so is a
+NaN or positive ``teacher_topk_logp``. $-\infty$ is an impossible token: a term $a_v > 0 = b_v$
+makes the value $+\infty$ with a zero gradient, and (a) is 0 where $A = 0$ (no mass of the
+first argument on $S$: nothing to renormalise). Rounding: at $k = V$ the student's mass $P$ is
+taken as exactly 1 and the teacher's tail as exactly 0; in the reverse direction a teacher
+tail $1 - Q$ below $k \varepsilon$ (the rounding of the sum $Q$ in the compute dtype) is taken
+as $k \varepsilon$, an upper bound of the true one, which keeps (b) a lower bound and finite.
 
 Computed in torch (autograd for the gradients), in float64 for the studies; half precision is
 computed in float32. Imports: torch (and matplotlib inside

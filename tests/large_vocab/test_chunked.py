@@ -345,3 +345,131 @@ def test_normalized_jsd_near_the_endpoints_keeps_float32_precision():
         dense64 = generalized_jsd((h @ W.T).double()[None], teacher.double()[None],
                                   torch.ones(1, 4), beta=beta, normalize=True)
         assert chunked.item() == pytest.approx(dense64.item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims read again (issue 22)
+# ---------------------------------------------------------------------------------------------
+PEAK_SCRIPT = r"""
+import sys
+import torch
+from opd_literate.large_vocab.chunked import chunked_divergence
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+divergence, beta, c, V = sys.argv[1], float(sys.argv[2]), 64, 65536
+g = torch.Generator().manual_seed(0)
+h, W = torch.randn(4 * c, 8, generator=g), torch.randn(V, 8, generator=g)
+t = torch.randn(4 * c, V, generator=g)
+kw = dict(teacher_logits=t, divergence=divergence, beta=beta, chunk_size=c)
+chunked_divergence(h[:c], W, torch.ones(c), **{**kw, "teacher_logits": t[:c]})  # warm up
+with open("/proc/self/clear_refs", "w") as clear_refs:
+    clear_refs.write("5")  # peak RSS := current RSS
+base = kib("VmRSS")
+chunked_divergence(h, W, torch.ones(4 * c), **kw)
+print((kib("VmHWM") - base) * 1024 / (c * V * 4))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"),
+                    reason="needs Linux's clear_refs to reset the peak RSS")
+def test_the_documented_peak_memory_in_chunk_buffers():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from opd_literate.large_vocab import chunked
+
+    doc = " ".join(chunked.chunked_divergence.__doc__.split())
+    claimed = re.search(r"is ([0-9.]+) ``\(chunk_size, V\)`` buffers of the compute dtype for "
+                        r"the reverse KL, ([0-9.]+) for the forward KL and ([0-9.]+) for the JSD",
+                        doc)
+    assert claimed, "the docstring no longer states the measured buffers"
+    # Every large block its own mmap, unmapped when freed (glibc would otherwise keep freed
+    # blocks resident and reuse them unseen), one thread: the RSS then follows the live tensors.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    for (divergence, beta), want in zip([("reverse_kl", 1.0), ("forward_kl", 0.0),
+                                          ("jsd", 0.3)], claimed.groups()):
+        out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, divergence, str(beta)],
+                             capture_output=True, text=True, env=env, check=True).stdout
+        # pages of a buffer are counted when touched: +-0.3 buffers of bookkeeping
+        assert float(out) == pytest.approx(float(want), abs=0.3), (divergence, out)
+
+
+def test_beta_and_normalize_are_checked_whatever_the_divergence():
+    hidden, weight, _, teacher = make_inputs()
+    for divergence in ("reverse_kl", "forward_kl"):
+        with pytest.raises(ValueError, match="beta must be <= 1.0"):
+            chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                               divergence=divergence, beta=1.5)
+        with pytest.raises(TypeError, match="normalize must be a bool"):
+            chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                               divergence=divergence, normalize=1)
+        # ... and do not change the value
+        values = {chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                                     divergence=divergence, beta=beta, normalize=normalize).item()
+                  for beta in (0.0, 0.5, 1.0) for normalize in (False, True)}
+        assert len(values) == 1
+
+
+def poke(x, row, value):
+    """A copy of ``x`` with row (or entry) ``row`` set to ``value``."""
+    x = x.clone()
+    x[row] = value
+    return x
+
+
+NAN_INPUTS = [
+    ("student_hidden", lambda h, W, b, t: (poke(h, 2, math.nan), W, b, t)),
+    ("student_hidden", lambda h, W, b, t: (poke(h, 9, -math.inf), W, b, t)),
+    ("student_weight", lambda h, W, b, t: (h, poke(W, 0, math.nan), b, t)),
+    ("student_weight", lambda h, W, b, t: (h, poke(W, 0, -math.inf), b, t)),
+    ("student_bias", lambda h, W, b, t: (h, W, poke(b, 1, math.nan), t)),
+    ("student_bias", lambda h, W, b, t: (h, W, poke(b, 1, math.inf), t)),
+    ("student_bias", lambda h, W, b, t: (h, W, torch.full_like(b, -math.inf), t)),
+    ("teacher_logits", lambda h, W, b, t: (h, W, b, poke(t, 3, math.nan))),
+    ("teacher_logits", lambda h, W, b, t: (h, W, b, poke(t, 3, -math.inf))),
+    ("teacher_logits", lambda h, W, b, t: (h, W, b, poke(t, (3, 0), math.inf))),
+    ("student's logits", lambda h, W, b, t: (h * 1e200, W * 1e200, b, t)),
+]
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+@pytest.mark.parametrize("name,poison", NAN_INPUTS)
+def test_nan_where_it_is_read_is_a_named_error_and_not_a_loss(divergence, name, poison):
+    # NaN student rows gave a NaN loss, and a NaN teacher row in the JSD a loss of 0
+    hidden, weight, bias, teacher = poison(*make_inputs())
+    with pytest.raises(ValueError, match=name):
+        chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                           student_bias=bias, divergence=divergence, chunk_size=3)
+
+
+def test_nan_in_masked_out_rows_is_never_read():
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"], dtype=torch.bool)
+    want = chunked_divergence(hidden, weight, mask, teacher_logits=teacher, student_bias=bias)
+    hidden[~mask], teacher[~mask] = math.nan, math.inf
+    got = chunked_divergence(hidden, weight, mask, teacher_logits=teacher, student_bias=bias)
+    assert torch.equal(got, want)
+
+
+def test_the_teacher_from_hidden_states_is_checked_too():
+    hidden, weight, _, _ = make_inputs()
+    t_hidden, t_weight = torch.randn(10, 2, dtype=torch.float64), torch.randn(13, 2,
+                                                                               dtype=torch.float64)
+    for name, args in [("teacher_hidden", (t_hidden.clone().index_fill_(0, torch.tensor([4]),
+                                                                         math.nan), t_weight)),
+                       ("teacher_weight", (t_hidden, t_weight.clone().fill_(math.inf))),
+                       ("teacher's logits", (t_hidden * 1e200, t_weight * 1e200))]:
+        with pytest.raises(ValueError, match=name):
+            chunked_divergence(hidden, weight, torch.ones(10), teacher_hidden=args[0],
+                               teacher_weight=args[1], chunk_size=4)
+    with pytest.raises(ValueError, match="teacher_bias is -inf everywhere"):
+        chunked_divergence(hidden, weight, torch.ones(10), teacher_hidden=t_hidden,
+                           teacher_weight=t_weight, teacher_bias=torch.full((13,), -math.inf,
+                                                                            dtype=torch.float64))

@@ -289,3 +289,130 @@ def test_the_chapters_claims_about_the_study():
         assert cold[key]["teacher_mass"] > warm[key]["teacher_mass"]
         if key[2] == "tail":
             assert abs(cold[key]["rel_bias"]) < abs(warm[key]["rel_bias"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims read again (issue 22)
+# ---------------------------------------------------------------------------------------------
+def test_with_k_equal_to_v_every_approximation_is_exact_on_random_float32_cases():
+    # the forward tail bucket was +inf with a zero gradient on 29 of 200 of these: log(1 - Q)
+    # read the rounding of Q (1 - 6e-8) as teacher tail mass, against a student tail of 0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        V = int(torch.randint(1, 12, (1,), generator=g))
+        student = 3 * torch.randn(V, generator=g)
+        log_q = torch.log_softmax(3 * torch.randn(V, generator=g), -1)
+        ids = torch.randperm(V, generator=g)
+        for direction in DIRECTIONS:
+            dense = (opd.reverse_kl_per_position if direction == "reverse"
+                     else opd.forward_kl_per_position)
+            want = dense(student[None, None], log_q[None, None])[0, 0]
+            for approximation in APPROXIMATIONS:
+                z = student.clone().requires_grad_(True)
+                got = topk_kl(z, log_q[ids], ids, approximation, direction)
+                got.backward()
+                assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+                assert bool(torch.isfinite(z.grad).all())
+
+
+def test_with_k_equal_to_v_the_renormalised_gradient_is_exact_when_it_is_tiny():
+    # p = (1, 2e-13) against a uniform teacher: the gradient has norm 5e-12, and the rounding
+    # of the student's summed mass P (1e-16) gave a relative gradient error of 1.2e-5
+    student, teacher = zipf_pair(2, 0.0, 0.0625, 1.0, 0)
+    rows = topk_bias_table([2], student, teacher)
+    assert max(r["rel_grad_bias"] for r in rows) < 1e-9
+
+
+def test_the_tail_bucket_is_exact_with_one_token_unreported():
+    # k = V - 1: a single token off S, so the two tails agree up to scale
+    for p, q in itertools.product(GRID[::7], GRID[::5]):
+        for S in itertools.combinations(range(4), 3):
+            for direction in DIRECTIONS:
+                ref = approximations(p, q, S, direction)
+                assert ours(p, q, S, "tail", direction) == pytest.approx(ref["true"],
+                                                                         rel=1e-12)
+
+
+def test_renormalize_can_exceed_every_kl_consistent_with_the_report():
+    # forward, S = {0, 1}: q_S = (0.45, 0.45), so Q = 0.9; the student p = (9e-4, 0.8991,
+    # 0.05, 0.05) has P = 0.9 too. Whatever the teacher's tail (mass 0.1 on tokens 2 and 3),
+    # KL = kl2(0.9, 0.9) + 0.9 (a) + 0.1 KL(q^ || (1/2, 1/2)) <= 0.9 (a) + 0.1 log 2 < (a).
+    p = [0.9e-3, 0.9 * 0.999, 0.05, 0.05]
+    a = ours(p, [0.45, 0.45, 0.05, 0.05], {0, 1}, "renormalize", "forward")
+    assert a == pytest.approx(0.5 * math.log(0.5 / 1e-3) + 0.5 * math.log(0.5 / 0.999),
+                              rel=1e-12)
+    for share in [i / 100 for i in range(101)]:
+        q = [0.45, 0.45, 0.1 * share, 0.1 * (1 - share)]
+        assert kl(q, p) < a - 0.2
+
+
+def test_every_approximation_is_below_the_kl_for_some_report():
+    # no upper bound: (a) = 0 < KL; (b) below by (1 - A) KL(tails) > 0; (c) with its condition
+    p, q = [0.1, 0.1, 0.8], [0.4, 0.4, 0.2]
+    assert ours(p, q, {0, 1}, "renormalize", "forward") < kl(q, p) - 0.5
+    p, q = [0.25, 0.25, 0.4, 0.1], [0.25, 0.25, 0.1, 0.4]
+    assert ours(p, q, {0, 1}, "tail", "forward") < kl(q, p) - 0.3
+    assert ours(p, q, {0, 1}, "ignore", "reverse") < kl(p, q) - 0.3
+
+
+def test_the_reverse_tail_bucket_stays_finite_and_below_the_kl_when_q_rounds_to_one():
+    # q = (1/2, 1/2 - 1e-20, 5e-21, 5e-21), S = {0, 1}: Q = 1 - 1e-20 rounds to 1 in float64.
+    # The student keeps 0.3 off S. The true reverse KL is finite; (b) was +inf (zero gradient).
+    log_q = torch.tensor([math.log(0.5), math.log(0.5), math.log(5e-21), math.log(5e-21)],
+                         dtype=torch.float64)
+    z = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)).requires_grad_(True)
+    got = topk_kl(z, log_q[:2], torch.tensor([0, 1]), "tail", "reverse")
+    true = kl([0.4, 0.3, 0.2, 0.1], [0.5, 0.5 - 1e-20, 5e-21, 5e-21])
+    assert math.isfinite(got.item()) and got.item() <= true
+    # the teacher's tail taken as k eps = 2 * 2.2e-16 instead of 1e-20: the bucket's term
+    # 0.3 log(0.3 / tail) is 0.3 log(4.4e-16 / 1e-20) = 3.2 below its exact value
+    assert got.item() == pytest.approx(true - 0.3 * math.log(2 * 2.0**-52 / 1e-20)
+                                       - 0.2 * math.log(0.2 / 0.3 / 0.5)
+                                       - 0.1 * math.log(0.1 / 0.3 / 0.5), rel=1e-9)
+    got.backward()
+    assert bool(torch.isfinite(z.grad).all()) and z.grad.abs().sum() > 0
+
+
+def test_renormalize_without_mass_on_s_is_zero_with_a_zero_gradient():
+    # the student gives S = {0} probability 0: a~ does not exist; the gradient was NaN
+    z = torch.tensor([-math.inf, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    got = topk_kl(z, torch.tensor([-1.0], dtype=torch.float64), torch.tensor([0]),
+                  "renormalize", "reverse")
+    got.backward()
+    assert got.item() == 0.0 and z.grad.tolist() == [0.0, 0.0, 0.0]
+    # the teacher reports probability 0 on S, the student does not: +inf, zero gradient
+    z = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    got = topk_kl(z, torch.tensor([-math.inf], dtype=torch.float64), torch.tensor([0]),
+                  "renormalize", "reverse")
+    got.backward()
+    assert got.item() == math.inf and z.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("logits,message", [
+    ([math.nan, 0.0, 0.0], "student_logits holds NaN"),
+    ([math.inf, 0.0, 0.0], "student_logits holds \\+inf"),
+    ([-math.inf] * 3, "all -inf"),
+    ([-3e38, 0.0, 3e38], "span more than the range of torch.float32"),
+])
+def test_bad_student_logits_are_a_named_error_not_a_loss(logits, message):
+    # a NaN student gave a loss of exactly 0.0
+    for approximation in APPROXIMATIONS:
+        with pytest.raises(ValueError, match=message):
+            topk_kl(torch.tensor(logits), torch.tensor([-1.0]), torch.tensor([0]),
+                    approximation)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: zipf_pair(V=0), "V must be a positive int"),
+    (lambda: zipf_pair(V=3.5), "V must be a positive int"),
+    (lambda: zipf_pair(V=3, seed=1.5), "seed must be an int"),
+    (lambda: topk_bias_table([0], *zipf_pair(V=4)), "ks must hold ints in \\[1, V\\]"),
+    (lambda: topk_bias_table([5], *zipf_pair(V=4)), "ks must hold ints in \\[1, V\\]"),
+    (lambda: topk_bias_table([2], *zipf_pair(V=4, noise=0.0)), "true KLs and their gradients"),
+    (lambda: topk_bias_table([2], torch.tensor([0.0, math.nan]), torch.zeros(2)),
+     "student_logits must be finite or -inf"),
+    (lambda: topk_bias_figure_data(V=1), "V must be an int >= 2"),
+])
+def test_the_study_functions_refuse_bad_input_by_name(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call()
