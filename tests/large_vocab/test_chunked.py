@@ -379,6 +379,7 @@ print((kib("VmHWM") - base) * 1024 / (c * V * 4))
                     reason="needs Linux's clear_refs to reset the peak RSS")
 def test_the_documented_peak_memory_in_chunk_buffers():
     import os
+    import pathlib
     import re
     import subprocess
     import sys
@@ -390,6 +391,11 @@ def test_the_documented_peak_memory_in_chunk_buffers():
                         r"the reverse KL, ([0-9.]+) for the forward KL and ([0-9.]+) for the JSD",
                         doc)
     assert claimed, "the docstring no longer states the measured buffers"
+    page = " ".join((pathlib.Path(__file__).resolve().parents[2] / "docs" / "large_vocab.md")
+                    .read_text().split())
+    reverse, forward, jsd = claimed.groups()
+    assert (f"its peak is {reverse} $(c, V)$ buffers for a chunk of $c$ rows for the reverse KL, "
+            f"{forward} for the forward KL and {jsd} for the JSD") in page
     # Every large block its own mmap, unmapped when freed (glibc would otherwise keep freed
     # blocks resident and reuse them unseen), one thread: the RSS then follows the live tensors.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")

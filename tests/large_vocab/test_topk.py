@@ -276,9 +276,18 @@ def test_the_chapters_claims_about_the_study():
                 assert cell[5, direction, "renormalize"]["rel_grad_bias"] > 1
                 # ... and a value above the true KL at k = 20 (no lower bound)
                 assert cell[20, direction, "renormalize"]["rel_bias"] > 0
-            # (c) of the reverse KL is negative at k = 1 and 5
-            assert cell[1, "reverse", "ignore"]["approx"] < 0
-            assert cell[5, "reverse", "ignore"]["approx"] < 0
+            # (c) of the reverse KL is negative at k = 1 and 5, where P < Q
+            for k in (1, 5):
+                row = cell[k, "reverse", "ignore"]
+                assert row["approx"] < 0 and row["student_mass"] < row["teacher_mass"]
+                # (c) >= P log(P / Q), the log-sum inequality on S
+                P, Q = row["student_mass"], row["teacher_mass"]
+                assert row["approx"] >= P * math.log(P / Q) - 1e-12
+        # wherever (c) is negative in the table, P < Q (reverse) or Q < P (forward)
+        for (k, direction, approximation), row in cell.items():
+            if approximation == "ignore" and row["approx"] < 0:
+                P, Q = row["student_mass"], row["teacher_mass"]
+                assert (P < Q) if direction == "reverse" else (Q < P)
         for direction in DIRECTIONS:
             for k in (5, 20, 100, 500):
                 assert abs(cell[k, direction, "renormalize"]["rel_bias"]) < 0.2
