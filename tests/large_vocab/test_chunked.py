@@ -479,3 +479,44 @@ def test_the_teacher_from_hidden_states_is_checked_too():
         chunked_divergence(hidden, weight, torch.ones(10), teacher_hidden=t_hidden,
                            teacher_weight=t_weight, teacher_bias=torch.full((13,), -math.inf,
                                                                             dtype=torch.float64))
+
+
+# Found by mutation testing
+def test_the_wrappers_pass_every_argument_on_and_share_the_documented_defaults():
+    import inspect
+
+    hidden, weight, bias, teacher = make_inputs()
+    g = torch.Generator().manual_seed(7)
+    t_hidden = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    t_weight = torch.randn(13, 3, generator=g, dtype=torch.float64)
+    t_bias = torch.randn(13, generator=g, dtype=torch.float64)
+    t_bias[4] = -math.inf
+    mask = torch.tensor(MASKS["partial"])
+    wrappers = {"reverse_kl": chunked_reverse_kl, "forward_kl": chunked_forward_kl,
+                "jsd": lambda *a, **k: chunked_generalized_jsd(*a, beta=0.3, normalize=True,
+                                                               **k)}
+    for divergence, wrapper in wrappers.items():
+        extra = dict(beta=0.3, normalize=True) if divergence == "jsd" else {}
+        for teacher_kw in (dict(teacher_logits=teacher),
+                           dict(teacher_hidden=t_hidden, teacher_weight=t_weight,
+                                teacher_bias=t_bias)):
+            for chunk_size in (3, 256):
+                want = value_and_grads(
+                    lambda h, W, b: chunked_divergence(h, W, mask, student_bias=b,
+                                                       divergence=divergence,
+                                                       chunk_size=chunk_size, **extra,
+                                                       **teacher_kw), hidden, weight, bias)
+                got = value_and_grads(
+                    lambda h, W, b: wrapper(h, W, mask, student_bias=b, chunk_size=chunk_size,
+                                            **teacher_kw), hidden, weight, bias)
+                assert torch.equal(got[0], want[0])
+                assert all(torch.equal(x, y) for x, y in zip(got[1], want[1]))
+    # the documented defaults: chunk_size 256, beta 1/2, no normalisation
+    for function in (chunked_divergence, chunked_reverse_kl, chunked_forward_kl,
+                     chunked_generalized_jsd):
+        assert inspect.signature(function).parameters["chunk_size"].default == 256
+    jsd = inspect.signature(chunked_generalized_jsd).parameters
+    assert jsd["beta"].default == 0.5 and jsd["normalize"].default is False
+    divergence = inspect.signature(chunked_divergence).parameters
+    assert divergence["divergence"].default == "reverse_kl" and divergence["beta"].default == 0.5
+    assert divergence["normalize"].default is False

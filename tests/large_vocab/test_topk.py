@@ -425,3 +425,61 @@ def test_bad_student_logits_are_a_named_error_not_a_loss(logits, message):
 def test_the_study_functions_refuse_bad_input_by_name(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call()
+
+
+# Found by mutation testing
+def test_the_figure_shows_what_its_docstring_and_the_chapter_say(tmp_path, monkeypatch):
+    import struct
+
+    import matplotlib.pyplot as plt
+
+    captured = []
+    monkeypatch.setattr(plt, "close", lambda fig: captured.append(fig))
+    data = topk_bias_figure_data(V=64, temperatures=(0.7, 1.0), ks=[1, 8, 32])
+    path = plot_topk_bias(tmp_path / "topk_bias.png", data)
+    png = path.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", png[16:24]) == (1210, 825)  # 11 x 7.5 inches at 110 dpi
+    assert b"Software" not in png  # no matplotlib version in the file: the same bytes anywhere
+    (fig,) = captured
+    axes = fig.axes
+    assert len(axes) == 4
+    names = {"reverse": "reverse KL(p ‖ q)", "forward": "forward KL(q ‖ p)"}
+    for i, direction in enumerate(DIRECTIONS):
+        value, gradient = axes[2 * i], axes[2 * i + 1]
+        assert value.get_title() == f"{names[direction]}: (approx − true) / true"
+        assert gradient.get_title() == f"{names[direction]}: ‖ĝ − g‖ / ‖g‖"
+        assert value.get_ylabel() == "relative bias of the value"
+        assert gradient.get_ylabel() == "relative gradient bias"
+        assert value.get_xscale() == gradient.get_xscale() == "log"
+        assert value.get_yscale() == "linear" and gradient.get_yscale() == "log"
+        # one line per approximation and temperature, plus the zero line of the value panel
+        assert len(gradient.get_lines()) == 6 and len(value.get_lines()) == 7
+        zero = value.get_lines()[-1]
+        assert list(zero.get_ydata()) == [0.0, 0.0] and zero.get_color() == "black"
+        assert zero.get_linewidth() == 0.6
+        for axis in (value, gradient):
+            for line, (temperature, approximation) in zip(
+                    axis.get_lines(), [(t, a) for t in (0.7, 1.0) for a in APPROXIMATIONS]):
+                label = f"({'abc'[APPROXIMATIONS.index(approximation)]}) {approximation}, " \
+                        f"τ = {temperature:g}"
+                assert line.get_label() == label and line.get_marker() == "."
+                assert line.get_linestyle() == {"renormalize": "-", "tail": "--",
+                                                "ignore": ":"}[approximation]
+                assert list(line.get_xdata()) == [1, 8, 32]
+                rows = [r for r in data["rows"][temperature] if r["direction"] == direction
+                        and r["approximation"] == approximation]
+                key = "rel_bias" if axis is value else "rel_grad_bias"
+                assert list(line.get_ydata()) == [r[key] for r in rows]
+            assert all(g.get_alpha() == 0.3 for g in axis.get_xgridlines() + axis.get_ygridlines()
+                       if g.get_visible())
+    for axis in axes[2:]:
+        assert axis.get_xlabel() == ("k (teacher's top-k of V = 64; Zipf exponent 1.1, "
+                                     "student noise 1)")
+    assert axes[0].get_xlabel() == ""
+    legend = axes[1].get_legend()
+    assert legend is not None and legend.get_texts()[0].get_fontsize() == 7
+    assert all(axis.get_legend() is None for axis in (axes[0], axes[2], axes[3]))
+    assert all(axes[0].get_shared_x_axes().joined(axes[0], axis) for axis in axes[1:])
+    monkeypatch.undo()
+    plt.close(fig)
