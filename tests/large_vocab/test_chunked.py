@@ -520,3 +520,18 @@ def test_the_wrappers_pass_every_argument_on_and_share_the_documented_defaults()
     divergence = inspect.signature(chunked_divergence).parameters
     assert divergence["divergence"].default == "reverse_kl" and divergence["beta"].default == 0.5
     assert divergence["normalize"].default is False
+
+
+def test_backward_scales_by_every_upstream_gradient_but_one():
+    # the stored gradient is returned as it is only for an upstream gradient of exactly 1
+    hidden, weight, bias, teacher = make_inputs()
+    once = value_and_grads(lambda h, W, b: chunked_reverse_kl(h, W, torch.ones(10),
+                                                             teacher_logits=teacher,
+                                                             student_bias=b), hidden, weight,
+                           bias)[1]
+    for scale in (2.0, 1.0, 0.0, -1.0):
+        scaled = value_and_grads(lambda h, W, b: scale * chunked_reverse_kl(
+            h, W, torch.ones(10), teacher_logits=teacher, student_bias=b), hidden, weight,
+            bias)[1]
+        for x, y in zip(scaled, once):
+            torch.testing.assert_close(x, scale * y, rtol=1e-15, atol=0)
