@@ -279,7 +279,7 @@ def _check_chunk(name, logits, rows, impossible=None):
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         value = row_max[i].item()
-        what = ("NaN" if math.isnan(value) else "+inf" if value > 0
+        what = ("NaN" if math.isnan(value) else "+inf" if value == math.inf
                 else "-inf everywhere" if value == -math.inf else "-inf where the bias is finite")
         raise ValueError(f"{name} at row {int(rows[i])} (masked in) holds {what}: the "
                          "logits must be finite, or -inf for tokens that cannot be emitted, "

@@ -6,6 +6,7 @@ chunked losses never build them and use hand-derived gradients.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -535,3 +536,92 @@ def test_backward_scales_by_every_upstream_gradient_but_one():
             bias)[1]
         for x, y in zip(scaled, once):
             torch.testing.assert_close(x, scale * y, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("divergence,student,teacher", [
+    # float32 logits a few ulps apart, found by search: their KL rounds to -1.3e-7 and -3.0e-8
+    ("reverse_kl", [0.06271910667419434, -0.7663062810897827, 1.0992504358291626],
+     [0.06271883100271225, -0.7663062810897827, 1.0992505550384521]),
+    ("forward_kl", [0.1994086503982544, 2.0393941402435303, -0.21475854516029358],
+     [0.1994086354970932, 2.0393941402435303, -0.21475854516029358]),
+])
+def test_a_kl_that_rounds_below_zero_is_zero_with_no_gradient(divergence, student, teacher):
+    # as opd.py's clamp_min: the row is clamped to 0 and sends no gradient
+    h = torch.tensor([student], requires_grad=True)
+    W = torch.eye(3, requires_grad=True)
+    loss = chunked_divergence(h, W, torch.ones(1), teacher_logits=torch.tensor([teacher]),
+                              divergence=divergence)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert h.grad.abs().max().item() == 0.0 and W.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("beta,case", [(0.0, "forward_kl"), (1.0, "reverse_kl")])
+def test_normalize_leaves_the_jsd_endpoints_unscaled(beta, case):
+    # beta (1 - beta) = 0 there: the JSD is the plain KL, as in opd.generalized_jsd
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"])
+    want = chunked(case, hidden, weight, bias, teacher, mask, 4)
+    for normalize in (False, True):
+        got = value_and_grads(
+            lambda h, W, b: chunked_generalized_jsd(h, W, mask, beta=beta, normalize=normalize,
+                                                    teacher_logits=teacher, student_bias=b,
+                                                    chunk_size=4), hidden, weight, bias)
+        assert_same(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_a_float32_teacher_head_with_a_float64_student_is_computed_in_float64():
+    hidden, weight, bias, _ = make_inputs(seed=4)
+    g = torch.Generator().manual_seed(5)
+    t_hidden, t_weight = torch.randn(10, 3, generator=g), torch.randn(13, 3, generator=g)
+    t_bias = torch.randn(13, generator=g)
+    mask = torch.tensor(MASKS["partial"])
+    t_logits = t_hidden.double() @ t_weight.double().T + t_bias.double()
+    want = chunked("reverse_kl", hidden, weight, bias, t_logits, mask, 4)
+    got = chunked("reverse_kl", hidden, weight, bias, None, mask, 4, teacher_hidden=t_hidden,
+                  teacher_weight=t_weight, teacher_bias=t_bias)
+    assert got[0].dtype == torch.float64
+    assert_same(got, want, rtol=1e-12, atol=1e-14)
+
+
+OVERFLOW_MESSAGE = (" (masked in) holds {what}: the logits must be finite, or -inf for tokens "
+                    "that cannot be emitted, with at least one finite (a product of finite "
+                    "hidden states and head that is not finite overflowed the compute dtype)")
+
+
+@pytest.mark.parametrize("head,bias,what", [
+    ([[1e200], [1.0]], None, "+inf"),                         # +inf only
+    ([[-1e200], [1.0]], None, "-inf where the bias is finite"),  # -inf only
+    ([[-1e200], [1.0]], [0.0, 0.0], "-inf where the bias is finite"),
+    ([[-1e200], [1.0], [1.0]], [0.0, -math.inf, 0.0], "-inf where the bias is finite"),
+    ([[-1e200], [-1e200]], None, "-inf everywhere"),
+    ([[1e200], [-1e200]], [0.0, 0.0], "+inf"),
+])
+def test_overflowing_logits_name_what_overflowed(head, bias, what):
+    h = torch.tensor([[0.5], [1e200]], dtype=torch.float64)
+    W = torch.tensor(head, dtype=torch.float64)
+    b = None if bias is None else torch.tensor(bias, dtype=torch.float64)
+    t = torch.zeros(2, W.shape[0], dtype=torch.float64)
+    student = ("the student's logits student_hidden @ student_weight.T at row 1"
+               + OVERFLOW_MESSAGE.format(what=what))
+    with pytest.raises(ValueError, match="^" + re.escape(student) + "$"):
+        chunked_divergence(h, W, torch.ones(2), teacher_logits=t, student_bias=b)
+    # the teacher's head, likewise
+    teacher = ("the teacher's logits teacher_hidden @ teacher_weight.T at row 1"
+               + OVERFLOW_MESSAGE.format(what=what))
+    with pytest.raises(ValueError, match="^" + re.escape(teacher) + "$"):
+        chunked_divergence(torch.zeros(2, 1, dtype=torch.float64), torch.zeros_like(W),
+                           torch.ones(2), teacher_hidden=h, teacher_weight=W, teacher_bias=b)
+
+
+@pytest.mark.parametrize("value,what", [(math.nan, "NaN"), (math.inf, "+inf"),
+                                        (-math.inf, "-inf everywhere")])
+def test_bad_teacher_logits_name_what_they_hold(value, what):
+    hidden, weight, _, teacher = make_inputs()
+    teacher[6] = value
+    message = ("teacher_logits at row 6 (masked in) holds " + what + ": the logits must be "
+               "finite, or -inf for tokens that cannot be emitted, with at least one finite "
+               "(a product of finite hidden states and head that is not finite overflowed the "
+               "compute dtype)")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher, chunk_size=4)
