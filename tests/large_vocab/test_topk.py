@@ -6,6 +6,7 @@ vocabulary (no torch), from the full distributions that the approximations do no
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from opd_literate import opd
 from opd_literate.large_vocab.topk import (
     APPROXIMATIONS,
     DIRECTIONS,
+    format_topk_bias_table,
     plot_topk_bias,
     topk_bias_figure_data,
     topk_bias_table,
@@ -483,3 +485,15 @@ def test_the_figure_shows_what_its_docstring_and_the_chapter_say(tmp_path, monke
     assert all(axes[0].get_shared_x_axes().joined(axes[0], axis) for axis in axes[1:])
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_the_bias_table_header_and_its_refusal_of_a_missing_k():
+    data = topk_bias_figure_data(V=8, temperatures=(1.0,), ks=[2, 8])
+    lines = format_topk_bias_table(data, ks=[2, 8]).splitlines()
+    assert lines[0] == ("| τ | k | teacher mass Q | reverse (a) renormalize | reverse (b) tail | "
+                        "reverse (c) ignore | forward (a) renormalize | forward (b) tail | "
+                        "forward (c) ignore |")
+    assert lines[1] == "| ---: | ---: | ---: | " + " | ".join(["---:"] * 6) + " |"
+    assert len(lines) == 4 and lines[3].startswith("| 1 | 8 | 1.000 | ")
+    with pytest.raises(ValueError, match=re.escape("k = 3 is not in the data (ks = [2, 8])")):
+        format_topk_bias_table(data, ks=[3])
