@@ -625,3 +625,66 @@ def test_bad_teacher_logits_name_what_they_hold(value, what):
                "compute dtype)")
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher, chunk_size=4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(student_weight="nan"), "student_weight holds NaN; it must be finite"),
+    (dict(student_weight="inf"), "student_weight holds an infinite entry; it must be finite"),
+    (dict(student_weight="-inf"), "student_weight holds an infinite entry; it must be finite"),
+    (dict(student_hidden="nan"), "student_hidden (rows 3 to 5) holds NaN; it must be finite"),
+    (dict(student_hidden="inf"),
+     "student_hidden (rows 3 to 5) holds an infinite entry; it must be finite"),
+    (dict(teacher_hidden="nan"), "teacher_hidden (rows 3 to 5) holds NaN; it must be finite"),
+    (dict(teacher_weight="-inf"), "teacher_weight holds an infinite entry; it must be finite"),
+    (dict(student_bias="nan"), "student_bias holds NaN"),
+    (dict(student_bias="inf"), "student_bias holds +inf: an entry must be finite, or -inf for a "
+                               "token that cannot be emitted"),
+    (dict(student_bias="all -inf"), "student_bias is -inf everywhere: no token could be "
+                                    "emitted"),
+    (dict(teacher_bias="inf"), "teacher_bias holds +inf: an entry must be finite, or -inf for a "
+                               "token that cannot be emitted"),
+    (dict(student_bias="long"), "student_bias must have a floating dtype, got torch.int64"),
+    (dict(student_bias="2-D"), "student_bias must have 1 dimensions, got shape (1, 13) "
+                               "(2 dimensions)"),
+    (dict(student_weight="long"), "student_weight must have a floating dtype, got torch.int64"),
+    (dict(student_weight="1-D"), "student_weight must have 2 dimensions, got shape (13,) "
+                                 "(1 dimensions)"),
+])
+def test_every_refusal_says_what_and_where(change, message):
+    hidden, weight, bias, _ = make_inputs()
+    g = torch.Generator().manual_seed(8)
+    tensors = dict(student_hidden=hidden, student_weight=weight, student_bias=bias,
+                   teacher_hidden=torch.randn(10, 2, generator=g, dtype=torch.float64),
+                   teacher_weight=torch.randn(13, 2, generator=g, dtype=torch.float64),
+                   teacher_bias=torch.zeros(13, dtype=torch.float64))
+    (name, how), = change.items()
+    x = tensors[name].clone()
+    if how in ("nan", "inf", "-inf"):
+        value = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[how]
+        if name.endswith("hidden"):
+            x[4, 0] = value  # row 4: the chunk of rows 3 to 5 (chunk_size 3)
+        else:
+            x.view(-1)[5] = value
+    elif how == "all -inf":
+        x = torch.full_like(x, -math.inf)
+    elif how == "long":
+        x = x.long()
+    elif how == "2-D":
+        x = x[None]
+    elif how == "1-D":
+        x = x[:, 0]
+    tensors[name] = x
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        chunked_divergence(tensors.pop("student_hidden"), tensors.pop("student_weight"),
+                           torch.ones(10), chunk_size=3, **tensors)
+
+
+def test_a_bias_of_another_dtype_gets_a_gradient_of_its_own_dtype():
+    hidden, weight, bias, teacher = make_inputs()
+    b = bias.float().requires_grad_(True)
+    h = hidden.clone().requires_grad_(True)
+    chunked_reverse_kl(h, weight, torch.ones(10), teacher_logits=teacher, student_bias=b
+                       ).backward()
+    assert b.grad.dtype == torch.float32 and h.grad.dtype == torch.float64
+    want = chunked("reverse_kl", hidden, weight, b.detach().double(), teacher, torch.ones(10), 4)
+    torch.testing.assert_close(b.grad, want[1][2].float(), rtol=1e-6, atol=1e-7)
