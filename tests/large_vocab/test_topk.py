@@ -497,3 +497,34 @@ def test_the_bias_table_header_and_its_refusal_of_a_missing_k():
     assert len(lines) == 4 and lines[3].startswith("| 1 | 8 | 1.000 | ")
     with pytest.raises(ValueError, match=re.escape("k = 3 is not in the data (ks = [2, 8])")):
         format_topk_bias_table(data, ks=[3])
+
+
+def test_the_figure_data_defaults_are_the_chapters_settings():
+    import inspect
+
+    import numpy as np
+
+    # the chapter: V = 4,096 ranks, Zipf exponent 1.1, unit noise, tau = 0.7 and 1
+    defaults = {name: p.default
+                for name, p in inspect.signature(topk_bias_figure_data).parameters.items()}
+    assert defaults == {"V": 4096, "exponent": 1.1, "temperatures": (0.7, 1.0), "noise": 1.0,
+                        "seed": 0, "ks": None}
+    # default ks: 25 log-spaced values from 1 to V / 2, rounded, and the table's k below V
+    for V in (2, 3, 16, 64):
+        data = topk_bias_figure_data(V=V, temperatures=(1.0,))
+        want = {int(round(x)) for x in np.logspace(0, math.log10(V / 2), 25)}
+        want |= {k for k in (1, 5, 20, 100, 500) if k < V}
+        assert data["ks"] == sorted(want)
+        assert sorted({r["k"] for r in data["rows"][1.0]}) == sorted(want)
+    for bad in (True, 1, 2.0):
+        with pytest.raises(ValueError, match="V must be an int >= 2 for the default ks"):
+            topk_bias_figure_data(V=bad)
+
+
+def test_the_figure_defaults_to_the_figure_data(tmp_path, monkeypatch):
+    from opd_literate.large_vocab import topk
+
+    small = topk_bias_figure_data(V=16, temperatures=(1.0,), ks=[1, 4])
+    calls = []
+    monkeypatch.setattr(topk, "topk_bias_figure_data", lambda: calls.append(1) or small)
+    assert topk.plot_topk_bias(tmp_path / "f.png").exists() and calls == [1]
