@@ -528,3 +528,53 @@ def test_the_figure_defaults_to_the_figure_data(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(topk, "topk_bias_figure_data", lambda: calls.append(1) or small)
     assert topk.plot_topk_bias(tmp_path / "f.png").exists() and calls == [1]
+
+
+def test_a_teacher_mass_that_rounds_above_one_leaves_no_tail_and_no_nan():
+    # log(1/2) + log(1/2 + 1e-16): Q rounds to just above 1; _log1mexp must read it as no tail
+    t = torch.tensor([math.log(0.5), math.log(0.5 + 2e-16)], dtype=torch.float64)
+    assert torch.logsumexp(t, 0).item() > 0
+    for direction in DIRECTIONS:
+        got = topk_kl(torch.zeros(3, dtype=torch.float64), t, torch.tensor([0, 1]), "tail",
+                      direction)
+        assert not math.isnan(got.item())
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: topk_kl(torch.zeros(()), torch.zeros(1), torch.zeros(1, dtype=torch.long)),
+     "student_logits must have a last (vocabulary) dimension of size >= 1, got shape ()"),
+    (lambda: topk_kl(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.long)),
+     "student_logits must have a last (vocabulary) dimension of size >= 1, got shape (2, 0)"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(1), [0]),
+     "topk_ids must be an integer torch.Tensor, got list"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(1), torch.tensor([True])),
+     "topk_ids must be an integer torch.Tensor, got torch.bool"),
+    (lambda: topk_kl(torch.zeros(2, 3), torch.zeros(3, 1), torch.zeros(3, 1, dtype=torch.long)),
+     "teacher_topk_logp must have shape (..., k) with the leading shape of student_logits (2,), "
+     "got (3, 1)"),
+    (lambda: topk_kl(torch.zeros(2, 3), torch.zeros(1), torch.zeros(1, dtype=torch.long)),
+     "teacher_topk_logp must have shape (..., k) with the leading shape of student_logits (2,), "
+     "got (1,)"),
+    (lambda: topk_kl(torch.tensor([math.inf, 0.0]), torch.zeros(1), torch.tensor([0])),
+     "student_logits holds +inf: a logit must be finite, or -inf for a token the student "
+     "cannot emit"),
+    (lambda: topk_bias_table([1], torch.zeros(3, 1), torch.zeros(3, 1)),
+     "student_logits must have 1 dimensions, got shape (3, 1) (2 dimensions)"),
+    (lambda: topk_bias_table([1], torch.zeros(3), torch.zeros(3, 1)),
+     "teacher_logits must have 1 dimensions, got shape (3, 1) (2 dimensions)"),
+    (lambda: topk_bias_table([1], torch.zeros(3), torch.zeros(4)),
+     "teacher_logits must have the shape of student_logits (3,), got (4,)"),
+    (lambda: topk_bias_table([True], torch.arange(3.0), torch.zeros(3)),
+     "ks must hold ints in [1, V] = [1, 3], got True"),
+    (lambda: topk_bias_table([1], torch.arange(3.0), torch.tensor([0.0, math.inf, 0.0])),
+     "teacher_logits must be finite or -inf, with one finite entry"),
+    (lambda: topk_bias_table([1], torch.arange(3.0), torch.full((3,), -math.inf)),
+     "teacher_logits must be finite or -inf, with one finite entry"),
+    (lambda: zipf_pair(V=3, exponent=-1.0), "exponent must be >= 0.0, got -1.0"),
+    (lambda: zipf_pair(V=3, temperature=0.0), "temperature must be > 0, got 0.0"),
+    (lambda: zipf_pair(V=3, noise=-0.5), "noise must be >= 0.0, got -0.5"),
+    (lambda: zipf_pair(V=True), "V must be a positive int, got True"),
+])
+def test_every_top_k_refusal_says_what(call, message):
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        call()
