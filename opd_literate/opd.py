@@ -140,9 +140,23 @@ def _check_logits_pair(student_logits, teacher_logits, mask, mask_optional=False
             f"student_logits must have a vocabulary of at least 1 entry, got shape "
             f"{tuple(student_logits.shape)} (V = 0)"
         )
-    if mask is None and mask_optional:
-        return None
-    return check_mask(mask, "student_logits[..., 0]", tuple(student_logits.shape[:2]))
+    checked = None if mask is None and mask_optional else check_mask(
+        mask, "student_logits[..., 0]", tuple(student_logits.shape[:2]))
+    _check_no_nan("student_logits", student_logits, checked)
+    _check_no_nan("teacher_logits", teacher_logits, checked)
+    return checked
+
+
+def _check_no_nan(name, logits, mask):
+    """Raise if ``logits`` hold NaN at a position ``mask`` selects (None: at any position).
+
+    The support tests (``log p > -inf``) read NaN as probability 0: a NaN student gave a loss
+    of exactly 0.0. Masked-out positions may hold NaN.
+    """
+    if bool((torch.isnan(logits).any(dim=-1) & (True if mask is None else mask)).any()):
+        raise ValueError(f"{name} holds NaN at a position"
+                         + ("" if mask is None else " that the mask selects")
+                         + ": a logit is a number or -inf; only masked-out positions may hold NaN")
 
 
 def _log_softmax_pair(student_logits, teacher_logits, mask=None, temperature=1.0):

@@ -42,8 +42,10 @@ it.) With $(a, b, A) = (p, q, P)$ for the reverse KL and $(q, p, Q)$ for the for
   the data-processing inequality: merging outcomes never increases a KL.)
 * (a) satisfies $A \cdot (a) \le (b) \le \mathrm{KL}$, so $(a) \le \mathrm{KL} / A$; but (a)
   itself is **not a bound**: it is 0 whenever $\tilde p = \tilde q$ however different the
-  masses, and it exceeds the true KL when the student spreads its top-k mass differently from
-  a teacher that has little mass there (both cases are in the tests).
+  masses, and it can exceed the true KL, by at most the factor $1 / A$ (so only where
+  $A < 1$): when the two spread their mass on $S$ very differently while the masses
+  themselves and the tails nearly agree, the KL is close to $A \cdot (a)$ (both cases are
+  in the tests).
 * (c) equals $\mathrm{KL} - \sum_{v \notin S} a_v \log(a_v / b_v)$. By the log-sum inequality
   the omitted tail sum is at least $(1 - A)\log\frac{1 - A}{1 - B}$, so (c) $\le \mathrm{KL}$
   whenever $1 - A \ge 1 - B$: **a lower bound of the reverse KL when the student's tail mass is
@@ -53,14 +55,18 @@ it.) With $(a, b, A) = (p, q, P)$ for the reverse KL and $(q, p, Q)$ for the for
   it can exceed the true KL (the tests enumerate a negative lower bound and a value above the
   KL).
 
-No approximation is an upper bound: the teacher's tail is unknown, and any tail distribution is
-consistent with what was reported.
+At $k = V$ all three are the true KL, and at $k = V - 1$ so is (b) (a single unreported
+token: the tails agree). Otherwise none is an upper bound in general: each is below the true
+KL for some reports (the tests give one for each). Not for every report, though: the
+teacher's tail is unknown, but when its mass is small, a report can leave every consistent
+tail below what (a) says (a forward case is in the tests).
 
 **Gradients.** With respect to the student's logits $z$ (all $V$ of them), the true gradients
-are $p \odot (\log p - \log q - \mathrm{KL})$ (reverse) and $p - q$ (forward). The
-approximations differ from these by the exact amounts that
-[opd_literate.large_vocab.topk.topk_bias_table][] reports; for example the forward (c) has gradient
-$Q\,p - q\,\mathbb{1}_S$, which pushes every tail logit down in proportion to $p_v$ only.
+are $p \odot (\log p - \log q - \mathrm{KL})$ (reverse) and $p - q$ (forward);
+[opd_literate.large_vocab.topk.topk_bias_table][] reports how far each approximation's
+gradient is from them, $\lVert \hat g - g \rVert / \lVert g \rVert$, at one position. For
+example the forward (c) has gradient $Q\,p - q\,\mathbb{1}_S$, which pushes every tail logit
+down in proportion to $p_v$ only.
 
 **What the frameworks do** (source read at the commits given; see the chapter for details):
 TRL's ``IWOPDTrainer`` (``trl/experimental/iw_opd/iw_opd_trainer.py``) offers (b) (its
@@ -68,8 +74,19 @@ default) or (a), and the SDFT/SDPO trainers (``trl/experimental/sdft/loss_utils.
 default) or (b); Tinker
 cookbook's SDFT (``tinker_cookbook/distillation/sdft.py``) uses the cross-entropy of the
 student against the renormalised teacher $\tilde q$, that is $\mathrm{KL}(\tilde q \,\|\, p)
-= (c)/Q - \log Q$ in the forward direction; verl's GKD recipe (``gkd/megatron/
-megatron_kl_loss.py`` in ``verl-project/verl-recipe``) computes the forward (c).
+= (c)/Q - \log Q$ in the forward direction; verl's core computes the forward (c) on the
+teacher's top-k (``loss_mode="forward_kl_topk"``, since PR #5041), with log-probabilities
+clamped below at $-10$ by default, and so does its GKD recipe (``gkd/megatron/
+megatron_kl_loss.py`` in ``verl-project/verl-recipe``).
+
+**Conventions.** NaN or $+\infty$ in ``student_logits``, a position whose logits are all
+$-\infty$, and logits whose spread overflows the compute dtype are a ``ValueError``; so is a
+NaN or positive ``teacher_topk_logp``. $-\infty$ is an impossible token: a term $a_v > 0 = b_v$
+makes the value $+\infty$ with a zero gradient, and (a) is 0 where $A = 0$ (no mass of the
+first argument on $S$: nothing to renormalise). Rounding: at $k = V$ the student's mass $P$ is
+taken as exactly 1 and the teacher's tail as exactly 0; in the reverse direction a teacher
+tail $1 - Q$ below $k \varepsilon$ (the rounding of the sum $Q$ in the compute dtype) is taken
+as $k \varepsilon$, an upper bound of the true one, which keeps (b) a lower bound and finite.
 
 Computed in torch (autograd for the gradients), in float64 for the studies; half precision is
 computed in float32. Imports: torch (and matplotlib inside
@@ -115,6 +132,14 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     value = torch.where(safe > -math.log(2.0), torch.log(-torch.expm1(safe)),
                         torch.log1p(-torch.exp(safe)))
     return torch.where(empty, torch.full_like(x, -math.inf), value)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    r"""``logsumexp`` over the last axis (kept), $-\infty$ with a zero gradient for a row of
+    $-\infty$ only (torch's has a NaN gradient there: the double ``where``)."""
+    empty = (x == -math.inf).all(dim=-1, keepdim=True)
+    value = torch.logsumexp(torch.where(empty, torch.zeros_like(x), x), dim=-1, keepdim=True)
+    return torch.where(empty, torch.full_like(value, -math.inf), value)
 
 
 def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
@@ -205,6 +230,15 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
     V, k = student_logits.shape[-1], topk_ids.shape[-1]
     if k < 1 or k > V:
         raise ValueError(f"teacher_topk_logp must report 1 <= k <= V = {V} tokens, got k = {k}")
+    if bool(torch.isnan(student_logits).any()):
+        index = torch.isnan(student_logits).nonzero()[0].tolist()
+        raise ValueError(f"student_logits holds NaN (first at index {tuple(index)})")
+    if bool((student_logits == math.inf).any()):
+        raise ValueError("student_logits holds +inf: a logit must be finite, or -inf for a "
+                         "token the student cannot emit")
+    if bool((student_logits == -math.inf).all(dim=-1).any()):
+        raise ValueError("student_logits has a position whose logits are all -inf: the "
+                         "student must be able to emit at least one token")
     if bool(((topk_ids < 0) | (topk_ids >= V)).any()):
         raise ValueError(f"topk_ids must lie in [0, V) = [0, {V}), got values from "
                          f"{topk_ids.min().item()} to {topk_ids.max().item()}")
@@ -219,7 +253,13 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
     dtype = compute_dtype(student_logits, teacher_topk_logp)
-    log_p = F.log_softmax(student_logits.to(dtype), dim=-1)  # (..., V)
+    logits = student_logits.to(dtype)
+    log_p = F.log_softmax(logits, dim=-1)  # (..., V)
+    # A finite logit whose log-probability is -inf: its distance to the row's largest logit
+    # overflowed the compute dtype (a spread above about 3.4e38 in float32).
+    if bool(((log_p == -math.inf) & (logits > -math.inf)).any()):
+        raise ValueError(f"student_logits span more than the range of {dtype} within a "
+                         "position: log_softmax overflows (shift or rescale them)")
     # s_v = log p_v at the reported ids (the student's full softmax), t_v = log q_v
     s = log_p.gather(-1, topk_ids)  # (..., k)
     t = teacher_topk_logp.detach().to(dtype)  # (..., k)
@@ -227,23 +267,36 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
     if approximation == "ignore":
         # (c): sum_{v in S} a_v log(a_v / b_v)
         return _kl_terms(log_a, log_b)
-    # log A, log B: the captured masses (Q can exceed 1 by rounding only; then the tail is 0)
-    log_A = torch.logsumexp(log_a, dim=-1, keepdim=True)
-    log_B = torch.logsumexp(log_b, dim=-1, keepdim=True)
+    # log P, log Q: the captured masses. With k = V the student's P is 1 identically: summed,
+    # its rounding (1e-16) would reach the gradient, which can be as small (p close to q).
+    log_P = torch.zeros_like(s[..., :1]) if k == V else _logsumexp(s)
+    log_Q = _logsumexp(t)
+    log_A, log_B = (log_P, log_Q) if direction == "reverse" else (log_Q, log_P)
     if approximation == "renormalize":
-        # (a): KL(a~ || b~) with a~ = a / A on S
-        return _kl_terms(log_a - log_A, log_b - log_B)
+        # (a): KL(a~ || b~) with a~ = a / A on S. A = 0 (a has no mass on S): a~ does not
+        # exist, and the value is 0 (every term is 0 log 0); B = 0 < A: +inf. Dividing by a
+        # mass of 0 would be -inf - (-inf) = NaN, in the value or the gradient: divide by 1.
+        return _kl_terms(log_a - torch.where(log_A > -math.inf, log_A, torch.zeros_like(log_A)),
+                         log_b - torch.where(log_B > -math.inf, log_B, torch.zeros_like(log_B)))
     # (b): append the bucket and take the KL over k + 1 outcomes. The student's tail mass
     # 1 - P is summed from its own entries off S (no cancellation when P is close to 1); the
     # teacher's can only be log(1 - Q).
     in_S = torch.zeros_like(log_p, dtype=torch.bool).scatter_(-1, topk_ids, True)
-    off_S = torch.where(in_S, torch.full_like(log_p, -math.inf), log_p)
-    empty = (off_S == -math.inf).all(dim=-1, keepdim=True)  # no student mass off S
-    # double where: logsumexp of an all -inf row has a NaN gradient
-    student_tail = torch.where(
-        empty, torch.full_like(log_A, -math.inf),
-        torch.logsumexp(torch.where(empty, torch.zeros_like(off_S), off_S), -1, keepdim=True))
-    teacher_tail = _log1mexp(log_A if direction == "forward" else log_B)  # log(1 - Q)
+    student_tail = _logsumexp(torch.where(in_S, torch.full_like(log_p, -math.inf), log_p))
+    if k == V:
+        # S is the whole vocabulary: the teacher has no tail. log(1 - Q) would read the
+        # rounding of Q (1 - 6e-8, say) as tail mass, against a student tail of exactly 0:
+        # a forward KL of +inf with a zero gradient.
+        teacher_tail = torch.full_like(log_Q, -math.inf)
+    else:
+        teacher_tail = _log1mexp(log_Q)  # log(1 - Q)
+        if direction == "reverse":
+            # 1 - Q is known to the rounding of the sum Q, about k eps: a Q that rounds to 1
+            # made the bucket's term (1 - P) log((1 - P) / (1 - Q)) +inf where the true KL is
+            # finite. Below k eps the tail is taken as k eps, at least the true one: the term
+            # decreases as the teacher's tail grows, so (b) stays a lower bound.
+            floor = math.log(k * torch.finfo(dtype).eps)
+            teacher_tail = teacher_tail.clamp_min(floor)
     tail_a, tail_b = ((student_tail, teacher_tail) if direction == "reverse"
                       else (teacher_tail, student_tail))
     return _kl_terms(torch.cat([log_a, tail_a], dim=-1), torch.cat([log_b, tail_b], dim=-1))
@@ -272,7 +325,10 @@ def zipf_pair(V=4096, exponent=1.1, temperature=1.0, noise=1.0, seed=0):
     >>> [round(v, 4) for v in teacher.softmax(-1).tolist()]  # (1, 1/2, 1/3) / (11/6)
     [0.5455, 0.2727, 0.1818]
     """
-    V = int(V)
+    if isinstance(V, bool) or not isinstance(V, int) or V < 1:
+        raise ValueError(f"V must be a positive int, got {V!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     exponent = check_finite_number("exponent", exponent, low=0.0)
     temperature = check_finite_number("temperature", temperature, positive=True)
     noise = check_finite_number("noise", noise, low=0.0)
@@ -339,16 +395,32 @@ def topk_bias_table(ks, student_logits, teacher_logits):
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"teacher_logits must have the shape of student_logits "
                          f"{tuple(student_logits.shape)}, got {tuple(teacher_logits.shape)}")
+    V = student_logits.shape[0]
+    ks = list(ks)
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
+            raise ValueError(f"ks must hold ints in [1, V] = [1, {V}], got {k!r}")
+    for name, logits in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+        if not bool((logits < math.inf).all()) or bool((logits == -math.inf).all()):
+            raise ValueError(f"{name} must be finite or -inf, with one finite entry")
     log_q = F.log_softmax(teacher_logits.detach().to(torch.float64), dim=-1)
     student = student_logits.detach().to(torch.float64)
+    # the true KL and its gradient, the denominators of the relative biases
+    truth = {d: _grad(lambda z, d=d: _true_kl(z, log_q, d), student) for d in DIRECTIONS}
+    if not all(0.0 < value < math.inf and float(grad.norm()) > 0.0
+               for value, grad in truth.values()):
+        raise ValueError("the true KLs and their gradients must be nonzero and finite for a "
+                         f"relative bias, got KL {[value for value, _ in truth.values()]} "
+                         "(the student equals the teacher, or one side puts mass where the "
+                         "other has none)")
     order = log_q.argsort(descending=True)
     rows = []
     for k in ks:
-        ids = order[:int(k)]
+        ids = order[:k]
         Q = log_q[ids].exp().sum().item()
         P = F.log_softmax(student, -1)[ids].exp().sum().item()
         for direction in DIRECTIONS:
-            true, true_grad = _grad(lambda z, d=direction: _true_kl(z, log_q, d), student)
+            true, true_grad = truth[direction]
             for approximation in APPROXIMATIONS:
                 approx, grad = _grad(
                     lambda z, a=approximation, d=direction, S=ids: topk_kl(z, log_q[S], S, a, d),
@@ -378,6 +450,8 @@ def topk_bias_figure_data(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noise=1
     [1, 64]
     """
     if ks is None:
+        if isinstance(V, bool) or not isinstance(V, int) or V < 2:
+            raise ValueError(f"V must be an int >= 2 for the default ks, got {V!r}")
         # CPU by design: the ks are plain ints
         # k from 1 to V / 2 (at k = V every approximation is the full KL), with the table's
         ks = {int(round(x)) for x in torch.logspace(0, math.log10(V / 2), 25).tolist()}

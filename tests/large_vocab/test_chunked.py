@@ -6,6 +6,7 @@ chunked losses never build them and use hand-derived gradients.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -345,3 +346,345 @@ def test_normalized_jsd_near_the_endpoints_keeps_float32_precision():
         dense64 = generalized_jsd((h @ W.T).double()[None], teacher.double()[None],
                                   torch.ones(1, 4), beta=beta, normalize=True)
         assert chunked.item() == pytest.approx(dense64.item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims read again (issue 22)
+# ---------------------------------------------------------------------------------------------
+PEAK_SCRIPT = r"""
+import sys
+import torch
+from opd_literate.large_vocab.chunked import chunked_divergence
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+divergence, beta, c, V = sys.argv[1], float(sys.argv[2]), 64, 65536
+g = torch.Generator().manual_seed(0)
+h, W = torch.randn(4 * c, 8, generator=g), torch.randn(V, 8, generator=g)
+t = torch.randn(4 * c, V, generator=g)
+kw = dict(teacher_logits=t, divergence=divergence, beta=beta, chunk_size=c)
+chunked_divergence(h[:c], W, torch.ones(c), **{**kw, "teacher_logits": t[:c]})  # warm up
+with open("/proc/self/clear_refs", "w") as clear_refs:
+    clear_refs.write("5")  # peak RSS := current RSS
+base = kib("VmRSS")
+chunked_divergence(h, W, torch.ones(4 * c), **kw)
+print((kib("VmHWM") - base) * 1024 / (c * V * 4))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"),
+                    reason="needs Linux's clear_refs to reset the peak RSS")
+def test_the_documented_peak_memory_in_chunk_buffers():
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    from opd_literate.large_vocab import chunked
+
+    doc = " ".join(chunked.chunked_divergence.__doc__.split())
+    claimed = re.search(r"is ([0-9.]+) ``\(chunk_size, V\)`` buffers of the compute dtype for "
+                        r"the reverse KL, ([0-9.]+) for the forward KL and ([0-9.]+) for the JSD",
+                        doc)
+    assert claimed, "the docstring no longer states the measured buffers"
+    page = " ".join((pathlib.Path(__file__).resolve().parents[2] / "docs" / "large_vocab.md")
+                    .read_text().split())
+    reverse, forward, jsd = claimed.groups()
+    assert (f"its peak is {reverse} $(c, V)$ buffers for a chunk of $c$ rows for the reverse KL, "
+            f"{forward} for the forward KL and {jsd} for the JSD") in page
+    # Every large block its own mmap, unmapped when freed (glibc would otherwise keep freed
+    # blocks resident and reuse them unseen), one thread: the RSS then follows the live tensors.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    for (divergence, beta), want in zip([("reverse_kl", 1.0), ("forward_kl", 0.0),
+                                          ("jsd", 0.3)], claimed.groups()):
+        out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, divergence, str(beta)],
+                             capture_output=True, text=True, env=env, check=True).stdout
+        # pages of a buffer are counted when touched: +-0.3 buffers of bookkeeping
+        assert float(out) == pytest.approx(float(want), abs=0.3), (divergence, out)
+
+
+def test_beta_and_normalize_are_checked_whatever_the_divergence():
+    hidden, weight, _, teacher = make_inputs()
+    for divergence in ("reverse_kl", "forward_kl"):
+        with pytest.raises(ValueError, match="beta must be <= 1.0"):
+            chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                               divergence=divergence, beta=1.5)
+        with pytest.raises(TypeError, match="normalize must be a bool"):
+            chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                               divergence=divergence, normalize=1)
+        # ... and do not change the value
+        values = {chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                                     divergence=divergence, beta=beta, normalize=normalize).item()
+                  for beta in (0.0, 0.5, 1.0) for normalize in (False, True)}
+        assert len(values) == 1
+
+
+def poke(x, row, value):
+    """A copy of ``x`` with row (or entry) ``row`` set to ``value``."""
+    x = x.clone()
+    x[row] = value
+    return x
+
+
+NAN_INPUTS = [
+    ("student_hidden", lambda h, W, b, t: (poke(h, 2, math.nan), W, b, t)),
+    ("student_hidden", lambda h, W, b, t: (poke(h, 9, -math.inf), W, b, t)),
+    ("student_weight", lambda h, W, b, t: (h, poke(W, 0, math.nan), b, t)),
+    ("student_weight", lambda h, W, b, t: (h, poke(W, 0, -math.inf), b, t)),
+    ("student_bias", lambda h, W, b, t: (h, W, poke(b, 1, math.nan), t)),
+    ("student_bias", lambda h, W, b, t: (h, W, poke(b, 1, math.inf), t)),
+    ("student_bias", lambda h, W, b, t: (h, W, torch.full_like(b, -math.inf), t)),
+    ("teacher_logits", lambda h, W, b, t: (h, W, b, poke(t, 3, math.nan))),
+    ("teacher_logits", lambda h, W, b, t: (h, W, b, poke(t, 3, -math.inf))),
+    ("teacher_logits", lambda h, W, b, t: (h, W, b, poke(t, (3, 0), math.inf))),
+    ("student's logits", lambda h, W, b, t: (h * 1e200, W * 1e200, b, t)),
+]
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+@pytest.mark.parametrize("name,poison", NAN_INPUTS)
+def test_nan_where_it_is_read_is_a_named_error_and_not_a_loss(divergence, name, poison):
+    # NaN student rows gave a NaN loss, and a NaN teacher row in the JSD a loss of 0
+    hidden, weight, bias, teacher = poison(*make_inputs())
+    with pytest.raises(ValueError, match=name):
+        chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher,
+                           student_bias=bias, divergence=divergence, chunk_size=3)
+
+
+def test_nan_in_masked_out_rows_is_never_read():
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"], dtype=torch.bool)
+    want = chunked_divergence(hidden, weight, mask, teacher_logits=teacher, student_bias=bias)
+    hidden[~mask], teacher[~mask] = math.nan, math.inf
+    got = chunked_divergence(hidden, weight, mask, teacher_logits=teacher, student_bias=bias)
+    assert torch.equal(got, want)
+
+
+def test_the_teacher_from_hidden_states_is_checked_too():
+    hidden, weight, _, _ = make_inputs()
+    t_hidden, t_weight = torch.randn(10, 2, dtype=torch.float64), torch.randn(13, 2,
+                                                                               dtype=torch.float64)
+    for name, args in [("teacher_hidden", (t_hidden.clone().index_fill_(0, torch.tensor([4]),
+                                                                         math.nan), t_weight)),
+                       ("teacher_weight", (t_hidden, t_weight.clone().fill_(math.inf))),
+                       ("teacher's logits", (t_hidden * 1e200, t_weight * 1e200))]:
+        with pytest.raises(ValueError, match=name):
+            chunked_divergence(hidden, weight, torch.ones(10), teacher_hidden=args[0],
+                               teacher_weight=args[1], chunk_size=4)
+    with pytest.raises(ValueError, match="teacher_bias is -inf everywhere"):
+        chunked_divergence(hidden, weight, torch.ones(10), teacher_hidden=t_hidden,
+                           teacher_weight=t_weight, teacher_bias=torch.full((13,), -math.inf,
+                                                                            dtype=torch.float64))
+
+
+# Found by mutation testing
+def test_the_wrappers_pass_every_argument_on_and_share_the_documented_defaults():
+    import inspect
+
+    hidden, weight, bias, teacher = make_inputs()
+    g = torch.Generator().manual_seed(7)
+    t_hidden = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    t_weight = torch.randn(13, 3, generator=g, dtype=torch.float64)
+    t_bias = torch.randn(13, generator=g, dtype=torch.float64)
+    t_bias[4] = -math.inf
+    mask = torch.tensor(MASKS["partial"])
+    wrappers = {"reverse_kl": chunked_reverse_kl, "forward_kl": chunked_forward_kl,
+                "jsd": lambda *a, **k: chunked_generalized_jsd(*a, beta=0.3, normalize=True,
+                                                               **k)}
+    for divergence, wrapper in wrappers.items():
+        extra = dict(beta=0.3, normalize=True) if divergence == "jsd" else {}
+        for teacher_kw in (dict(teacher_logits=teacher),
+                           dict(teacher_hidden=t_hidden, teacher_weight=t_weight,
+                                teacher_bias=t_bias)):
+            for chunk_size in (3, 256):
+                want = value_and_grads(
+                    lambda h, W, b: chunked_divergence(h, W, mask, student_bias=b,
+                                                       divergence=divergence,
+                                                       chunk_size=chunk_size, **extra,
+                                                       **teacher_kw), hidden, weight, bias)
+                got = value_and_grads(
+                    lambda h, W, b: wrapper(h, W, mask, student_bias=b, chunk_size=chunk_size,
+                                            **teacher_kw), hidden, weight, bias)
+                assert torch.equal(got[0], want[0])
+                assert all(torch.equal(x, y) for x, y in zip(got[1], want[1]))
+    # the documented defaults: chunk_size 256, beta 1/2, no normalisation
+    for function in (chunked_divergence, chunked_reverse_kl, chunked_forward_kl,
+                     chunked_generalized_jsd):
+        assert inspect.signature(function).parameters["chunk_size"].default == 256
+    jsd = inspect.signature(chunked_generalized_jsd).parameters
+    assert jsd["beta"].default == 0.5 and jsd["normalize"].default is False
+    divergence = inspect.signature(chunked_divergence).parameters
+    assert divergence["divergence"].default == "reverse_kl" and divergence["beta"].default == 0.5
+    assert divergence["normalize"].default is False
+
+
+def test_backward_scales_by_every_upstream_gradient_but_one():
+    # the stored gradient is returned as it is only for an upstream gradient of exactly 1
+    hidden, weight, bias, teacher = make_inputs()
+    once = value_and_grads(lambda h, W, b: chunked_reverse_kl(h, W, torch.ones(10),
+                                                             teacher_logits=teacher,
+                                                             student_bias=b), hidden, weight,
+                           bias)[1]
+    for scale in (2.0, 1.0, 0.0, -1.0):
+        scaled = value_and_grads(lambda h, W, b: scale * chunked_reverse_kl(
+            h, W, torch.ones(10), teacher_logits=teacher, student_bias=b), hidden, weight,
+            bias)[1]
+        for x, y in zip(scaled, once):
+            torch.testing.assert_close(x, scale * y, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("divergence,student,teacher", [
+    # float32 logits a few ulps apart, found by search: their KL rounds to -1.3e-7 and -3.0e-8
+    ("reverse_kl", [0.06271910667419434, -0.7663062810897827, 1.0992504358291626],
+     [0.06271883100271225, -0.7663062810897827, 1.0992505550384521]),
+    ("forward_kl", [0.1994086503982544, 2.0393941402435303, -0.21475854516029358],
+     [0.1994086354970932, 2.0393941402435303, -0.21475854516029358]),
+])
+def test_a_kl_that_rounds_below_zero_is_zero_with_no_gradient(divergence, student, teacher):
+    # as opd.py's clamp_min: the row is clamped to 0 and sends no gradient
+    h = torch.tensor([student], requires_grad=True)
+    W = torch.eye(3, requires_grad=True)
+    loss = chunked_divergence(h, W, torch.ones(1), teacher_logits=torch.tensor([teacher]),
+                              divergence=divergence)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert h.grad.abs().max().item() == 0.0 and W.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("beta,case", [(0.0, "forward_kl"), (1.0, "reverse_kl")])
+def test_normalize_leaves_the_jsd_endpoints_unscaled(beta, case):
+    # beta (1 - beta) = 0 there: the JSD is the plain KL, as in opd.generalized_jsd
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"])
+    want = chunked(case, hidden, weight, bias, teacher, mask, 4)
+    for normalize in (False, True):
+        got = value_and_grads(
+            lambda h, W, b: chunked_generalized_jsd(h, W, mask, beta=beta, normalize=normalize,
+                                                    teacher_logits=teacher, student_bias=b,
+                                                    chunk_size=4), hidden, weight, bias)
+        assert_same(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_a_float32_teacher_head_with_a_float64_student_is_computed_in_float64():
+    hidden, weight, bias, _ = make_inputs(seed=4)
+    g = torch.Generator().manual_seed(5)
+    t_hidden, t_weight = torch.randn(10, 3, generator=g), torch.randn(13, 3, generator=g)
+    t_bias = torch.randn(13, generator=g)
+    mask = torch.tensor(MASKS["partial"])
+    t_logits = t_hidden.double() @ t_weight.double().T + t_bias.double()
+    want = chunked("reverse_kl", hidden, weight, bias, t_logits, mask, 4)
+    got = chunked("reverse_kl", hidden, weight, bias, None, mask, 4, teacher_hidden=t_hidden,
+                  teacher_weight=t_weight, teacher_bias=t_bias)
+    assert got[0].dtype == torch.float64
+    assert_same(got, want, rtol=1e-12, atol=1e-14)
+
+
+OVERFLOW_MESSAGE = (" (masked in) holds {what}: the logits must be finite, or -inf for tokens "
+                    "that cannot be emitted, with at least one finite (a product of finite "
+                    "hidden states and head that is not finite overflowed the compute dtype)")
+
+
+@pytest.mark.parametrize("head,bias,what", [
+    ([[1e200], [1.0]], None, "+inf"),                         # +inf only
+    ([[-1e200], [1.0]], None, "-inf where the bias is finite"),  # -inf only
+    ([[-1e200], [1.0]], [0.0, 0.0], "-inf where the bias is finite"),
+    ([[-1e200], [1.0], [1.0]], [0.0, -math.inf, 0.0], "-inf where the bias is finite"),
+    ([[-1e200], [-1e200]], None, "-inf everywhere"),
+    ([[1e200], [-1e200]], [0.0, 0.0], "+inf"),
+])
+def test_overflowing_logits_name_what_overflowed(head, bias, what):
+    h = torch.tensor([[0.5], [1e200]], dtype=torch.float64)
+    W = torch.tensor(head, dtype=torch.float64)
+    b = None if bias is None else torch.tensor(bias, dtype=torch.float64)
+    t = torch.zeros(2, W.shape[0], dtype=torch.float64)
+    student = ("the student's logits student_hidden @ student_weight.T at row 1"
+               + OVERFLOW_MESSAGE.format(what=what))
+    with pytest.raises(ValueError, match="^" + re.escape(student) + "$"):
+        chunked_divergence(h, W, torch.ones(2), teacher_logits=t, student_bias=b)
+    # the teacher's head, likewise
+    teacher = ("the teacher's logits teacher_hidden @ teacher_weight.T at row 1"
+               + OVERFLOW_MESSAGE.format(what=what))
+    with pytest.raises(ValueError, match="^" + re.escape(teacher) + "$"):
+        chunked_divergence(torch.zeros(2, 1, dtype=torch.float64), torch.zeros_like(W),
+                           torch.ones(2), teacher_hidden=h, teacher_weight=W, teacher_bias=b)
+
+
+@pytest.mark.parametrize("value,what", [(math.nan, "NaN"), (math.inf, "+inf"),
+                                        (-math.inf, "-inf everywhere")])
+def test_bad_teacher_logits_name_what_they_hold(value, what):
+    hidden, weight, _, teacher = make_inputs()
+    teacher[6] = value
+    message = ("teacher_logits at row 6 (masked in) holds " + what + ": the logits must be "
+               "finite, or -inf for tokens that cannot be emitted, with at least one finite "
+               "(a product of finite hidden states and head that is not finite overflowed the "
+               "compute dtype)")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        chunked_divergence(hidden, weight, torch.ones(10), teacher_logits=teacher, chunk_size=4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(student_weight="nan"), "student_weight holds NaN; it must be finite"),
+    (dict(student_weight="inf"), "student_weight holds an infinite entry; it must be finite"),
+    (dict(student_weight="-inf"), "student_weight holds an infinite entry; it must be finite"),
+    (dict(student_hidden="nan"), "student_hidden (rows 3 to 5) holds NaN; it must be finite"),
+    (dict(student_hidden="inf"),
+     "student_hidden (rows 3 to 5) holds an infinite entry; it must be finite"),
+    (dict(teacher_hidden="nan"), "teacher_hidden (rows 3 to 5) holds NaN; it must be finite"),
+    (dict(teacher_weight="-inf"), "teacher_weight holds an infinite entry; it must be finite"),
+    (dict(student_bias="nan"), "student_bias holds NaN"),
+    (dict(student_bias="inf"), "student_bias holds +inf: an entry must be finite, or -inf for a "
+                               "token that cannot be emitted"),
+    (dict(student_bias="all -inf"), "student_bias is -inf everywhere: no token could be "
+                                    "emitted"),
+    (dict(teacher_bias="inf"), "teacher_bias holds +inf: an entry must be finite, or -inf for a "
+                               "token that cannot be emitted"),
+    (dict(student_bias="long"), "student_bias must have a floating dtype, got torch.int64"),
+    (dict(student_bias="2-D"), "student_bias must have 1 dimensions, got shape (1, 13) "
+                               "(2 dimensions)"),
+    (dict(student_weight="long"), "student_weight must have a floating dtype, got torch.int64"),
+    (dict(student_weight="1-D"), "student_weight must have 2 dimensions, got shape (13,) "
+                                 "(1 dimensions)"),
+])
+def test_every_refusal_says_what_and_where(change, message):
+    hidden, weight, bias, _ = make_inputs()
+    g = torch.Generator().manual_seed(8)
+    tensors = dict(student_hidden=hidden, student_weight=weight, student_bias=bias,
+                   teacher_hidden=torch.randn(10, 2, generator=g, dtype=torch.float64),
+                   teacher_weight=torch.randn(13, 2, generator=g, dtype=torch.float64),
+                   teacher_bias=torch.zeros(13, dtype=torch.float64))
+    (name, how), = change.items()
+    x = tensors[name].clone()
+    if how in ("nan", "inf", "-inf"):
+        value = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[how]
+        if name.endswith("hidden"):
+            x[4, 0] = value  # row 4: the chunk of rows 3 to 5 (chunk_size 3)
+        else:
+            x.view(-1)[5] = value
+    elif how == "all -inf":
+        x = torch.full_like(x, -math.inf)
+    elif how == "long":
+        x = x.long()
+    elif how == "2-D":
+        x = x[None]
+    elif how == "1-D":
+        x = x[:, 0]
+    tensors[name] = x
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        chunked_divergence(tensors.pop("student_hidden"), tensors.pop("student_weight"),
+                           torch.ones(10), chunk_size=3, **tensors)
+
+
+def test_a_bias_of_another_dtype_gets_a_gradient_of_its_own_dtype():
+    hidden, weight, bias, teacher = make_inputs()
+    b = bias.float().requires_grad_(True)
+    h = hidden.clone().requires_grad_(True)
+    chunked_reverse_kl(h, weight, torch.ones(10), teacher_logits=teacher, student_bias=b
+                       ).backward()
+    assert b.grad.dtype == torch.float32 and h.grad.dtype == torch.float64
+    want = chunked("reverse_kl", hidden, weight, b.detach().double(), teacher, torch.ones(10), 4)
+    torch.testing.assert_close(b.grad, want[1][2].float(), rtol=1e-6, atol=1e-7)

@@ -6,6 +6,7 @@ vocabulary (no torch), from the full distributions that the approximations do no
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from opd_literate import opd
 from opd_literate.large_vocab.topk import (
     APPROXIMATIONS,
     DIRECTIONS,
+    format_topk_bias_table,
     plot_topk_bias,
     topk_bias_figure_data,
     topk_bias_table,
@@ -276,9 +278,18 @@ def test_the_chapters_claims_about_the_study():
                 assert cell[5, direction, "renormalize"]["rel_grad_bias"] > 1
                 # ... and a value above the true KL at k = 20 (no lower bound)
                 assert cell[20, direction, "renormalize"]["rel_bias"] > 0
-            # (c) of the reverse KL is negative at k = 1 and 5
-            assert cell[1, "reverse", "ignore"]["approx"] < 0
-            assert cell[5, "reverse", "ignore"]["approx"] < 0
+            # (c) of the reverse KL is negative at k = 1 and 5, where P < Q
+            for k in (1, 5):
+                row = cell[k, "reverse", "ignore"]
+                assert row["approx"] < 0 and row["student_mass"] < row["teacher_mass"]
+                # (c) >= P log(P / Q), the log-sum inequality on S
+                P, Q = row["student_mass"], row["teacher_mass"]
+                assert row["approx"] >= P * math.log(P / Q) - 1e-12
+        # wherever (c) is negative in the table, P < Q (reverse) or Q < P (forward)
+        for (k, direction, approximation), row in cell.items():
+            if approximation == "ignore" and row["approx"] < 0:
+                P, Q = row["student_mass"], row["teacher_mass"]
+                assert (P < Q) if direction == "reverse" else (Q < P)
         for direction in DIRECTIONS:
             for k in (5, 20, 100, 500):
                 assert abs(cell[k, direction, "renormalize"]["rel_bias"]) < 0.2
@@ -289,3 +300,281 @@ def test_the_chapters_claims_about_the_study():
         assert cold[key]["teacher_mass"] > warm[key]["teacher_mass"]
         if key[2] == "tail":
             assert abs(cold[key]["rel_bias"]) < abs(warm[key]["rel_bias"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims read again (issue 22)
+# ---------------------------------------------------------------------------------------------
+def test_with_k_equal_to_v_every_approximation_is_exact_on_random_float32_cases():
+    # the forward tail bucket was +inf with a zero gradient on 29 of 200 of these: log(1 - Q)
+    # read the rounding of Q (1 - 6e-8) as teacher tail mass, against a student tail of 0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        V = int(torch.randint(1, 12, (1,), generator=g))
+        student = 3 * torch.randn(V, generator=g)
+        log_q = torch.log_softmax(3 * torch.randn(V, generator=g), -1)
+        ids = torch.randperm(V, generator=g)
+        for direction in DIRECTIONS:
+            dense = (opd.reverse_kl_per_position if direction == "reverse"
+                     else opd.forward_kl_per_position)
+            want = dense(student[None, None], log_q[None, None])[0, 0]
+            for approximation in APPROXIMATIONS:
+                z = student.clone().requires_grad_(True)
+                got = topk_kl(z, log_q[ids], ids, approximation, direction)
+                got.backward()
+                assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+                assert bool(torch.isfinite(z.grad).all())
+
+
+def test_with_k_equal_to_v_the_renormalised_gradient_is_exact_when_it_is_tiny():
+    # p = (1, 2e-13) against a uniform teacher: the gradient has norm 5e-12, and the rounding
+    # of the student's summed mass P (1e-16) gave a relative gradient error of 1.2e-5
+    student, teacher = zipf_pair(2, 0.0, 0.0625, 1.0, 0)
+    rows = topk_bias_table([2], student, teacher)
+    assert max(r["rel_grad_bias"] for r in rows) < 1e-9
+
+
+def test_the_tail_bucket_is_exact_with_one_token_unreported():
+    # k = V - 1: a single token off S, so the two tails agree up to scale
+    for p, q in itertools.product(GRID[::7], GRID[::5]):
+        for S in itertools.combinations(range(4), 3):
+            for direction in DIRECTIONS:
+                ref = approximations(p, q, S, direction)
+                assert ours(p, q, S, "tail", direction) == pytest.approx(ref["true"],
+                                                                         rel=1e-12)
+
+
+def test_renormalize_can_exceed_every_kl_consistent_with_the_report():
+    # forward, S = {0, 1}: q_S = (0.45, 0.45), so Q = 0.9; the student p = (9e-4, 0.8991,
+    # 0.05, 0.05) has P = 0.9 too. Whatever the teacher's tail (mass 0.1 on tokens 2 and 3),
+    # KL = kl2(0.9, 0.9) + 0.9 (a) + 0.1 KL(q^ || (1/2, 1/2)) <= 0.9 (a) + 0.1 log 2 < (a).
+    p = [0.9e-3, 0.9 * 0.999, 0.05, 0.05]
+    a = ours(p, [0.45, 0.45, 0.05, 0.05], {0, 1}, "renormalize", "forward")
+    assert a == pytest.approx(0.5 * math.log(0.5 / 1e-3) + 0.5 * math.log(0.5 / 0.999),
+                              rel=1e-12)
+    for share in [i / 100 for i in range(101)]:
+        q = [0.45, 0.45, 0.1 * share, 0.1 * (1 - share)]
+        assert kl(q, p) < a - 0.2
+
+
+def test_every_approximation_is_below_the_kl_for_some_report():
+    # no upper bound: (a) = 0 < KL; (b) below by (1 - A) KL(tails) > 0; (c) with its condition
+    p, q = [0.1, 0.1, 0.8], [0.4, 0.4, 0.2]
+    assert ours(p, q, {0, 1}, "renormalize", "forward") < kl(q, p) - 0.5
+    p, q = [0.25, 0.25, 0.4, 0.1], [0.25, 0.25, 0.1, 0.4]
+    assert ours(p, q, {0, 1}, "tail", "forward") < kl(q, p) - 0.3
+    assert ours(p, q, {0, 1}, "ignore", "reverse") < kl(p, q) - 0.3
+
+
+def test_the_reverse_tail_bucket_stays_finite_and_below_the_kl_when_q_rounds_to_one():
+    # q = (1/2, 1/2 - 1e-20, 5e-21, 5e-21), S = {0, 1}: Q = 1 - 1e-20 rounds to 1 in float64.
+    # The student keeps 0.3 off S. The true reverse KL is finite; (b) was +inf (zero gradient).
+    log_q = torch.tensor([math.log(0.5), math.log(0.5), math.log(5e-21), math.log(5e-21)],
+                         dtype=torch.float64)
+    z = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)).requires_grad_(True)
+    got = topk_kl(z, log_q[:2], torch.tensor([0, 1]), "tail", "reverse")
+    true = kl([0.4, 0.3, 0.2, 0.1], [0.5, 0.5 - 1e-20, 5e-21, 5e-21])
+    assert math.isfinite(got.item()) and got.item() <= true
+    # the teacher's tail taken as k eps = 2 * 2.2e-16 instead of 1e-20: the bucket's term
+    # 0.3 log(0.3 / tail) is 0.3 log(4.4e-16 / 1e-20) = 3.2 below its exact value
+    assert got.item() == pytest.approx(true - 0.3 * math.log(2 * 2.0**-52 / 1e-20)
+                                       - 0.2 * math.log(0.2 / 0.3 / 0.5)
+                                       - 0.1 * math.log(0.1 / 0.3 / 0.5), rel=1e-9)
+    got.backward()
+    assert bool(torch.isfinite(z.grad).all()) and z.grad.abs().sum() > 0
+
+
+def test_renormalize_without_mass_on_s_is_zero_with_a_zero_gradient():
+    # the student gives S = {0} probability 0: a~ does not exist; the gradient was NaN
+    z = torch.tensor([-math.inf, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    got = topk_kl(z, torch.tensor([-1.0], dtype=torch.float64), torch.tensor([0]),
+                  "renormalize", "reverse")
+    got.backward()
+    assert got.item() == 0.0 and z.grad.tolist() == [0.0, 0.0, 0.0]
+    # the teacher reports probability 0 on S, the student does not: +inf, zero gradient
+    z = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    got = topk_kl(z, torch.tensor([-math.inf], dtype=torch.float64), torch.tensor([0]),
+                  "renormalize", "reverse")
+    got.backward()
+    assert got.item() == math.inf and z.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("logits,message", [
+    ([math.nan, 0.0, 0.0], "student_logits holds NaN"),
+    ([math.inf, 0.0, 0.0], "student_logits holds \\+inf"),
+    ([-math.inf] * 3, "all -inf"),
+    ([-3e38, 0.0, 3e38], "span more than the range of torch.float32"),
+])
+def test_bad_student_logits_are_a_named_error_not_a_loss(logits, message):
+    # a NaN student gave a loss of exactly 0.0
+    for approximation in APPROXIMATIONS:
+        with pytest.raises(ValueError, match=message):
+            topk_kl(torch.tensor(logits), torch.tensor([-1.0]), torch.tensor([0]),
+                    approximation)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: zipf_pair(V=0), "V must be a positive int"),
+    (lambda: zipf_pair(V=3.5), "V must be a positive int"),
+    (lambda: zipf_pair(V=3, seed=1.5), "seed must be an int"),
+    (lambda: topk_bias_table([0], *zipf_pair(V=4)), "ks must hold ints in \\[1, V\\]"),
+    (lambda: topk_bias_table([5], *zipf_pair(V=4)), "ks must hold ints in \\[1, V\\]"),
+    (lambda: topk_bias_table([2], *zipf_pair(V=4, noise=0.0)), "true KLs and their gradients"),
+    (lambda: topk_bias_table([2], torch.tensor([0.0, math.nan]), torch.zeros(2)),
+     "student_logits must be finite or -inf"),
+    (lambda: topk_bias_figure_data(V=1), "V must be an int >= 2"),
+])
+def test_the_study_functions_refuse_bad_input_by_name(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call()
+
+
+# Found by mutation testing
+def test_the_figure_shows_what_its_docstring_and_the_chapter_say(tmp_path, monkeypatch):
+    import struct
+
+    import matplotlib.pyplot as plt
+
+    captured = []
+    monkeypatch.setattr(plt, "close", lambda fig: captured.append(fig))
+    data = topk_bias_figure_data(V=64, temperatures=(0.7, 1.0), ks=[1, 8, 32])
+    path = plot_topk_bias(tmp_path / "topk_bias.png", data)
+    png = path.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", png[16:24]) == (1210, 825)  # 11 x 7.5 inches at 110 dpi
+    assert b"Software" not in png  # no matplotlib version in the file: the same bytes anywhere
+    (fig,) = captured
+    axes = fig.axes
+    assert len(axes) == 4
+    names = {"reverse": "reverse KL(p ‖ q)", "forward": "forward KL(q ‖ p)"}
+    for i, direction in enumerate(DIRECTIONS):
+        value, gradient = axes[2 * i], axes[2 * i + 1]
+        assert value.get_title() == f"{names[direction]}: (approx − true) / true"
+        assert gradient.get_title() == f"{names[direction]}: ‖ĝ − g‖ / ‖g‖"
+        assert value.get_ylabel() == "relative bias of the value"
+        assert gradient.get_ylabel() == "relative gradient bias"
+        assert value.get_xscale() == gradient.get_xscale() == "log"
+        assert value.get_yscale() == "linear" and gradient.get_yscale() == "log"
+        # one line per approximation and temperature, plus the zero line of the value panel
+        assert len(gradient.get_lines()) == 6 and len(value.get_lines()) == 7
+        zero = value.get_lines()[-1]
+        assert list(zero.get_ydata()) == [0.0, 0.0] and zero.get_color() == "black"
+        assert zero.get_linewidth() == 0.6
+        for axis in (value, gradient):
+            for line, (temperature, approximation) in zip(
+                    axis.get_lines(), [(t, a) for t in (0.7, 1.0) for a in APPROXIMATIONS]):
+                label = f"({'abc'[APPROXIMATIONS.index(approximation)]}) {approximation}, " \
+                        f"τ = {temperature:g}"
+                assert line.get_label() == label and line.get_marker() == "."
+                assert line.get_linestyle() == {"renormalize": "-", "tail": "--",
+                                                "ignore": ":"}[approximation]
+                assert list(line.get_xdata()) == [1, 8, 32]
+                rows = [r for r in data["rows"][temperature] if r["direction"] == direction
+                        and r["approximation"] == approximation]
+                key = "rel_bias" if axis is value else "rel_grad_bias"
+                assert list(line.get_ydata()) == [r[key] for r in rows]
+            assert all(g.get_alpha() == 0.3 for g in axis.get_xgridlines() + axis.get_ygridlines()
+                       if g.get_visible())
+    for axis in axes[2:]:
+        assert axis.get_xlabel() == ("k (teacher's top-k of V = 64; Zipf exponent 1.1, "
+                                     "student noise 1)")
+    assert axes[0].get_xlabel() == ""
+    legend = axes[1].get_legend()
+    assert legend is not None and legend.get_texts()[0].get_fontsize() == 7
+    assert all(axis.get_legend() is None for axis in (axes[0], axes[2], axes[3]))
+    assert all(axes[0].get_shared_x_axes().joined(axes[0], axis) for axis in axes[1:])
+    monkeypatch.undo()
+    plt.close(fig)
+
+
+def test_the_bias_table_header_and_its_refusal_of_a_missing_k():
+    data = topk_bias_figure_data(V=8, temperatures=(1.0,), ks=[2, 8])
+    lines = format_topk_bias_table(data, ks=[2, 8]).splitlines()
+    assert lines[0] == ("| τ | k | teacher mass Q | reverse (a) renormalize | reverse (b) tail | "
+                        "reverse (c) ignore | forward (a) renormalize | forward (b) tail | "
+                        "forward (c) ignore |")
+    assert lines[1] == "| ---: | ---: | ---: | " + " | ".join(["---:"] * 6) + " |"
+    assert len(lines) == 4 and lines[3].startswith("| 1 | 8 | 1.000 | ")
+    with pytest.raises(ValueError, match=re.escape("k = 3 is not in the data (ks = [2, 8])")):
+        format_topk_bias_table(data, ks=[3])
+
+
+def test_the_figure_data_defaults_are_the_chapters_settings():
+    import inspect
+
+    import numpy as np
+
+    # the chapter: V = 4,096 ranks, Zipf exponent 1.1, unit noise, tau = 0.7 and 1
+    defaults = {name: p.default
+                for name, p in inspect.signature(topk_bias_figure_data).parameters.items()}
+    assert defaults == {"V": 4096, "exponent": 1.1, "temperatures": (0.7, 1.0), "noise": 1.0,
+                        "seed": 0, "ks": None}
+    # default ks: 25 log-spaced values from 1 to V / 2, rounded, and the table's k below V
+    for V in (2, 3, 16, 64):
+        data = topk_bias_figure_data(V=V, temperatures=(1.0,))
+        want = {int(round(x)) for x in np.logspace(0, math.log10(V / 2), 25)}
+        want |= {k for k in (1, 5, 20, 100, 500) if k < V}
+        assert data["ks"] == sorted(want)
+        assert sorted({r["k"] for r in data["rows"][1.0]}) == sorted(want)
+    for bad in (True, 1, 2.0):
+        with pytest.raises(ValueError, match="V must be an int >= 2 for the default ks"):
+            topk_bias_figure_data(V=bad)
+
+
+def test_the_figure_defaults_to_the_figure_data(tmp_path, monkeypatch):
+    from opd_literate.large_vocab import topk
+
+    small = topk_bias_figure_data(V=16, temperatures=(1.0,), ks=[1, 4])
+    calls = []
+    monkeypatch.setattr(topk, "topk_bias_figure_data", lambda: calls.append(1) or small)
+    assert topk.plot_topk_bias(tmp_path / "f.png").exists() and calls == [1]
+
+
+def test_a_teacher_mass_that_rounds_above_one_leaves_no_tail_and_no_nan():
+    # log(1/2) + log(1/2 + 1e-16): Q rounds to just above 1; _log1mexp must read it as no tail
+    t = torch.tensor([math.log(0.5), math.log(0.5 + 2e-16)], dtype=torch.float64)
+    assert torch.logsumexp(t, 0).item() > 0
+    for direction in DIRECTIONS:
+        got = topk_kl(torch.zeros(3, dtype=torch.float64), t, torch.tensor([0, 1]), "tail",
+                      direction)
+        assert not math.isnan(got.item())
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: topk_kl(torch.zeros(()), torch.zeros(1), torch.zeros(1, dtype=torch.long)),
+     "student_logits must have a last (vocabulary) dimension of size >= 1, got shape ()"),
+    (lambda: topk_kl(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.long)),
+     "student_logits must have a last (vocabulary) dimension of size >= 1, got shape (2, 0)"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(1), [0]),
+     "topk_ids must be an integer torch.Tensor, got list"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(1), torch.tensor([True])),
+     "topk_ids must be an integer torch.Tensor, got torch.bool"),
+    (lambda: topk_kl(torch.zeros(2, 3), torch.zeros(3, 1), torch.zeros(3, 1, dtype=torch.long)),
+     "teacher_topk_logp must have shape (..., k) with the leading shape of student_logits (2,), "
+     "got (3, 1)"),
+    (lambda: topk_kl(torch.zeros(2, 3), torch.zeros(1), torch.zeros(1, dtype=torch.long)),
+     "teacher_topk_logp must have shape (..., k) with the leading shape of student_logits (2,), "
+     "got (1,)"),
+    (lambda: topk_kl(torch.tensor([math.inf, 0.0]), torch.zeros(1), torch.tensor([0])),
+     "student_logits holds +inf: a logit must be finite, or -inf for a token the student "
+     "cannot emit"),
+    (lambda: topk_bias_table([1], torch.zeros(3, 1), torch.zeros(3, 1)),
+     "student_logits must have 1 dimensions, got shape (3, 1) (2 dimensions)"),
+    (lambda: topk_bias_table([1], torch.zeros(3), torch.zeros(3, 1)),
+     "teacher_logits must have 1 dimensions, got shape (3, 1) (2 dimensions)"),
+    (lambda: topk_bias_table([1], torch.zeros(3), torch.zeros(4)),
+     "teacher_logits must have the shape of student_logits (3,), got (4,)"),
+    (lambda: topk_bias_table([True], torch.arange(3.0), torch.zeros(3)),
+     "ks must hold ints in [1, V] = [1, 3], got True"),
+    (lambda: topk_bias_table([1], torch.arange(3.0), torch.tensor([0.0, math.inf, 0.0])),
+     "teacher_logits must be finite or -inf, with one finite entry"),
+    (lambda: topk_bias_table([1], torch.arange(3.0), torch.full((3,), -math.inf)),
+     "teacher_logits must be finite or -inf, with one finite entry"),
+    (lambda: zipf_pair(V=3, exponent=-1.0), "exponent must be >= 0.0, got -1.0"),
+    (lambda: zipf_pair(V=3, temperature=0.0), "temperature must be > 0, got 0.0"),
+    (lambda: zipf_pair(V=3, noise=-0.5), "noise must be >= 0.0, got -0.5"),
+    (lambda: zipf_pair(V=True), "V must be a positive int, got True"),
+])
+def test_every_top_k_refusal_says_what(call, message):
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        call()

@@ -1,0 +1,430 @@
+"""Property tests of ``large_vocab.chunked`` and ``large_vocab.topk`` (Hypothesis).
+
+Cases: B or T = 0 (N = 0 rows), V = 1, H = 0, k from 1 to V, every dtype (fp16, bf16, fp32,
+fp64, and mixed), ragged, empty and full masks, chunk sizes that do not divide N, ``-inf`` in
+the logits and biases, NaN and infinities in masked-out rows, logits up to the largest finite
+number of their dtype. Every function must
+
+* from finite input (``-inf`` where a token is impossible) return a value that is not NaN,
+  close to an independent float64 reference, ``+inf`` exactly where the reference is, in the
+  documented dtype and on the inputs' device; or raise a ``ValueError`` naming an argument
+  (logits whose spread overflows the compute dtype);
+* from NaN (or ``+inf``) where it is read raise a ``ValueError`` naming the argument;
+* ignore masked-out rows: the value and the gradients are the same when they hold garbage,
+  and their gradient rows are exactly 0;
+* have gradients without NaN, finite wherever the loss is finite.
+
+The example count comes from the Hypothesis profile (conftest.py): "fast" by default,
+``--hypothesis-profile=ci`` for 1,000 examples a property.
+"""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opd_literate import opd
+from opd_literate.large_vocab.chunked import DIVERGENCES, chunked_divergence
+from opd_literate.large_vocab.topk import (
+    APPROXIMATIONS,
+    DIRECTIONS,
+    format_topk_bias_table,
+    topk_bias_table,
+    topk_kl,
+    zipf_pair,
+)
+
+pytestmark = pytest.mark.properties
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def compute_dtype(*dtypes):
+    dtype = dtypes[0]
+    for d in dtypes[1:]:
+        dtype = torch.promote_types(dtype, d)
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def eps(dtype):
+    return torch.finfo(dtype).eps
+
+
+def draw_logits(draw, g, shape, dtype, finite_rows=None, cap=math.inf):
+    """Logits of ``shape`` (..., V): a scale from tiny to the dtype's largest, some -inf entries
+    (each row in ``finite_rows`` keeps one finite entry; None: every row)."""
+    scale = draw(st.sampled_from([1e-3, 1.0, 30.0, 1e4, "huge", "max"]))
+    largest = min(torch.finfo(dtype).max, cap)
+    if scale == "huge":  # large, but every difference of two logits is finite in float32
+        scale = min(largest, 1e30) / 4
+    elif scale == "max":
+        scale = largest
+    with np.errstate(over="ignore"):  # clipped to the dtype's range just below
+        z = np.clip(scale * g.standard_normal(shape), -largest, largest)
+    impossible = g.random(shape) < draw(st.sampled_from([0.0, 0.3, 0.7]))
+    keep = g.integers(0, shape[-1], size=shape[:-1])
+    rows = np.ones(shape[:-1], bool) if finite_rows is None else finite_rows
+    for index in np.ndindex(*shape[:-1]):
+        if rows[index]:
+            impossible[index + (keep[index],)] = False
+    z[impossible] = -np.inf
+    return torch.from_numpy(z).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_kl
+# ---------------------------------------------------------------------------------------------
+def reference_topk(log_p, log_q_S, ids, approximation, direction, dtype):
+    """(a), (b), (c) at one position in float64 numpy, from the full student log-probs; the
+    reverse tail bucket takes a teacher tail below k eps (the rounding of Q) as k eps, as
+    documented."""
+    s = log_p[ids]
+    a, b = (s, log_q_S) if direction == "reverse" else (log_q_S, s)
+    V, k = len(log_p), len(ids)
+
+    def kl(la, lb):
+        support = la > -np.inf
+        if np.any(support & (lb == -np.inf)):
+            return np.inf
+        return float(np.sum(np.exp(la[support]) * (la[support] - lb[support])))
+
+    if approximation == "ignore":
+        return kl(a, b)
+    log_A, log_B = (np.logaddexp.reduce(x) if np.any(x > -np.inf) else -np.inf for x in (a, b))
+    if approximation == "renormalize":
+        if log_A == -np.inf:
+            return 0.0
+        return kl(a - log_A, b - (log_B if log_B > -np.inf else 0.0))
+    off = np.delete(log_p, ids)
+    student_tail = np.logaddexp.reduce(off) if np.any(off > -np.inf) else -np.inf
+    teacher_mass = np.exp(np.logaddexp.reduce(log_q_S)) if np.any(log_q_S > -np.inf) else 0.0
+    teacher_tail = -np.inf if k == V or teacher_mass >= 1 else math.log1p(-teacher_mass)
+    if direction == "reverse" and k < V:
+        teacher_tail = max(teacher_tail, math.log(k * eps(dtype)))
+    tails = (student_tail, teacher_tail) if direction == "reverse" else (teacher_tail,
+                                                                          student_tail)
+    return kl(np.append(a, tails[0]), np.append(b, tails[1]))
+
+
+@st.composite
+def topk_case(draw):
+    lead = tuple(draw(st.lists(st.integers(0, 3), min_size=0, max_size=2)))
+    V = draw(st.integers(1, 6))
+    k = draw(st.integers(1, V))
+    dtype, teacher_dtype = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DTYPES))
+    g = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(draw, g, lead + (V,), dtype)
+    teacher = draw_logits(draw, g, lead + (V,), torch.float64)
+    log_q = torch.log_softmax(teacher, -1)
+    ids = torch.from_numpy(np.argsort(g.random(lead + (V,)), axis=-1)[..., :k].copy())
+    teacher_logp = log_q.gather(-1, ids).clamp_max(0.0).to(teacher_dtype)
+    return student, teacher_logp, ids, draw(st.sampled_from(APPROXIMATIONS)), \
+        draw(st.sampled_from(DIRECTIONS))
+
+
+@given(topk_case())
+def test_topk_kl_finite_in_finite_out_close_to_the_reference(case):
+    student, teacher_logp, ids, approximation, direction = case
+    z = student.clone().requires_grad_(True)
+    try:
+        got = topk_kl(z, teacher_logp, ids, approximation, direction)
+    except ValueError as error:
+        # the only refusal of finite logits: a spread that overflows the compute dtype
+        assert "student_logits span more than the range" in str(error)
+        spread = student.double().amax(-1) - student.double().where(
+            student > -math.inf, torch.tensor(math.inf, dtype=torch.float64)).amin(-1)
+        assert bool((spread > torch.finfo(compute_dtype(student.dtype)).max / 2).any())
+        return
+    dtype = compute_dtype(student.dtype, teacher_logp.dtype)
+    assert got.shape == student.shape[:-1] and got.dtype == dtype
+    assert got.device == student.device
+    assert not bool(got.isnan().any())
+    # reference from the values the function received, in float64
+    log_p = torch.log_softmax(student.to(dtype).double(), -1).numpy()
+    t = teacher_logp.to(dtype).double().numpy()
+    flat = got.detach().double().reshape(-1).numpy()
+    lp, tt, ii = log_p.reshape(-1, log_p.shape[-1]), t.reshape(-1, t.shape[-1]), \
+        ids.reshape(-1, ids.shape[-1]).numpy()
+    for i in range(flat.size):
+        want = reference_topk(lp[i], tt[i], ii[i], approximation, direction, dtype)
+        if math.isinf(want):
+            assert flat[i] == math.inf
+            continue
+        # terms of size |log a - log b| (up to 1e30 here) rounded in the compute dtype
+        terms = np.concatenate([lp[i][ii[i]], tt[i]])
+        magnitude = 1.0 + np.abs(terms[np.isfinite(terms)]).max(initial=0.0)
+        assert abs(flat[i] - want) <= 64 * eps(dtype) * magnitude * (ids.shape[-1] + 2), \
+            (flat[i], want)
+    # gradients: no NaN, and finite wherever the value is
+    finite = torch.isfinite(got)
+    torch.where(finite, got, torch.zeros_like(got)).sum().backward()
+    assert z.grad.dtype == student.dtype and not bool(z.grad.isnan().any())
+    # finite where it fits the student's dtype (|gradient| is at most about twice the largest
+    # |log p - log q|: fp16 cannot hold the gradient of a 1e5 gap, nor bf16 of a 1e300 one)
+    gaps = torch.cat([torch.log_softmax(student.to(dtype), -1).detach().reshape(-1),
+                      teacher_logp.to(dtype).reshape(-1)])
+    gap = gaps[torch.isfinite(gaps)].abs().max().item() if bool(torch.isfinite(gaps).any()) \
+        else 0.0
+    if 4 * gap < torch.finfo(student.dtype).max:
+        assert bool(torch.isfinite(z.grad).all())
+
+
+@given(topk_case(), st.data())
+def test_topk_kl_with_k_equal_to_v_is_the_full_kl(case, data):
+    student, _, _, _, direction = case
+    V = student.shape[-1]
+    student = student.double().clamp(-1e4, 1e4)  # finite or -inf, moderate
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    teacher = draw_logits(data.draw, g, student.shape, torch.float64, cap=1e4)
+    log_q = torch.log_softmax(teacher, -1)
+    ids = torch.from_numpy(np.argsort(g.random(student.shape), axis=-1).copy())
+    lead = student.shape[:-1]
+    dense = (opd.reverse_kl_per_position if direction == "reverse"
+             else opd.forward_kl_per_position)
+    want = dense(student.reshape(1, -1, V), teacher.reshape(1, -1, V)).reshape(lead)
+    for approximation in APPROXIMATIONS:
+        got = topk_kl(student, log_q.gather(-1, ids), ids, approximation, direction)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (approximation, got, want)
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-9, atol=1e-9)
+
+
+@given(topk_case(), st.sampled_from(["student", "teacher"]), st.data())
+def test_topk_kl_nan_input_is_a_named_error(case, where, data):
+    student, teacher_logp, ids, approximation, direction = case
+    if student.numel() == 0:
+        return
+    target = student.clone() if where == "student" else teacher_logp.clone()
+    flat = target.view(-1)
+    flat[data.draw(st.integers(0, flat.numel() - 1))] = math.nan
+    name = "student_logits" if where == "student" else "teacher_topk_logp"
+    args = (target, teacher_logp) if where == "student" else (student, target)
+    with pytest.raises(ValueError, match=name):
+        topk_kl(*args, ids, approximation, direction)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked_divergence
+# ---------------------------------------------------------------------------------------------
+@st.composite
+def chunked_case(draw):
+    N, H, V = draw(st.integers(0, 7)), draw(st.integers(0, 3)), draw(st.integers(1, 6))
+    dtype = draw(st.sampled_from(DTYPES))
+    teacher_dtype = draw(st.sampled_from([dtype] + DTYPES))
+    g = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    mask = g.random(N) < draw(st.sampled_from([0.0, 0.5, 1.0]))
+    largest = torch.finfo(dtype).max
+    scale = draw(st.sampled_from([1e-3, 1.0, 5.0, 1e3, "huge"]))
+    scale = min(largest, 1e30) ** 0.5 if scale == "huge" else scale  # W h up to about 1e30
+    hidden = torch.from_numpy(scale * g.standard_normal((N, H))).to(dtype)
+    weight = torch.from_numpy(scale * g.standard_normal((V, H))).to(dtype)
+    bias = None
+    if draw(st.booleans()):
+        b = g.standard_normal(V)
+        b[(g.random(V) < 0.3) & (np.arange(V) != g.integers(0, V))] = -np.inf
+        bias = torch.from_numpy(b).to(dtype)
+    teacher = {}
+    if draw(st.booleans()):
+        teacher["teacher_logits"] = draw_logits(draw, g, (N, V), teacher_dtype,
+                                                finite_rows=mask, cap=1e30)
+    else:
+        H_T = draw(st.integers(0, 3))
+        teacher["teacher_hidden"] = torch.from_numpy(g.standard_normal((N, H_T))).to(
+            teacher_dtype)
+        teacher["teacher_weight"] = torch.from_numpy(3 * g.standard_normal((V, H_T))).to(
+            teacher_dtype)
+    divergence = draw(st.sampled_from(DIVERGENCES))
+    beta = draw(st.sampled_from([0.0, 0.3, 1.0]))
+    options = dict(divergence=divergence, beta=beta, normalize=draw(st.booleans()),
+                   chunk_size=draw(st.integers(1, 9)), **teacher)
+    return hidden, weight, bias, torch.from_numpy(mask), options
+
+
+def with_garbage(x, mask, g):
+    """``x`` with its masked-out rows overwritten by NaN, +-inf and huge numbers."""
+    x = x.clone()
+    if x.shape[-1]:
+        rows = ~mask
+        junk = torch.tensor([math.nan, math.inf, -math.inf, 1e30], dtype=torch.float64)
+        x[rows] = junk[torch.from_numpy(g.integers(0, 4, tuple(x[rows].shape)))].to(x.dtype)
+    return x
+
+
+def leaves(hidden, weight, bias):
+    return [None if x is None else x.detach().clone().requires_grad_(True)
+            for x in (hidden, weight, bias)]
+
+
+def dense_reference(hidden, weight, bias, mask, options):
+    """The dense opd.py loss in float64 on the masked-in rows only (the others are never
+    passed), and its gradients (masked-out rows of the hidden states: 0)."""
+    h, W, b = leaves(*(None if x is None else x.double() for x in (hidden, weight, bias)))
+    rows = mask.nonzero().reshape(-1)
+    z = h[rows] @ W.T + (0.0 if b is None else b)
+    if "teacher_logits" in options:
+        t = options["teacher_logits"][rows].double()
+    else:
+        t = options["teacher_hidden"][rows].double() @ options["teacher_weight"].double().T
+    full = torch.ones(1, len(rows), dtype=torch.bool)
+    if options["divergence"] == "reverse_kl":
+        loss = opd.full_vocab_reverse_kl(z[None], t[None], full)
+    elif options["divergence"] == "forward_kl":
+        loss = opd.forward_kl(z[None], t[None], full)
+    else:
+        loss = opd.generalized_jsd(z[None], t[None], full, beta=options["beta"],
+                                   normalize=options["normalize"])
+    loss = loss * len(rows) / max(int(mask.sum()), 1)
+    if loss.requires_grad and torch.isfinite(loss):
+        loss.backward()
+    return loss.detach(), [None if x is None else x.grad for x in (h, W, b)]
+
+
+@given(chunked_case(), st.integers(0, 2**32 - 1))
+def test_chunked_finite_in_finite_out_and_masked_rows_have_no_influence(case, seed):
+    hidden, weight, bias, mask, options = case
+    g = np.random.default_rng(seed)
+    h, W, b = leaves(hidden, weight, bias)
+    try:
+        got = chunked_divergence(h, W, mask, student_bias=b, **options)
+    except ValueError as error:
+        # the only refusal of finite input: logits that overflow the compute dtype
+        assert "overflowed the compute dtype" in str(error), error
+        assert re.search(r"the (student|teacher)'s logits", str(error)), error
+        return
+    dtypes = [x.dtype for x in (hidden, weight, bias) if x is not None]
+    dtypes += [v.dtype for v in options.values() if isinstance(v, torch.Tensor)]
+    dtype = compute_dtype(*dtypes)
+    assert got.shape == () and got.dtype == dtype and got.device == hidden.device
+    assert not got.isnan()
+    want, want_grads = dense_reference(hidden, weight, bias, mask, options)
+    if math.isinf(want):
+        assert got.item() == math.inf
+    else:
+        z = hidden.double() @ weight.double().T
+        magnitude = 1.0 + (z.abs().max().item() if z.numel() else 0.0)
+        if "teacher_logits" in options:
+            t = options["teacher_logits"][mask].double()
+            finite = t[torch.isfinite(t)]
+            magnitude += finite.abs().max().item() if finite.numel() else 0.0
+        scale = 4.0 if options["normalize"] and 0 < options["beta"] < 1 else 1.0
+        assert abs(got.item() - want.item()) <= 256 * eps(dtype) * magnitude * scale, \
+            (got.item(), want.item())
+    got.backward()
+    for x, reference in zip((h, W, b), want_grads):
+        if x is None:
+            continue
+        assert x.grad.dtype == x.dtype and not bool(x.grad.isnan().any())
+        if x.dtype != torch.float16:
+            assert bool(torch.isfinite(x.grad).all())
+        if reference is not None and magnitude < 1e3 and x.dtype == torch.float64:
+            torch.testing.assert_close(x.grad, reference, rtol=1e-8, atol=1e-10)
+    assert bool((h.grad[~mask] == 0).all())
+    # garbage in the masked-out rows of every (N, .) input changes nothing, bit for bit
+    garbage = dict(options)
+    for name in ("teacher_logits", "teacher_hidden"):
+        if name in garbage:
+            garbage[name] = with_garbage(garbage[name], mask, g)
+    h2, W2, b2 = leaves(with_garbage(hidden, mask, g), weight, bias)
+    again = chunked_divergence(h2, W2, mask, student_bias=b2, **garbage)
+    assert torch.equal(again, got)
+    again.backward()
+    assert torch.equal(h2.grad, h.grad) and torch.equal(W2.grad, W.grad)
+
+
+NAN_TARGETS = ["student_hidden", "student_weight", "student_bias", "teacher_logits",
+               "teacher_hidden", "teacher_weight"]
+
+
+@given(chunked_case(), st.sampled_from(NAN_TARGETS), st.sampled_from([math.nan, math.inf]),
+       st.data())
+def test_chunked_nan_or_inf_where_it_is_read_is_a_named_error(case, target, bad, data):
+    hidden, weight, bias, mask, options = case
+    try:
+        chunked_divergence(hidden, weight, mask, student_bias=bias, **options)
+    except ValueError:  # logits that overflow: refused before the poisoned entry is read
+        return
+    tensors = {"student_hidden": hidden, "student_weight": weight, "student_bias": bias,
+               **{k: v for k, v in options.items() if isinstance(v, torch.Tensor)}}
+    x = tensors.get(target)
+    if x is None or x.numel() == 0:
+        return
+    x = x.clone()
+    if target in ("student_hidden", "teacher_logits", "teacher_hidden"):
+        if not bool(mask.any()) or x.shape[1] == 0:
+            return
+        row = data.draw(st.sampled_from(mask.nonzero().reshape(-1).tolist()))
+        x[row, data.draw(st.integers(0, x.shape[1] - 1))] = bad
+    else:
+        x.view(-1)[data.draw(st.integers(0, x.numel() - 1))] = bad
+    tensors[target] = x
+    options = {k: v for k, v in options.items() if not isinstance(v, torch.Tensor)}
+    teacher = {k: tensors[k] for k in ("teacher_logits", "teacher_hidden", "teacher_weight")
+               if k in tensors}
+    with pytest.raises(ValueError, match=target):
+        chunked_divergence(tensors["student_hidden"], tensors["student_weight"], mask,
+                           student_bias=tensors["student_bias"], **teacher, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dense losses of opd.py that take logits: NaN at a masked-in position is an error
+# ---------------------------------------------------------------------------------------------
+DENSE = {
+    "full_vocab_reverse_kl": lambda s, t, m: opd.full_vocab_reverse_kl(s, t, m),
+    "forward_kl": lambda s, t, m: opd.forward_kl(s, t, m),
+    "generalized_jsd": lambda s, t, m: opd.generalized_jsd(s, t, m, beta=0.3),
+    "reverse_kl_per_position": lambda s, t, m: opd.reverse_kl_per_position(s, t, m),
+    "forward_kl_per_position": lambda s, t, m: opd.forward_kl_per_position(s, t, m),
+    "generalized_jsd_per_position": lambda s, t, m: opd.generalized_jsd_per_position(
+        s, t, mask=m),
+}
+
+
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5), st.sampled_from(DTYPES),
+       st.sampled_from(list(DENSE)), st.sampled_from(["student", "teacher"]), st.data())
+def test_dense_losses_refuse_nan_at_masked_in_positions_only(B, T, V, dtype, name, side, data):
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    student = torch.from_numpy(g.standard_normal((B, T, V))).to(dtype)
+    teacher = torch.from_numpy(g.standard_normal((B, T, V))).to(dtype)
+    mask = torch.from_numpy(g.random((B, T)) < 0.5)
+    b, t = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, T - 1))
+    poisoned = (student if side == "student" else teacher).clone()
+    poisoned[b, t, data.draw(st.integers(0, V - 1))] = math.nan
+    args = (poisoned, teacher) if side == "student" else (student, poisoned)
+    if bool(mask[b, t]):
+        with pytest.raises(ValueError, match=f"{side}_logits holds NaN"):
+            DENSE[name](*args, mask)
+    else:
+        got = DENSE[name](*args, mask)
+        want = DENSE[name](student, teacher, mask)
+        assert torch.equal(got[mask] if got.ndim else got, want[mask] if want.ndim else want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The study's functions
+# ---------------------------------------------------------------------------------------------
+@given(st.integers(1, 12), st.floats(0.0, 3.0), st.floats(0.05, 5.0), st.floats(0.0, 3.0),
+       st.integers(0, 2**31 - 1), st.data())
+def test_bias_table_is_finite_or_a_named_error(V, exponent, temperature, noise, seed, data):
+    student, teacher = zipf_pair(V, exponent, temperature, noise, seed)
+    assert student.shape == teacher.shape == (V,) and student.dtype == torch.float64
+    ks = data.draw(st.lists(st.integers(1, V), min_size=1, max_size=3, unique=True))
+    try:
+        rows = topk_bias_table(ks, student, teacher)
+    except ValueError as error:
+        assert "the true KLs and their gradients must be nonzero" in str(error)
+        return
+    assert len(rows) == len(ks) * len(DIRECTIONS) * len(APPROXIMATIONS)
+    for row in rows:
+        for key in ("teacher_mass", "student_mass", "true", "approx", "rel_bias",
+                    "rel_grad_bias"):
+            assert math.isfinite(row[key]), row
+        if row["k"] == V:  # nothing left out: exact
+            assert abs(row["rel_bias"]) < 1e-9 and row["rel_grad_bias"] < 1e-9
+    data_ = {"V": V, "exponent": exponent, "noise": noise, "ks": ks,
+             "rows": {float(temperature): rows}}
+    table = format_topk_bias_table(data_, ks=ks)
+    assert len(table.splitlines()) == 2 + len(ks) and "nan" not in table
