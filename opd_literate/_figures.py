@@ -8,8 +8,9 @@ of the site has the same look and reads at the size it is shown:
   browser shows it at about its natural size: a 10 pt label stays about 13 px on screen, the body's
   small size, instead of shrinking with a wide figure squeezed into the column.
 * **Type.** Ticks and legends at ``SMALL_PT``, labels and titles at ``LABEL_PT``.
-* **Vector.** SVG with the text drawn as paths (it looks the same without the fonts it was drawn
-  with; the site loads no web fonts), no date and a fixed id salt, so the same figure gives the
+* **Vector.** SVG with the text as text in the reader's sans-serif font (the site loads no web
+  fonts; paths instead of text made every figure several times slower to write), no date and a
+  fixed id salt, so the same figure gives the
   same bytes and ``mkdocs serve`` does not rebuild in a loop.
 * **Dark mode.** The background is transparent and the lines are drawn for a light page; the
   site's stylesheet inverts the figure's lightness in the dark palette (``docs/stylesheets``).
@@ -50,7 +51,7 @@ def _style() -> dict:
         "figure.facecolor": "none",
         "axes.facecolor": "none",
         "savefig.facecolor": "none",
-        "svg.fonttype": "path",
+        "svg.fonttype": "none",
         "svg.hashsalt": "opd-literate",
         "mathtext.fontset": "dejavusans",
         "lines.linewidth": 1.6,
@@ -78,7 +79,8 @@ def svg_bytes(fig) -> bytes:
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="svg", bbox_inches="tight", pad_inches=0.05,
-                metadata={"Date": None, "Creator": None})
+    # No bbox_inches="tight": the figures are laid out by tight_layout already, and the tight
+    # box would draw each figure twice.
+    fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None})
     plt.close(fig)
     return buffer.getvalue()

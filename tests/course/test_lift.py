@@ -172,7 +172,7 @@ def _top_level(code: str) -> dict[str, ast.AST]:
     return found
 
 
-@pytest.mark.parametrize("module", COPY_READY_MODULES)
+@pytest.mark.parametrize("module", _opd_fast_rest_slow(COPY_READY_MODULES))
 def test_every_definition_is_used_and_the_function_is_last(module):
     """No dead weight: each helper is named by another definition of the snippet (or by the
     examples), and the function itself closes the part a reader needs."""
@@ -206,6 +206,7 @@ def test_known_helpers_are_found():
     assert "toy_from_logits" not in needed and "toy_from_logits" in _top_level(tis[0] + tis[1])
 
 
+@pytest.mark.slow
 def test_numpy_snippets_do_not_import_torch():
     for module in NUMPY_ONLY:
         for function in public_functions(module):
@@ -348,7 +349,8 @@ def test_compact_snippets_import_only_what_every_lab_hands_out():
     assert {"_numerics", "mismatch.toy"} <= imported
 
 
-@pytest.mark.parametrize("lab_name", ["opd", pytest.param("mismatch", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("lab_name", ["opd", "mismatch"])
 def test_compact_snippets_run_in_the_lab_folder(lab_name, tmp_path):
     """Each lab function's compact snippet, its imports flattened as the lab writer flattens
     the student module's, passes its doctests inside the lab folder (the student module with

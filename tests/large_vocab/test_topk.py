@@ -286,7 +286,7 @@ def test_the_chapters_claims_about_the_study():
                 P, Q = row["student_mass"], row["teacher_mass"]
                 assert row["approx"] >= P * math.log(P / Q) - 1e-12
         # wherever (c) is negative in the table, P < Q (reverse) or Q < P (forward)
-        for (k, direction, approximation), row in cell.items():
+        for (_k, direction, approximation), row in cell.items():
             if approximation == "ignore" and row["approx"] < 0:
                 P, Q = row["student_mass"], row["teacher_mass"]
                 assert (P < Q) if direction == "reverse" else (Q < P)

@@ -101,6 +101,7 @@ def _case_off_by(error):
     return dc.Case("opd.kl_estimator", dc._token_pair, call, ("student_logp",))
 
 
+@pytest.mark.slow
 def test_a_mismatching_function_makes_the_check_exit_non_zero(capsys):
     assert dc.main(["--device", "cpu", "--quick"], cases=[_case_off_by(0.0)]) == 0
     assert dc.main(["--device", "cpu", "--quick"], cases=[_case_off_by(1e-3)]) == 1
