@@ -10,10 +10,10 @@ the code that the prose explains:
   follow it, down to the next such block (as in the annotated implementations of labml.ai);
 * the module docstring opens the page across both columns.
 
-The pages are left out of the search index: their text is the API pages' (indexed there), and
-indexing it twice doubled the search plugin's share of the build. The prose is Markdown, so its math is typeset like the chapters' and its cross-references resolve.
-numpy-style section headings become bold lines, parameter lists become lists, and doctest examples
-become code blocks. Each definition's row has the anchor ``#<name>`` for the chapters to link to.
+The pages are left out of the search index: their text is the API pages' (indexed there), and a
+search would otherwise find every docstring twice. The prose is Markdown, so its math is typeset
+like the chapters' and its cross-references resolve. numpy-style section headings become bold
+lines, parameter lists become lists, and doctest examples become code blocks. Each definition's row has the anchor ``#<name>`` for the chapters to link to.
 """
 
 from __future__ import annotations
@@ -201,5 +201,5 @@ def _write(path: pathlib.Path, text: str) -> None:
 def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
     OUT.mkdir(exist_ok=True)
     for module in MODULES:
-        _write(OUT / f"{module}.md", "---\nhide:\n  - navigation\n  - toc\nsearch:\n  exclude: true\n---\n\n"
-               + annotated_markdown(module))
+        front = "---\nhide:\n  - navigation\n  - toc\nsearch:\n  exclude: true\n---\n\n"
+        _write(OUT / f"{module}.md", front + annotated_markdown(module))
