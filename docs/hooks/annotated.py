@@ -13,7 +13,8 @@ the code that the prose explains:
 The pages are left out of the search index: their text is the API pages' (indexed there), and a
 search would otherwise find every docstring twice. The prose is Markdown, so its math is typeset
 like the chapters' and its cross-references resolve. numpy-style section headings become bold
-lines, parameter lists become lists, and doctest examples become code blocks. Each definition's row has the anchor ``#<name>`` for the chapters to link to.
+lines, parameter lists become lists, and doctest examples become code blocks. Each definition's
+row has the anchor ``#<name>`` for the chapters to link to.
 """
 
 from __future__ import annotations
