@@ -1034,10 +1034,12 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     r"""CISPO: a clipped, stop-gradient ratio times the log-likelihood; no token loses its gradient.
 
     $$
-    L_t = -\,\mathrm{sg}\big(\mathrm{clip}(r_t, 1 - \varepsilon_l, 1 + \varepsilon_h)\big)\,
-    A\, \log \pi_\theta(y_t), \qquad
-    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -\,\mathrm{clip}(r_t, 1 - \varepsilon_l,
+    \begin{aligned}
+    L_t &= -\,\mathrm{sg}\big(\mathrm{clip}(r_t, 1 - \varepsilon_l, 1 + \varepsilon_h)\big)\,
+    A\, \log \pi_\theta(y_t), \\
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} &= -\,\mathrm{clip}(r_t, 1 - \varepsilon_l,
     1 + \varepsilon_h)\, A .
+    \end{aligned}
     $$
 
     The weight of [opd_literate.mismatch.estimators.cispo][] (whose defaults are the paper's

@@ -141,8 +141,10 @@ def browser():
 
 
 def _pages(site):
-    return sorted(str(p.relative_to(site).parent).replace(".", "") for p in site.rglob("index.html")
-                  if "_screenshots" not in p.parts)
+    # the home page's folder is "." (an annotated page's, "source/mismatch.toy", keeps its dot)
+    folders = [str(p.relative_to(site).parent) for p in site.rglob("index.html")
+               if "_screenshots" not in p.parts]
+    return sorted("" if folder == "." else folder for folder in folders)
 
 
 _VISIBLE_TEXT_WITH_TEX = """() => {
@@ -162,6 +164,7 @@ _VISIBLE_TEXT_WITH_TEX = """() => {
 # either (its box would scroll: a long display is broken into aligned lines instead).
 _MATH_BOXES = """() => {
   const article = document.querySelector('article.md-content__inner');
+  if (!article) return [{width: -1, height: -1, column: 0, tex: 'NO ARTICLE ' + location.href}];
   const style = getComputedStyle(article);
   const column = article.clientWidth - parseFloat(style.paddingLeft)
                  - parseFloat(style.paddingRight);
