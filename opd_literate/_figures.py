@@ -8,10 +8,9 @@ of the site has the same look and reads at the size it is shown:
   browser shows it at about its natural size: a 10 pt label stays about 13 px on screen, the body's
   small size, instead of shrinking with a wide figure squeezed into the column.
 * **Type.** Ticks and legends at ``SMALL_PT``, labels and titles at ``LABEL_PT``.
-* **Vector.** SVG with the text as text in the reader's sans-serif font (the site loads no web
-  fonts; paths instead of text made every figure several times slower to write), no date and a
-  fixed id salt, so the same figure gives the
-  same bytes and ``mkdocs serve`` does not rebuild in a loop.
+* **Vector.** SVG with the text as text, in the reader's sans-serif font (the site loads no web
+  fonts), no date and a fixed id salt, so the same figure gives the same bytes and
+  ``mkdocs serve`` does not rebuild in a loop.
 * **Dark mode.** The background is transparent and the lines are drawn for a light page; the
   site's stylesheet inverts the figure's lightness in the dark palette (``docs/stylesheets``).
 
