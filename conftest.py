@@ -10,13 +10,16 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import settings
 
 # pytest-xdist runs one worker process a core: one intra-op thread each, so that the workers do
 # not fight over the same cores (on 2 cores the fast tier took 50 s with torch's default of a
 # thread a core, 44 s like this). The suite passes with either (README, "What repeats exactly").
+# torch is imported where tests run (the workers), not in pytest-xdist's controller, which only
+# hands out files: importing it there delayed the workers' start by about 2 s.
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
     torch.set_num_threads(1)
 
 # Hypothesis profiles for the property tests that take their example count from the profile
@@ -30,6 +33,8 @@ settings.load_profile("fast")  # --hypothesis-profile=ci, if given, is loaded af
 
 @pytest.fixture(autouse=True)
 def _stable_numerics(doctest_namespace):
+    import torch
+
     np.set_printoptions(precision=4, suppress=True, legacy=False)
     torch.set_printoptions(precision=4, sci_mode=False)
     # The doctests seed their own draws; this only guards against a forgotten seed.
@@ -39,11 +44,11 @@ def _stable_numerics(doctest_namespace):
     yield
 
 
-# The two longest test files of the fast tier (the browser test with its site build, about 55 s
-# on 2 cores, and the snippets run alone, about 25 s) go first, so that pytest-xdist, which hands
-# out whole files in collection order (--dist loadfile with --no-loadscope-reorder, in
-# pyproject.toml), starts them on different workers and fills both with the short files after.
-# Only the order changes.
+# The two longest test files of the fast tier (on 2 cores: the one-chapter site build and the
+# browser, about 13 s; the snippets, 10 s) go first, so that pytest-xdist, which hands out whole
+# files in collection order (--dist loadfile with --no-loadscope-reorder, in pyproject.toml),
+# starts them on different workers and fills both with the short files after. Only the order
+# changes.
 _LONG_FIRST = ("tests/site/test_site.py", "tests/course/test_lift.py")
 
 

@@ -24,6 +24,8 @@ import inspect
 import pathlib
 import re
 
+import _built  # docs/hooks/_built.py (MkDocs puts a hook's folder on sys.path)
+
 DOCS = pathlib.Path(__file__).resolve().parents[1]
 OUT = DOCS / "source"
 PACKAGE = DOCS.parent / "opd_literate"
@@ -199,8 +201,11 @@ def _write(path: pathlib.Path, text: str) -> None:
         path.write_text(text, encoding="utf-8")
 
 
-def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
+def on_pre_build(config):
     OUT.mkdir(exist_ok=True)
+    pages = _built.nav_pages(config)
     for module in MODULES:
+        if pages is not None and f"source/{module}.md" not in pages:
+            continue  # a build without this page (docs/hooks/_built.py)
         front = "---\nhide:\n  - navigation\n  - toc\nsearch:\n  exclude: true\n---\n\n"
         _write(OUT / f"{module}.md", front + annotated_markdown(module))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import _built  # docs/hooks/_built.py (MkDocs puts a hook's folder on sys.path)
 import numpy as np
 
 DOCS = pathlib.Path(__file__).resolve().parents[1]
@@ -173,18 +174,29 @@ def _write(name: str, data) -> None:
         path.write_bytes(payload)
 
 
-def on_pre_build(config):  # noqa: ARG001 (MkDocs hook API)
+def fragments() -> dict[str, str]:
+    """``{file name: the HTML a page includes}`` for every explorable figure."""
+    return {
+        "explore_mismatch.html": _html(_bars_with_slider(
+            mismatch_explorer_data(), MISMATCH_NAMES, MISMATCH_START, "mismatch ε = ",
+            "Every estimator, exactly, as the mismatch grows (baseline 0)"), "explore-mismatch"),
+        "explore_threshold.html": _html(_bars_with_slider(
+            threshold_explorer_data(), THRESHOLD_NAMES, THRESHOLD_START, "threshold C = ",
+            f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}"),
+            "explore-threshold"),
+        "explore_experiment.html": _html(_experiment_figure(experiment_explorer_data()),
+                                         "explore-experiment"),
+    }
+
+
+def on_pre_build(config):
     import plotly
 
+    # Only a build whose pages show an explorable (docs/hooks/_built.py) computes them.
+    if not _built.wanted(_built.used_generated_files(config), ("explore_*.html",)):
+        return
     OUT.mkdir(exist_ok=True)
     bundle = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     _write("plotly.min.js", bundle.read_bytes())
-    _write("explore_mismatch.html", _html(_bars_with_slider(
-        mismatch_explorer_data(), MISMATCH_NAMES, MISMATCH_START, "mismatch ε = ",
-        "Every estimator, exactly, as the mismatch grows (baseline 0)"), "explore-mismatch"))
-    _write("explore_threshold.html", _html(_bars_with_slider(
-        threshold_explorer_data(), THRESHOLD_NAMES, THRESHOLD_START, "threshold C = ",
-        f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}"),
-        "explore-threshold"))
-    _write("explore_experiment.html", _html(_experiment_figure(experiment_explorer_data()),
-                                            "explore-experiment"))
+    for name, html in fragments().items():
+        _write(name, html)

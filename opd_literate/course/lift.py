@@ -257,7 +257,8 @@ def _resolve(module: str, name: str):
     return kind
 
 
-def _inner_imports(definition: _Definition) -> set:
+@functools.lru_cache(maxsize=4096)  # a helper is visited once per snippet that uses it
+def _inner_imports(definition: _Definition) -> frozenset:
     """The imports inside a function (a lazy ``import torch``): the snippet hoists them."""
     found = set()
     for node in ast.walk(definition.node):
@@ -271,7 +272,12 @@ def _inner_imports(definition: _Definition) -> set:
                 found.add(("import", alias.name, alias.asname))
             else:
                 found.add(("from", node.module, alias.name))
-    return found
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=4096)  # the same: walking every helper's tree again was most of
+def _free_names(definition: _Definition) -> tuple[str, ...]:  # the time of lifting them all
+    return tuple(_names_used([definition.node]))
 
 
 def _is_check(name: str) -> bool:
@@ -530,7 +536,8 @@ def _collect(target: _Definition, compact: bool = False):
             return
         visiting.add(key)
         imports.update(_inner_imports(definition))
-        for name in _names_used([definition.node, *extra]):
+        for name in (_names_used([definition.node, *extra]) if extra
+                     else _free_names(definition)):
             found = _resolve(definition.module, name)
             if (compact and isinstance(found, _Definition) and found is not target
                     and _importable_in_handout(found) and not _raises_only(found)):

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from opd_literate.course import cli as course_cli
 from opd_literate.course import labs as course_labs
 from opd_literate.course import sandbox
 from opd_literate.course.grade import grade
@@ -109,22 +110,22 @@ def test_running_twice_is_byte_identical(labs, tmp_path):
 # but for one wrong task in tests/course/test_notebooks.py, and attacked in
 # tests/course/test_grade_attacks.py. Every case is judged in process, reference and stubs, in
 # tests/course/test_grade.py.
-def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path):
+def test_cli_writes_and_a_one_task_solution_scores_exactly_that_task(tmp_path, capsys):
     """Task 1 alone is passed, though the identity tests of Task 1 also call Tasks 2 and 3: in
     the cases that stand for them, only Task 1's function is the student's, and the grader
     computes the rest with the reference in its own process (never in the sandbox). Written and
-    graded by the command line, in the sandbox where it runs, with its JSON report."""
+    graded by the command line's ``main`` (in this process: a new interpreter would only import
+    torch again; ``python -m opd_literate.course`` itself is run by the tests below), the
+    student's code in the sandbox where it runs, with its JSON report."""
     folder = tmp_path / "opd"
-    run = subprocess.run([sys.executable, "-m", "opd_literate.course", str(folder), "--lab",
-                          "opd"], capture_output=True, text=True)
-    assert run.returncode == 0 and (folder / "lab.json").exists()
+    assert course_cli.main([str(folder), "--lab", "opd"]) == 0
+    assert (folder / "lab.json").exists()
     _restore(folder, keep={1})
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     trusted = ["--trusted"] if sandbox.unavailable_reason() else []  # no bwrap on this machine
-    graded = subprocess.run([sys.executable, "-m", "opd_literate.course", "grade", str(folder),
-                             "--json", "-", *trusted], capture_output=True, text=True)
-    assert graded.returncode == 0, graded.stderr
-    report = json.loads(graded.stdout)["labs"][0]
+    capsys.readouterr()
+    assert course_cli.main(["grade", str(folder), "--json", "-", *trusted]) == 0
+    report = json.loads(capsys.readouterr().out)["labs"][0]
     assert report["lab"] == "opd" and report["score"] == 1 and report["total"] == 3
     assert report["files"] == {} and report["trusted"] == bool(trusted)
     # (status, passed, tests): the tests of each task, counted by hand in tests/opd/test_lab_opd.py

@@ -147,12 +147,8 @@ def test_snippets_run_alone_with_their_doctests(module, tmp_path):
 
 
 def test_snippets_are_ruff_clean(tmp_path):
-    for module in COPY_READY_MODULES:
-        for function in public_functions(module):
-            name = f"{module.replace('.', '_')}__{function}"
-            (tmp_path / f"{name}.py").write_text(snippet(f"{module}.{function}"))
-            compact = snippet(f"{module}.{function}", compact=True)
-            (tmp_path / f"{name}_compact.py").write_text(compact)
+    for number, (qualname, code) in enumerate(_every_snippet()):
+        (tmp_path / f"{qualname.replace('.', '_')}_{number}.py").write_text(code)
     result = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
          str(REPO / "pyproject.toml"), str(tmp_path)],
@@ -252,6 +248,7 @@ def test_python_dash_m_entry_point():
 
 
 @functools.cache  # built once per process: three tests read every snippet
+@functools.cache  # three tests read them all; computing them is about a second
 def _every_snippet():
     return tuple((f"{module}.{function}", snippet(f"{module}.{function}", compact=compact))
                  for module in COPY_READY_MODULES for function in public_functions(module)

@@ -231,12 +231,6 @@ def test_bias_table_signs_follow_the_bounds():
     assert tail == sorted(tail, reverse=True)
 
 
-def test_figure_is_written(tmp_path):
-    data = topk_bias_figure_data(V=64, temperatures=(1.0,), ks=[1, 8, 32])
-    path = plot_topk_bias(tmp_path / "topk_bias.png", data)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 BAD = [
     (dict(topk_ids=torch.tensor([0.0, 1.0])), TypeError, "topk_ids must be an integer"),
     (dict(topk_ids=torch.tensor([0, 1, 2])), ValueError, "topk_ids must have the shape"),

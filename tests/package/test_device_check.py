@@ -118,6 +118,8 @@ def test_a_device_error_in_the_chunked_benchmark_makes_the_check_exit_non_zero(c
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(chunked, "chunked_reverse_kl", broken)
+    # TRL's variant is beside the point, and importing TRL is most of the run's time: absent.
+    monkeypatch.setitem(sys.modules, "trl", None)
     assert dc.main(["--device", "cpu", "--quick"], cases=[_case_off_by(0.0)]) == 1
     out = capsys.readouterr().out
     assert "problem: bench chunked: error: RuntimeError: CUDA error" in out

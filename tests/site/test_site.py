@@ -1,10 +1,12 @@
 """The docs site in a real browser: every page loads offline, math renders, search works.
 
 Uses Debian's ``/usr/bin/chromium`` driven by Playwright (no downloaded browser). The site is
-``$OPD_SITE_DIR`` when set (CI builds it once), else built here with ``mkdocs build --strict``.
-Where chromium is missing the browser test skips, unless ``OPD_REQUIRE_BROWSER=1`` (set by CI),
-in which case it fails. A screenshot of every page goes to ``<site>/_screenshots/``, and one in
-dark mode of the home page and the OPD chapter (``<page>-dark.png``).
+``$OPD_SITE_DIR`` when set (CI builds it once). Otherwise the fast tier builds the OPD chapter
+alone (``ONE_CHAPTER``) and the slow tier the whole site with ``mkdocs build --strict``.
+Where chromium is missing the browser tests skip, unless ``OPD_REQUIRE_BROWSER=1`` (set by CI),
+in which case they fail. The slow tier's screenshot of every page goes to
+``<site>/_screenshots/``, with one in dark mode of the home page and the OPD chapter
+(``<page>-dark.png``).
 """
 
 import functools
@@ -94,16 +96,77 @@ def _skip_or_fail(reason):
     pytest.skip(reason)
 
 
+# The one-chapter build of the fast tier: the OPD chapter alone (with the home page and the API
+# page it took 3 s longer). The hooks compute only what it uses (docs/hooks/_built.py); the full
+# site is built by `mkdocs build --strict` (.ci/run's docs step, whose site it hands over as
+# $OPD_SITE_DIR, and the slow tier's `full_site`).
+ONE_CHAPTER = ("opd.md",)
+# The only warnings the one-chapter build may give: links and cross-references to the pages it
+# leaves out (the strict full build checks that every one of them resolves).
+_LEFT_OUT = re.compile(r"Could not find cross-reference target|"
+                       r"contains a link to '[^']+', but the target '[^']+' is not found")
+
+
+def _build_one_chapter(out):
+    """Build ``ONE_CHAPTER`` into ``out`` with mkdocs.yml's theme, hooks and plugins; the
+    warnings other than ``_LEFT_OUT`` fail the test."""
+    import logging
+
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+
+    left_out = "".join(f"!/{page}\n" for page in ONE_CHAPTER)
+    config = load_config(str(ROOT / "mkdocs.yml"), site_dir=str(out), strict=False,
+                         nav=[{page: page} for page in ONE_CHAPTER],
+                         exclude_docs=f"generated/*.md\nhooks/\n*.md\n{left_out}")
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("mkdocs").addHandler(handler)
+    try:
+        build(config)
+    finally:
+        logging.getLogger("mkdocs").removeHandler(handler)
+    unexpected = [w for w in warnings if not _LEFT_OUT.search(w)]
+    assert not unexpected, "\n".join(unexpected)
+    return out
+
+
+def _given_site():
+    """``$OPD_SITE_DIR`` (a whole site built beforehand, as .ci/run does), or None."""
+    given = os.environ.get("OPD_SITE_DIR")
+    if not given:
+        return None
+    assert (pathlib.Path(given) / "index.html").exists(), f"OPD_SITE_DIR={given} holds no site"
+    return pathlib.Path(given)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    given = os.environ.get("OPD_SITE_DIR")
-    if given:
-        path = pathlib.Path(given)
-        assert (path / "index.html").exists(), f"OPD_SITE_DIR={given} holds no built site"
-        return path
+    """``$OPD_SITE_DIR`` when set (the full site), else the one-chapter build."""
+    if _given_site():
+        return _given_site()
+    try:
+        import mkdocs  # noqa: F401 (the docs extra)
+    except ImportError:
+        _skip_or_fail("mkdocs is not installed (pip install -e '.[docs]')")
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")
+    return _build_one_chapter(tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def full_site(tmp_path_factory):
+    """The whole site: ``$OPD_SITE_DIR``, else built here with ``mkdocs build --strict``."""
+    if _given_site():
+        return _given_site()
     if shutil.which("mkdocs") is None:
         _skip_or_fail("mkdocs is not installed (pip install -e '.[docs]')")
-    out = tmp_path_factory.mktemp("site")
+    out = tmp_path_factory.mktemp("full_site")
     # NO_MKDOCS_2_WARNING: silences Material's notice about its end of life (not about this site).
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     subprocess.run(["mkdocs", "build", "--strict", "--quiet", "-d", str(out)], cwd=ROOT,
@@ -111,13 +174,25 @@ def site(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(site):
-    handler = functools.partial(_QuietHandler, directory=str(site))
+def _serve(folder):
+    handler = functools.partial(_QuietHandler, directory=str(folder))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    httpd, address = _serve(site)
+    yield address
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def full_server(full_site):
+    httpd, address = _serve(full_site)
+    yield address
     httpd.shutdown()
 
 
@@ -224,8 +299,10 @@ CHAPTERS = {"", "opd", "mismatch", "experiment", "instructors"}
 DARK_PAGES = {"", "opd"}
 
 
-def _page_problems(browser, server, path, shots):
-    """Load one page in both palettes where asked; the list of what is wrong with it."""
+def _page_problems(browser, server, path, shots, dark=True):
+    """Load one page, and in the dark palette too where ``DARK_PAGES`` and ``dark`` ask; the
+    list of what is wrong with it. With ``shots`` (a folder), a screenshot of it in each palette
+    goes there."""
     problems = []
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors, outside = [], []
@@ -270,10 +347,11 @@ def _page_problems(browser, server, path, shots):
         problems.append(f"{where}: no display sum with limits found")
     # Whole chapters; the top of the long API pages (a full-page shot of each is most of the
     # test's time).
-    page.screenshot(path=str(shots / f"{where.replace('/', '_')}.png"),
-                    full_page=path in CHAPTERS)
+    if shots:
+        page.screenshot(path=str(shots / f"{where.replace('/', '_')}.png"),
+                        full_page=path in CHAPTERS)
     page.close()
-    if path in DARK_PAGES:
+    if dark and path in DARK_PAGES:
         # Dark mode: Material follows the system's colour scheme (the palette's media query).
         dark = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme="dark")
         seen = len(outside)  # the light page's requests are reported above
@@ -282,7 +360,9 @@ def _page_problems(browser, server, path, shots):
         dark.evaluate("document.fonts.ready.then(() => true)")
         if dark.evaluate("document.body.getAttribute('data-md-color-scheme')") != "slate":
             problems.append(f"{where}: dark mode not applied")
-        dark.screenshot(path=str(shots / f"{where.replace('/', '_')}-dark.png"), full_page=True)
+        if shots:
+            dark.screenshot(path=str(shots / f"{where.replace('/', '_')}-dark.png"),
+                            full_page=True)
         dark.close()
         problems += [f"{where} (dark): request to {u}" for u in outside[seen:]]
     return problems
@@ -294,29 +374,31 @@ def _screenshots(site):
     return shots
 
 
-def test_the_opd_chapter_loads_offline_with_rendered_math_in_both_palettes(site, server,
-                                                                           browser):
-    """The fast tier's browser check: one chapter, with display sums, in light and dark."""
+def test_the_opd_chapter_loads_offline_with_rendered_math(site, server, browser):
+    """The fast tier's browser check: one chapter, with display sums, in the light palette (the
+    slow tier loads every page, and the home page and this chapter in the dark one too)."""
     assert "opd" in _pages(site) and {"opd"} <= MATH_PAGES & SUM_PAGES & DARK_PAGES
-    problems = _page_problems(browser, server, "opd", _screenshots(site))
+    # No screenshots: whole-page shots were half of this test's time (the slow tier takes them,
+    # of every page).
+    problems = _page_problems(browser, server, "opd", shots=None, dark=False)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow
-def test_every_page_loads_offline_with_rendered_math(site, server, browser):
-    pages = _pages(site)
+def test_every_page_loads_offline_with_rendered_math(full_site, full_server, browser):
+    pages = _pages(full_site)
     assert {"", "opd", "mismatch", "experiment", "instructors", "api/opd"} <= set(pages)
-    shots = _screenshots(site)
+    shots = _screenshots(full_site)
     problems = []
     for path in pages:
-        problems += _page_problems(browser, server, path, shots)
+        problems += _page_problems(browser, full_server, path, shots)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow
-def test_search_finds_reverse_kl(server, browser):
+def test_search_finds_reverse_kl(full_server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.goto(f"{server}/", wait_until="networkidle")
+    page.goto(f"{full_server}/", wait_until="networkidle")
     page.click("input.md-search__input")
     page.keyboard.type("reverse KL")  # key events: the search listens to them, not to fill()
     page.wait_for_selector(".md-search-result__item", timeout=15_000)
@@ -428,24 +510,25 @@ def _check_explorable(browser, server, page_path, div_id, positions_name, label_
     return problems + [f"{div_id}: console error {e}" for e in errors]
 
 
-def _built_figure(site, page_path, div_id):
-    """The traces and layout that a built page hands to ``Plotly.newPlot`` for ``div_id``."""
+def _plotted_figure(html, div_id):
+    """The traces and layout that ``html`` hands to ``Plotly.newPlot`` for ``div_id``."""
     import json
 
-    html = (site / page_path / "index.html").read_text(encoding="utf-8")
     call = re.search(r'Plotly\.newPlot\(\s*"' + re.escape(div_id) + r'",\s*', html)
-    assert call, f"{page_path}: no figure {div_id}"
+    assert call, f"no figure {div_id}"
     decoder = json.JSONDecoder()
     traces, end = decoder.raw_decode(html, call.end())
     layout, _ = decoder.raw_decode(html, re.compile(r",\s*").match(html, end).end())
     return traces, layout
 
 
-def test_every_explorable_position_holds_the_librarys_numbers(site):
+def test_every_explorable_position_holds_the_librarys_numbers():
     """Without a browser: at every position of every explorable slider, the traces the step
-    shows hold the numbers the library computes for it (recomputed here), to 1e-12."""
-    for page_path, div_id, positions_name, label_of, numbers in EXPLORABLES:
-        traces, layout = _built_figure(site, page_path, div_id)
+    shows in the hook's HTML hold the numbers the library computes for it (recomputed here),
+    to 1e-12. (The slow tier moves the sliders of the built pages in the browser.)"""
+    fragments = explorables.fragments()
+    for _page, div_id, positions_name, label_of, numbers in EXPLORABLES:
+        traces, layout = _plotted_figure(fragments[div_id.replace("-", "_") + ".html"], div_id)
         steps = layout["sliders"][0]["steps"]
         positions = (getattr(explorables, positions_name) if positions_name
                      else list(range(len(steps))))
@@ -464,8 +547,9 @@ def test_every_explorable_position_holds_the_librarys_numbers(site):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("color_scheme", ["light", "dark"])
-def test_every_explorable_shows_the_librarys_numbers(site, server, browser, color_scheme):
+def test_every_explorable_shows_the_librarys_numbers(full_server, browser, color_scheme):
     problems = []
     for explorable in EXPLORABLES:
-        problems += _check_explorable(browser, server, *explorable, color_scheme=color_scheme)
+        problems += _check_explorable(browser, full_server, *explorable,
+                                      color_scheme=color_scheme)
     assert not problems, "\n".join(problems)

@@ -15,7 +15,8 @@ from opd_literate import _numerics
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REFERENCES = (ROOT / "docs" / "references.md").read_text()
 # the verl section, up to its paragraph on verl-project/verl-recipe (another repository)
-VERL_SECTION = REFERENCES[REFERENCES.index("## verl"):REFERENCES.index("verl-project/verl-recipe at")]
+VERL_SECTION = REFERENCES[REFERENCES.index("## verl"):
+                          REFERENCES.index("verl-project/verl-recipe at")]
 VERL_COMMITS = set(re.findall(r"`([0-9a-f]{40})`", VERL_SECTION))
 # words that make a citation a statement about verl's history, not about the pinned release
 HISTORY = re.compile(r"\b(since|before|until|entered|earlier|former|formerly|old|changed|"
