@@ -17,6 +17,7 @@ HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 
 def _commits(text):
+    text = re.sub(r"https?://[^\s)>]+", "", text)  # an address's hex (a Notion page id) is no commit
     return [w for w in HEX_WORD.findall(text) if re.search("[a-f]", w) and re.search("[0-9]", w)]
 
 
@@ -43,3 +44,42 @@ def test_every_cited_commit_is_on_the_references_page():
             if not any(full.startswith(sha) for full in FULL) and not _is_this_projects_commit(sha):
                 missing.append(f"{path.relative_to(ROOT)}: {sha}")
     assert missing == []
+
+
+# The bibliography: "Papers and posts", one list item an entry, each with its anchor.
+BIBLIOGRAPHY = PAGE[PAGE.index("## Papers and posts"):]
+ENTRIES = re.findall(r'^- <span id="([a-z0-9]+)"></span>(.*?)(?=^- |\Z)', BIBLIOGRAPHY, re.M | re.S)
+CHAPTERS = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "references.md"]
+
+
+def test_every_entry_has_an_anchor_and_an_arxiv_identifier_or_an_address():
+    assert len(ENTRIES) >= 12
+    for anchor, text in ENTRIES:
+        arxiv = re.findall(r"\[arXiv:(\d{4}\.\d{4,5})\]\(https://arxiv\.org/abs/(\d{4}\.\d{4,5})\)",
+                           text)
+        address = re.findall(r"<(https?://[^>\s]+)>", text)
+        assert len(arxiv) + len(address) == 1, (anchor, text)
+        # the identifier shown is the one linked
+        assert all(shown == linked for shown, linked in arxiv), (anchor, arxiv)
+
+
+def test_citations_link_to_an_entry_and_every_entry_is_cited():
+    anchors = {anchor for anchor, _ in ENTRIES}
+    cited = set()
+    for chapter in CHAPTERS:
+        text = chapter.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(references\.md#([\w-]+)\)", text):
+            assert target in anchors or target in _headings(), (chapter.name, target)
+            cited.add(target)
+        # an author-year citation in the prose is the text of a link: "[Yao et al. 2025](...)"
+        for match in re.finditer(r"[A-Z][a-z]+(?:, [A-Z][a-z]+)* (?:et al\.|and [A-Z][a-z]+),? "
+                                 r"(?:19|20)\d\d[ab]?", text):
+            linked = text[:match.start()].endswith("[") and text[match.end():].startswith("](")
+            assert linked, (chapter.name, match.group(0))
+    assert anchors <= cited, sorted(anchors - cited)
+
+
+def _headings():
+    """The anchors MkDocs gives the page's headings (lower case, spaces to hyphens)."""
+    return {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", PAGE, re.M)}

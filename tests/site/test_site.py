@@ -385,6 +385,25 @@ def test_the_opd_chapter_loads_offline_with_rendered_math(site, server, browser)
 
 
 @pytest.mark.slow
+def test_under_a_sub_path_the_404_page_links_below_it(tmp_path, monkeypatch):
+    """With ``OPD_SITE_URL`` naming a sub-path (mkdocs.yml), the page a server shows for a
+    missing address at any depth loads its stylesheets and scripts from below that sub-path,
+    not from the host's root; without it they are root-absolute (the documented default)."""
+    def asset_links(site):
+        html = (site / "404.html").read_text(encoding="utf-8")
+        return re.findall(r'(?:href|src)="([^"#]+\.(?:css|js|png))"', html)
+
+    monkeypatch.setenv("NO_MKDOCS_2_WARNING", "1")
+    monkeypatch.setenv("OPD_SITE_URL", "https://example.org/opd-literate/")
+    links = asset_links(_build_one_chapter(tmp_path / "sub"))
+    assert links and all(link.startswith("/opd-literate/") for link in links), links
+    monkeypatch.delenv("OPD_SITE_URL")
+    links = asset_links(_build_one_chapter(tmp_path / "root"))
+    assert links and all(link.startswith("/") and not link.startswith("/opd-literate/")
+                         for link in links), links
+
+
+@pytest.mark.slow
 def test_every_page_loads_offline_with_rendered_math(full_site, full_server, browser):
     pages = _pages(full_site)
     assert {"", "opd", "mismatch", "experiment", "instructors", "api/opd"} <= set(pages)
