@@ -578,3 +578,18 @@ def test_the_home_pages_chapter_list_is_the_navigations():
     section = home.split("## The chapters", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\d+\. \[([^\]]+)\]\(([^)]+)\)", section, re.M)
     assert listed == nav
+
+
+def test_every_chapter_opens_with_what_it_assumes_and_its_key_equations():
+    """Before its first section, each page of the navigation's "Chapters" says what it assumes
+    the reader knows and shows its key equations (a display formula in the box)."""
+    import yaml
+
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
+    chapters = next(item["Chapters"] for item in config["nav"] if "Chapters" in item)
+    for entry in chapters:
+        (page,) = entry.values()
+        opening = (ROOT / "docs" / page).read_text().split("\n## ", 1)[0]
+        assert '!!! info "What this chapter assumes"' in opening, page
+        box = opening.split('!!! abstract "Key equations"', 1)
+        assert len(box) == 2 and "$$" in box[1], page
