@@ -51,7 +51,7 @@ PACKAGE = "opd_literate"
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 COPY_READY_MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
-                      "mismatch.correction")
+                      "mismatch.correction", "large_vocab.chunked", "large_vocab.topk")
 """The modules whose every public function has its snippet on its API page (and is tested)."""
 
 # Heads what only the docstring's examples use: a reader can cut the snippet here.
@@ -300,20 +300,28 @@ def _negated(test: ast.expr) -> ast.expr:
     return ast.UnaryOp(ast.Not(), test)
 
 
-def _assert_lines(indent: str, condition: ast.expr) -> list[str]:
-    """``assert condition``, one line when it fits in 100 columns, else one operand a line."""
-    line = f"{indent}assert {ast.unparse(condition)}"
+def _operand_lines(node: ast.expr, indent: str, lead: str = "") -> list[str]:
+    """``node`` at ``indent`` after ``lead`` (``"and "``, ``"or "`` or nothing): one line when it
+    fits in 100 columns, else a ``not (...)`` or a chain of ``and``/``or`` one operand a line,
+    nested as deep as it needs."""
+    line = f"{indent}{lead}{ast.unparse(node)}"
     if len(line) <= 100:
         return [line]
-    prefix, inner = "", condition
+    prefix, inner = "", node
     if isinstance(inner, ast.UnaryOp) and isinstance(inner.op, ast.Not):
         prefix, inner = "not ", inner.operand
     if not isinstance(inner, ast.BoolOp):
         return [line + "  # noqa: E501"]
-    word = "and" if isinstance(inner.op, ast.And) else "or"
-    parts = [ast.unparse(v) for v in inner.values]
-    return ([f"{indent}assert {prefix}(", f"{indent}    {parts[0]}"]
-            + [f"{indent}    {word} {part}" for part in parts[1:]] + [f"{indent})"])
+    word = "and " if isinstance(inner.op, ast.And) else "or "
+    lines = [f"{indent}{lead}{prefix}("]
+    for number, value in enumerate(inner.values):
+        lines += _operand_lines(value, indent + "    ", word if number else "")
+    return lines + [f"{indent})"]
+
+
+def _assert_lines(indent: str, condition: ast.expr) -> list[str]:
+    """``assert condition``, one line when it fits in 100 columns, else one operand a line."""
+    return _operand_lines(condition, indent, "assert ")
 
 
 def _assert_edits(statements, lines: list[str], offset: int) -> list:
@@ -374,9 +382,9 @@ class _Substitute(ast.NodeTransformer):
         return values[0] if len(values) == 1 else ast.BoolOp(node.op, values)
 
 
-def _inline_check(check: ast.FunctionDef, call: ast.Call) -> list[str] | None:
-    """The asserts a call of a check amounts to, or None when the check does more than raise
-    (it computes and returns a value, or loops): such a call stays a call."""
+def _inline_check(check: ast.FunctionDef, call: ast.Call, indent: str = "") -> list[str] | None:
+    """The asserts a call of a check amounts to, at ``indent``, or None when the check does more
+    than raise (it computes and returns a value, or loops): such a call stays a call."""
     body = check.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
@@ -400,7 +408,7 @@ def _inline_check(check: ast.FunctionDef, call: ast.Call) -> list[str] | None:
         test = _Substitute(values).visit(ast.parse(ast.unparse(statement.test), mode="eval").body)
         if isinstance(test, ast.Constant) and not test.value:
             continue  # a check that these arguments cannot fail
-        lines += _assert_lines("", _negated(test))
+        lines += _assert_lines(indent, _negated(test))
     return lines
 
 
@@ -412,11 +420,10 @@ def _call_site_edits(node, lines: list[str], offset: int, checks: dict) -> list:
                 and isinstance(statement.value.func, ast.Name)
                 and statement.value.func.id in checks):
             continue
-        asserts = _inline_check(checks[statement.value.func.id], statement.value)
+        indent = " " * statement.col_offset
+        asserts = _inline_check(checks[statement.value.func.id], statement.value, indent)
         if asserts is not None:
-            indent = " " * statement.col_offset
-            edits.append((statement.lineno, statement.end_lineno,
-                          [indent + line for line in asserts]))
+            edits.append((statement.lineno, statement.end_lineno, asserts))
     return edits
 
 
