@@ -607,8 +607,11 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
 
     and at the endpoints, by definition, $\mathrm{JSD}_0 = \mathrm{KL}(q \,\|\, p)$ (forward)
     and $\mathrm{JSD}_1 = \mathrm{KL}(p \,\|\, q)$ (reverse). The mixture is formed in log
-    space, $\log m = \mathrm{logsumexp}(\log \beta + \log q,\; \log(1 - \beta) + \log p)$,
-    which never underflows.
+    space, which never underflows:
+
+    $$
+    \log m = \mathrm{logsumexp}\bigl(\log \beta + \log q,\; \log(1 - \beta) + \log p\bigr).
+    $$
 
     The endpoints are a **discontinuity**. The interpolating formula tends to 0 at both ends
     ($m \to p$ as $\beta \to 0$, $m \to q$ as $\beta \to 1$), so an implementation that
@@ -624,10 +627,16 @@ def generalized_jsd_per_position(student_logits, teacher_logits, beta=0.5, norma
     continuous on $[0, 1]$ and equal to the forward and reverse KL at the endpoints. For every
     $\beta$, $\mathrm{JSD}_\beta \le -\beta \log \beta - (1 - \beta) \log (1 - \beta) \le \log 2$.
 
-    Both KLs to the mixture are computed as sums of nonnegative terms,
-    $\mathrm{KL}(a \,\|\, m) = \sum_{a_v > 0} a_v \varphi(\log m_v - \log a_v)
-    + \sum_{a_v = 0} m_v$ with $\varphi(u) = e^u - 1 - u$: the first-order terms, which cancel
-    in $\sum_v a_v (\log a_v - \log m_v)$, are removed before rounding. Dividing the plain form
+    Both KLs to the mixture are computed as sums of nonnegative terms, with
+    $\varphi(u) = e^u - 1 - u$,
+
+    $$
+    \mathrm{KL}(a \,\|\, m) = \sum_{a_v > 0} a_v\, \varphi(\log m_v - \log a_v)
+    + \sum_{a_v = 0} m_v :
+    $$
+
+    the first-order terms, which cancel in $\sum_v a_v (\log a_v - \log m_v)$, are removed
+    before rounding. Dividing the plain form
     by $\beta = 10^{-6}$ in float32 turns its rounding into an error of about 0.03 (it returned
     0.033 for $\mathrm{JSD}(p, p) = 0$); this form keeps the normalized value accurate to
     float32 precision for any $\beta \in (0, 1)$.

@@ -479,7 +479,10 @@ def ar_num_responses(T, V, eos=True):
     Without ``<eos>`` every sequence of length $T$: $M = V^T$. With it, token $V - 1$ ends the
     response, so a response is $k$ ordinary tokens followed by ``<eos>`` ($0 \le k \le T - 2$),
     or $T - 1$ ordinary tokens followed by any token (``<eos>`` or not):
-    $M = \sum_{k=0}^{T-2} (V-1)^k + (V-1)^{T-1} V = \sum_{k=0}^{T} (V - 1)^k$.
+
+    $$
+    M = \sum_{k=0}^{T-2} (V-1)^k + (V-1)^{T-1} V = \sum_{k=0}^{T} (V - 1)^k .
+    $$
 
     Examples
     --------

@@ -414,6 +414,41 @@ def test_every_page_loads_offline_with_rendered_math(full_site, full_server, bro
     assert not problems, "\n".join(problems)
 
 
+# At a phone's width: what is wider than the page, and what scrolls in its own box without the
+# shadow that says there is more (displays and tables wider than the column scroll, with it).
+_PHONE_PROBLEMS = """() => {
+  const out = [];
+  if (document.documentElement.scrollWidth > window.innerWidth)
+    out.push('the page is ' + document.documentElement.scrollWidth + ' px wide');
+  const boxes = 'mjx-container[display="true"], .md-typeset__scrollwrap, .doc-contents table';
+  for (const box of document.querySelectorAll('article ' + boxes.split(', ').join(', article '))) {
+    if (box.closest('details:not([open])') || box.scrollWidth <= box.clientWidth + 1) continue;
+    const style = getComputedStyle(box);
+    if (!['auto', 'scroll'].includes(style.overflowX) || !style.backgroundImage.includes('gradient'))
+      out.push(box.tagName + ' scrolls without a cue: ' + box.textContent.trim().slice(0, 50));
+  }
+  return out;
+}"""
+
+
+@pytest.mark.slow
+def test_at_a_phones_width_nothing_widens_the_page_and_what_scrolls_shows_a_cue(
+        full_site, full_server, browser):
+    """390 px (a phone): no page is wider than the screen; a display formula or a table wider
+    than the column scrolls inside its box, with a shadow on the side where it goes on."""
+    page = browser.new_page(viewport={"width": 390, "height": 844})
+    problems, scrolling = [], 0
+    for path in _pages(full_site):
+        page.goto(f"{full_server}/{path}/" if path else f"{full_server}/", wait_until="load")
+        problems += [f"{path or 'home'}: {p}" for p in page.evaluate(_PHONE_PROBLEMS)]
+        scrolling += page.evaluate("""() => Array.from(document.querySelectorAll(
+            'article mjx-container[display="true"]')).filter(
+            m => m.scrollWidth > m.clientWidth + 1).length""")
+    page.close()
+    assert not problems, "\n".join(problems)
+    assert scrolling > 0  # the check saw displays that scroll (they are there at 390 px)
+
+
 @pytest.mark.slow
 def test_search_finds_reverse_kl(full_server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
