@@ -22,7 +22,7 @@ the package's own modules), so that a reader knows what a lifted module drags al
   * ``opd_literate.large_vocab.chunked``: the full-vocabulary losses computed in chunks of
     tokens from hidden states and the LM head, never holding all the logits (imports: torch).
   * ``opd_literate.large_vocab.topk``: top-k teachers, three approximations of the KL with
-    their exact bias (imports: torch, matplotlib; matplotlib only to plot).
+    their exact bias (imports: torch; its figure through ``_figures``).
 
 * ``opd_literate.experiment``: the experiment chapter.
 

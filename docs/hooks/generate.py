@@ -402,8 +402,8 @@ def _topk():
     data = topk_bias_figure_data()
     _write("topk_bias_table.md", format_topk_bias_table(data) + "\n")
     with tempfile.TemporaryDirectory() as tmp:
-        png = plot_topk_bias(pathlib.Path(tmp) / "topk_bias.png", data)
-        _write("topk_bias.png", png.read_bytes())
+        svg = plot_topk_bias(pathlib.Path(tmp) / "topk_bias.svg", data)
+        _write("topk_bias.svg", svg.read_bytes())
 
 
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
@@ -420,7 +420,7 @@ GENERATORS = (
     (_experiment, ("experiment_*",)),
     (_gradient_agreement, ("gradient_agreement.md",)),
     (_handout, ("handout_*",)),
-    (_topk, ("topk_bias_table.md", "topk_bias.png")),
+    (_topk, ("topk_bias_table.md", "topk_bias.svg")),
 )
 
 

@@ -496,10 +496,12 @@ def format_topk_bias_table(data, ks=(1, 5, 20, 100, 500)):
 
 
 def plot_topk_bias(path, data=None):
-    r"""Draw relative value bias and relative gradient bias against $k$ into ``path`` (a PNG).
+    r"""Draw relative value bias and relative gradient bias against $k$ into ``path`` (an SVG).
 
     Two rows (reverse and forward KL), two columns (value, gradient); one line per
-    approximation and temperature. ``data`` defaults to ``topk_bias_figure_data()``.
+    approximation and temperature: the line style is the approximation (solid (a), dashed (b),
+    dotted (c)), the colour the temperature. ``data`` defaults to ``topk_bias_figure_data()``.
+    Drawn at the site's column width and type scale (``opd_literate._figures``).
 
     Returns
     -------
@@ -508,15 +510,12 @@ def plot_topk_bias(path, data=None):
     """
     import pathlib
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from opd_literate._figures import new_figure, svg_bytes
 
     data = topk_bias_figure_data() if data is None else data
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    fig, axes = new_figure(2, 2, height=6.4, sharex=True)
     styles = {"renormalize": "-", "tail": "--", "ignore": ":"}
-    for temperature, rows in data["rows"].items():
+    for number, (temperature, rows) in enumerate(data["rows"].items()):
         for approximation in APPROXIMATIONS:
             for i, direction in enumerate(DIRECTIONS):
                 sel = [r for r in rows if r["direction"] == direction
@@ -524,25 +523,23 @@ def plot_topk_bias(path, data=None):
                 ks = [r["k"] for r in sel]
                 label = f"({'abc'[APPROXIMATIONS.index(approximation)]}) {approximation}, " \
                         f"τ = {temperature:g}"
+                colour = f"C{number}"
                 axes[i, 0].plot(ks, [r["rel_bias"] for r in sel], styles[approximation],
-                                marker=".", label=label)
+                                color=colour, marker=".", label=label)
                 axes[i, 1].plot(ks, [r["rel_grad_bias"] for r in sel],
-                                styles[approximation], marker=".", label=label)
+                                styles[approximation], color=colour, marker=".", label=label)
     names = {"reverse": "reverse KL(p ‖ q)", "forward": "forward KL(q ‖ p)"}
     for i, direction in enumerate(DIRECTIONS):
-        axes[i, 0].set(xscale="log", ylabel="relative bias of the value",
-                       title=f"{names[direction]}: (approx − true) / true")
-        axes[i, 1].set(xscale="log", yscale="log", ylabel="relative gradient bias",
-                       title=f"{names[direction]}: ‖ĝ − g‖ / ‖g‖")
+        axes[i, 0].set(xscale="log", ylabel=f"{names[direction]}\nrelative value bias")
+        axes[i, 1].set(xscale="log", yscale="log", ylabel="relative gradient bias")
         axes[i, 0].axhline(0.0, color="black", lw=0.6)
+    axes[0, 0].set_title("value: (approx − true) / true")
+    axes[0, 1].set_title("gradient: ‖ĝ − g‖ / ‖g‖")
     for ax in axes[1]:
-        ax.set_xlabel(f"k (teacher's top-k of V = {data['V']:,}; Zipf exponent "
-                      f"{data['exponent']:g}, student noise {data['noise']:g})")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3, which="both")
-    axes[0, 1].legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_xlabel(f"k (teacher's top-k of V = {data['V']:,})")
+    fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=3,
+               bbox_to_anchor=(0.5, 0.0), columnspacing=1.2, handlelength=2.4)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     path = pathlib.Path(path)
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    path.write_bytes(svg_bytes(fig))
     return path

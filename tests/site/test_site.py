@@ -449,6 +449,37 @@ def test_at_a_phones_width_nothing_widens_the_page_and_what_scrolls_shows_a_cue(
     assert scrolling > 0  # the check saw displays that scroll (they are there at 390 px)
 
 
+# The figures' text as shown: an SVG's user unit is its width's unit (pt), so a font size of
+# 10 is 10 pt at the natural size, scaled by the width the page gives the image.
+FIGURE_TEXT_PX = 13.0  # ticks, legends, labels: the body's small size
+FIGURE_SCRIPT_PX = 9.0  # the exponents of log-axis ticks (matplotlib draws them at 70 %)
+
+
+@pytest.mark.slow
+def test_every_figures_text_is_at_least_the_stated_size_on_screen(full_site, full_server,
+                                                                  browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems, seen = [], 0
+    for path in _pages(full_site):
+        page.goto(f"{full_server}/{path}/" if path else f"{full_server}/", wait_until="load")
+        shown = page.evaluate("""() => Array.from(document.querySelectorAll(
+            'article img[src$=".svg"]')).map(i => [i.getAttribute('src'),
+            i.getBoundingClientRect().width])""")
+        for src, width in shown:
+            svg = (full_site / (path or ".") / src).resolve().read_text(encoding="utf-8")
+            points = float(re.search(r'<svg[^>]* width="([\d.]+)pt"', svg).group(1))
+            scale = width / (points * 96 / 72)  # on screen over natural size
+            sizes = [float(v) for v in re.findall(r"font-size: ([\d.]+)px", svg)]
+            assert sizes, src
+            seen += 1
+            on_screen = sorted({round(v * 96 / 72 * scale, 1) for v in sizes})
+            main = [v for v in sizes if v * 96 / 72 * scale >= FIGURE_TEXT_PX]
+            if on_screen[0] < FIGURE_SCRIPT_PX or len(main) < 0.7 * len(sizes):
+                problems.append(f"{path or 'home'}: {src} text at {on_screen} px on screen")
+    page.close()
+    assert seen >= 9 and not problems, "\n".join(problems)
+
+
 @pytest.mark.slow
 def test_search_finds_reverse_kl(full_server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
