@@ -23,6 +23,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
     tokens from hidden states and the LM head, never holding all the logits (imports: torch).
   * ``opd_literate.large_vocab.topk``: top-k teachers, three approximations of the KL with
     their exact bias (imports: torch; its figure through ``_figures``).
+  * ``opd_literate.large_vocab.clamps``: verl's top-k forward KL with its clamps, its
+    diagnostics, and how often the clamp discards a position's gradient (imports: torch).
 
 * ``opd_literate.experiment``: the experiment chapter.
 

@@ -30,6 +30,7 @@ THIRD_PARTY = {
     "mismatch.correction": {"torch"},
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
+    "large_vocab.clamps": {"torch"},
     "experiment.tinylm": {"torch"},
     "experiment.config": set(),
     "experiment.ensemble": {"torch"},

@@ -1,0 +1,90 @@
+"""opd_literate.large_vocab.clamps against verl's on-policy distillation trainer, installed.
+
+verl 0.9.1's ``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk`` is called on the
+same float64 top-k reports as ``clamps.verl_forward_kl_topk`` and ``topk_diagnostics``: its
+per-position value (before the two clamps that ``verl/trainer/distillation/losses.py`` applies
+after it, whose lines are checked in the installed file), the masses, the overlap counts and the
+overlap advantage must agree, and so must the gradients with respect to the student's logits.
+
+Tolerance ``rtol=atol=2e-6``: verl casts the log-probabilities to float32 before its sum
+(``kl_divergence``: ``log_p.float()``), this module keeps float64 inputs in float64; the sums
+have at most ``k = 4`` terms of magnitude below 30 here, so float32's rounding (``6e-8``
+relative) stays below ``2e-6`` absolute. Counts are compared exactly.
+Marker ``verl``, like ``test_verl.py``: run by ``.ci/run`` in the environment of
+``tools/verl-venv.sh``; skipped where verl cannot be imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+
+try:
+    from verl.trainer.distillation import losses as verl_losses
+    from verl.trainer.distillation.fsdp import losses as verl_fsdp
+    from verl.workers.config.distillation import DistillationLossConfig
+except ImportError as error:
+    pytest.skip(f"verl is not importable ({error}); build it with tools/verl-venv.sh",
+                allow_module_level=True)
+
+from opd_literate.large_vocab import clamps
+
+pytestmark = pytest.mark.verl
+F64 = torch.float64
+TOL = 2e-6
+
+
+def _report(seed, T=7, V=11, k=4, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    student = (scale * torch.randn(1, T, V, generator=g, dtype=F64))
+    teacher = torch.log_softmax(scale * torch.randn(T, V, generator=g, dtype=F64), -1)
+    values, ids = teacher.topk(k, -1)
+    return student, values, ids
+
+
+def _verl(student, values, ids, log_prob_min_clamp):
+    config = types.SimpleNamespace(distillation_loss=DistillationLossConfig(
+        loss_mode="forward_kl_topk", topk=ids.shape[-1], log_prob_min_clamp=log_prob_min_clamp))
+    nested = [torch.nested.nested_tensor([x], layout=torch.jagged) for x in (values, ids)]
+    return verl_fsdp.compute_forward_kl_topk(student, *nested, config, "thd")
+
+
+def test_the_defaults_are_verls():
+    config = DistillationLossConfig()
+    assert (config.topk, config.log_prob_min_clamp, config.loss_max_clamp) == (
+        clamps.TOPK, clamps.LOG_PROB_MIN_CLAMP, clamps.LOSS_MAX_CLAMP)
+
+
+def test_verl_clamps_its_value_at_zero_then_at_loss_max_clamp():
+    """The two clamps of the wrapper, as this module applies them after the logits processor."""
+    wrapper = inspect.getsource(verl_losses.compute_forward_kl_topk)
+    assert "distillation_losses = distillation_losses.clamp_min(0.0)" in wrapper
+    applied = inspect.getsource(verl_losses.distillation_loss)
+    assert ("distillation_losses.clamp(min=-loss_config.loss_max_clamp, "
+            "max=loss_config.loss_max_clamp)") in applied
+
+
+@pytest.mark.parametrize("log_prob_min_clamp", [-10.0, -2.0, None])
+@pytest.mark.parametrize("seed", range(6))
+def test_values_gradients_and_diagnostics_are_verls(seed, log_prob_min_clamp):
+    student, values, ids = _report(seed)
+    z_verl = student.clone().requires_grad_(True)
+    out = _verl(z_verl, values, ids, log_prob_min_clamp)
+    theirs = out["distillation_losses"].clamp_min(0.0).clamp(-10.0, 10.0)
+    z_ours = student.clone().requires_grad_(True)
+    ours = clamps.verl_forward_kl_topk(z_ours, values[None], ids[None],
+                                       log_prob_min_clamp=log_prob_min_clamp, loss_max_clamp=10.0)
+    torch.testing.assert_close(ours.to(theirs.dtype), theirs, rtol=TOL, atol=TOL)
+    weights = torch.linspace(0.5, 1.5, ours.shape[-1], dtype=F64)  # a gradient of every value
+    (theirs * weights).sum().backward()
+    (ours * weights).sum().backward()
+    torch.testing.assert_close(z_ours.grad, z_verl.grad, rtol=TOL, atol=TOL)
+    d = clamps.topk_diagnostics(student, values[None], ids[None], torch.ones(1, ids.shape[0]),
+                                log_prob_min_clamp=log_prob_min_clamp)
+    assert torch.equal(d["overlap_count"], out["overlap_count"])
+    for name in ("student_mass", "teacher_mass", "overlap_token_advantage"):
+        torch.testing.assert_close(d[name].to(out[name].dtype), out[name].detach(),
+                                   rtol=TOL, atol=TOL, msg=name)
