@@ -30,12 +30,25 @@ its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; 
 log-probabilities as the PPO anchor, as verl's *bypass mode* does, and their autograd
 gradient is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with verl's
 dual clip) and [opd_literate.mismatch.correction.reinforce_loss][] are the two losses of
-verl's bypass mode (``loss_type: ppo_clip`` and ``reinforce``);
-[opd_literate.mismatch.correction.cispo_loss][] and [opd_literate.mismatch.correction.gspo_loss][]
-are verl's CISPO and GSPO losses called with the sampler as their anchor, which verl's own
-bypass mode cannot do (it replaces the loss mode by its own, see
-[opd_literate.mismatch.correction.cispo_loss][]). [opd_literate.mismatch.correction.kl_penalty][]
-adds the straight-through ``"k1+"`` / ``"k3+"`` estimators.
+verl's bypass-mode loss (``loss_mode: bypass_mode``, ``loss_type: ppo_clip`` and
+``reinforce``); [opd_literate.mismatch.correction.cispo_loss][],
+[opd_literate.mismatch.correction.gspo_loss][], the DPPO losses
+[opd_literate.mismatch.correction.dppo_tv_loss][] and
+[opd_literate.mismatch.correction.dppo_kl_loss][], and
+[opd_literate.mismatch.correction.dro_loss][] are verl's losses of those names with the sampler
+as their anchor. **Which verl trainer runs them so** (``VERL_VERSION``): its default trainer
+(``trainer.use_v1: true``, ``verl/trainer/ppo/v1/trainer_base.py``) answers
+``bypass_mode: true`` by setting ``old_log_probs = rollout_log_probs`` and nothing else: the
+actor's ``loss_mode`` (``vanilla``, ``cispo``, ``gspo``, ``dppo_tv``, ``dppo_kl``, ``dro``, ...)
+runs with the sampler as its anchor, and the rollout-correction weights and rejection are not
+computed (``loss_type`` and ``rollout_rs`` are read only by ``loss_mode: bypass_mode``, which
+reads them from ``policy_loss.rollout_correction``). The legacy trainer
+(``trainer.use_v1: false``, ``verl/trainer/ppo/ray_trainer.py``) calls ``apply_bypass_mode``,
+which also replaces the ``loss_mode`` by ``"bypass_mode"`` and copies the rollout-correction
+options into it: there the only losses with the sampler as their anchor are PPO's clip and
+REINFORCE (``tests/integration/test_verl.py`` reads both trainers).
+[opd_literate.mismatch.correction.kl_penalty][] adds the straight-through ``"k1+"`` /
+``"k3+"`` estimators.
 
 **Overflow.** Every ratio is the exponential of a log-ratio clamped to
 $[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
@@ -855,8 +868,9 @@ PRESETS = {
 of ``verl/trainer/config/algorithm.py``): the fields each sets that differ from
 ``rollout_is=None``, ``rollout_rs=None``, ``bypass_mode=False``, ``loss_type="ppo_clip"``.
 Without ``bypass_mode`` and ``loss_type``, a preset is the keyword arguments of
-[opd_literate.mismatch.correction.rollout_correction][]; with ``bypass_mode=True`` the loss is
-[opd_literate.mismatch.correction.ppo_clip_loss][] over ``keep`` (``loss_type="ppo_clip"``,
+[opd_literate.mismatch.correction.rollout_correction][]; with ``bypass_mode=True``, in verl's
+legacy trainer (``apply_bypass_mode``; see the module docstring for the default one), the loss
+is [opd_literate.mismatch.correction.ppo_clip_loss][] over ``keep`` (``loss_type="ppo_clip"``,
 whose importance weights verl computes for its metrics only) or
 [opd_literate.mismatch.correction.reinforce_loss][] with ``weights`` over ``keep``
 (``"reinforce"``)."""
@@ -1051,10 +1065,11 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     verl's ``compute_policy_loss_cispo`` (``loss_mode: cispo``) called with
     ``old_log_prob = sampler_logp``: it reads the actor's ``clip_ratio_low`` and
     ``clip_ratio_high`` (0.2 each in ``ActorConfig``, the defaults here) and the same clamped
-    ratio. verl's trainer does not make that call: in decoupled mode CISPO's anchor is the
-    recomputed ``old_log_prob``, and ``bypass_mode: true`` (``apply_bypass_mode``) sets
-    ``loss_mode = "bypass_mode"``, whose loss is PPO's clip or REINFORCE
-    (``compute_policy_loss_bypass_mode``, ``loss_type``), never CISPO.
+    ratio. In decoupled mode CISPO's anchor is the recomputed ``old_log_prob``; with
+    ``bypass_mode: true`` verl 0.9.1's default trainer makes this call (it only substitutes
+    the anchor), and its legacy trainer cannot (``apply_bypass_mode`` sets
+    ``loss_mode = "bypass_mode"``, whose loss is PPO's clip or REINFORCE,
+    ``compute_policy_loss_bypass_mode``): see the module docstring.
 
     Returns
     -------
@@ -1117,8 +1132,8 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     10^{-4}$; verl (``loss_mode: gspo``, ``compute_policy_loss_gspo``) reads the actor's
     ``clip_ratio_low`` / ``clip_ratio_high``, whose defaults (0.2) must be set to these. verl
     clamps $\log s_t$ at 10 from above only; here at $\pm 20$ like every ratio. As for
-    [opd_literate.mismatch.correction.cispo_loss][], verl's bypass mode cannot select GSPO:
-    the sampler as its anchor is this module's call, not a verl configuration.
+    [opd_literate.mismatch.correction.cispo_loss][], the sampler is GSPO's anchor in verl
+    with ``bypass_mode: true`` in the default trainer, not in the legacy one.
 
     Examples
     --------
@@ -1160,9 +1175,9 @@ def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="t
 
     Its gradient with respect to $\log \pi_\theta(y_t)$ is $-w_t A$: with the ``weights`` of
     [opd_literate.mismatch.correction.rollout_correction][] and ``mask = keep`` it is the estimate
-    $w_t A s_t$ of [opd_literate.mismatch.estimators][]. verl's bypass mode with ``loss_type:
-    reinforce`` (``compute_policy_loss_reinforce``; the actor's ``loss_agg_mode``, default
-    ``"token-mean"``). ``weights=None`` is $w_t = 1$.
+    $w_t A s_t$ of [opd_literate.mismatch.estimators][]. verl's bypass-mode loss with
+    ``loss_type: reinforce`` (``compute_policy_loss_reinforce``; the actor's ``loss_agg_mode``,
+    default ``"token-mean"``). ``weights=None`` is $w_t = 1$.
 
     Examples
     --------

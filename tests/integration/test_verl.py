@@ -473,10 +473,11 @@ def _function_source(path, name):
 
 
 def test_bypass_mode_substitutes_the_anchor_and_only_the_legacy_trainer_replaces_the_loss():
-    """What the docstrings say of bypass_mode in verl 0.9.1: the default trainer is the v1 one,
-    whose bypass mode sets old_log_probs = rollout_log_probs and leaves loss_mode alone (so
-    dppo_tv, dppo_kl, dro, cispo and gspo run with the sampler as their anchor); the legacy
-    trainer's apply_bypass_mode also sets loss_mode to bypass_mode."""
+    """What correction's module docstring says of bypass_mode in verl 0.9.1: the default trainer
+    is the v1 one, whose bypass mode sets old_log_probs = rollout_log_probs, leaves loss_mode
+    alone (so dppo_tv, dppo_kl, dro, cispo and gspo run with the sampler as their anchor) and
+    skips the rollout correction; the legacy trainer's apply_bypass_mode also sets loss_mode
+    to bypass_mode and passes the rollout-correction options to it."""
     package = pathlib.Path(verl.__file__).parent
     trainer_yaml = (package / "trainer" / "config" / "ppo_trainer.yaml").read_text()
     assert re.search(r"^  use_v1: true$", trainer_yaml, re.MULTILINE)
@@ -486,6 +487,10 @@ def test_bypass_mode_substitutes_the_anchor_and_only_the_legacy_trainer_replaces
                           "_compute_old_log_prob")
     assert 'data["old_log_probs"] = data.pop("rollout_log_probs")' in v1
     assert "loss_mode" not in v1 and "apply_bypass_mode" not in v1
+    # and its rollout correction (weights, rejection) runs only without bypass mode
+    advantage = _function_source(package / "trainer" / "ppo" / "v1" / "trainer_base.py",
+                                 "_compute_advantage")
+    assert "and not bypass_recomputing_logprobs" in advantage
     assert "apply_bypass_mode" in (package / "trainer" / "ppo" / "ray_trainer.py").read_text()
     from omegaconf import OmegaConf
     from verl import DataProto
@@ -494,6 +499,7 @@ def test_bypass_mode_substitutes_the_anchor_and_only_the_legacy_trainer_replaces
     policy_loss = OmegaConf.create({"loss_mode": "dppo_tv"})
     helper.apply_bypass_mode(batch, RolloutCorrectionConfig.bypass_ppo_clip(), policy_loss)
     assert policy_loss.loss_mode == "bypass_mode"
+    assert policy_loss.rollout_correction.loss_type == "ppo_clip"
     assert torch.equal(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"])
 
 
