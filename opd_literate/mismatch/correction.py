@@ -1309,8 +1309,9 @@ def dppo_tv_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
     defaults here), ``clip_ratio_c`` as $c$ and ``loss_agg_mode`` (``reduction``). Its code
     falls back to $c = 20$ only for a config without ``clip_ratio_c``; ``ActorConfig`` has one,
     3.0 (the dual clip's constant), the default here, although the code's comment recommends a
-    large cap. verl's DPPO example script (``examples/dppo_trainer/``, in the repository, not
-    in the package) sets $\delta = 0.15$, ``clip_ratio_c=10000`` and
+    large cap. verl's DPPO example script
+    (``examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh`` at ``VERL_COMMIT``, in the
+    repository, not in the package) sets $\delta = 0.15$, ``clip_ratio_c=10000`` and
     ``loss_agg_mode=seq-mean-token-sum-norm``.
 
     **The anchor.** $q_t$ is verl's ``old_log_prob``: in decoupled mode the recomputed

@@ -1060,7 +1060,7 @@ def estimator_weights(toy, name, baseline=0.0, **params):
     """The ``(M, T)`` weights of a registered estimator (its defaults, updated by ``params``).
 
     ``baseline`` matters for the estimators whose weight depends on the sign of the advantage
-    (``ppo_clip_bypass``, ``gspo``).
+    (``ppo_clip_bypass``, ``gspo``, ``dppo_tv``, ``dppo_kl``).
 
     Examples
     --------
@@ -1149,7 +1149,7 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
     rows = []
     for name in names:
         spec = _spec(name)
-        # The weights depend on the baseline for ppo_clip_bypass and gspo (the advantage's sign).
+        # The weights depend on the baseline for ppo_clip_bypass, gspo and DPPO (the sign of A).
         weights = estimator_weights(toy, name, baseline=baseline, **params.get(name, {}))
         estimate = weighted_score(toy, weights, baseline)
         moments = estimator_moments(toy, estimate)

@@ -766,6 +766,14 @@ def test_metric_values_against_float64_formulas():
     assert got["ppl_ratio"] == pytest.approx(np.exp(mean_logq - mean_logp).mean(), rel=1e-12)
 
 
+def test_the_dppo_and_dro_losses_are_named_after_verls_loss_modes():
+    """dppo_tv_loss, dppo_kl_loss, dro_loss: the loss_mode names of verl's registry (the
+    fixture read from the installed release), with its actor metrics."""
+    for mode in ("dppo_tv", "dppo_kl", "dro"):
+        assert mode in FIXTURE["policy_loss_modes"] and f"{mode}_loss" in C.__all__
+    assert "bypass_mode" in FIXTURE["policy_loss_modes"]
+
+
 def test_the_module_cites_the_verl_version_of_the_fixture():
     assert C.VERL_VERSION == FIXTURE["version"]
     assert C.VERL_COMMIT is E.VERL_COMMIT  # one definition, in _numerics, re-exported by both

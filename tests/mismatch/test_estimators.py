@@ -449,6 +449,24 @@ def test_wide_bands_coincide_with_their_uncorrected_estimator():
     np.testing.assert_array_equal(E.dppo_kl(toy), E.token_is(toy))
 
 
+def test_dppo_coincides_with_token_is_at_the_default_mismatch_for_the_stated_reasons():
+    """"No token's probability differs by more than 0.2, nor does its binary KL exceed 0.2,
+    and no ratio exceeds their cap of 3" (so the regions and the cap never bite)."""
+    toy = make_toy()
+    p, q = np.exp(toy["logp_train"]), np.exp(toy["logp_sampler"])
+    kl = q * np.log(q / p) + (1 - q) * np.log((1 - q) / (1 - p))
+    assert np.abs(p - q).max() < 0.2 and kl.max() < 0.2 and (p / q).max() < 3.0
+
+
+def test_dppo_removes_fewer_tokens_than_ppos_clip_with_less_bias_but_more_than_token_is():
+    """docs/mismatch.md, under the table at mismatch 1.0 and baseline 0.5."""
+    rows = {r["name"]: r for r in E.comparison_table(make_toy(mismatch=1.0), N=64, baseline=0.5)}
+    for name in ("dppo_tv", "dppo_kl"):
+        assert 0 < rows[name]["token_frac"] < rows["ppo_clip_bypass"]["token_frac"], name
+        assert rows["token_is"]["rel_bias"] < rows[name]["rel_bias"], name
+        assert rows[name]["rel_bias"] < rows["ppo_clip_bypass"]["rel_bias"], name
+
+
 def test_masking_has_more_bias_and_less_variance_than_truncation(default_rows):
     for masked, truncated in (("token_mis", "token_tis"), ("seq_mis", "seq_tis")):
         assert default_rows[masked]["rel_bias"] > default_rows[truncated]["rel_bias"]
