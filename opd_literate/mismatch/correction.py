@@ -1436,12 +1436,12 @@ def dro_loss(trainer_logp, sampler_logp, advantages, mask, *, dro_beta,
     verl: ``loss_mode: dro`` (``compute_policy_loss_dro``, since commit ``ddfbf4e``,
     PR #7245, August 2026; in ``VERL_VERSION``), with ``policy_loss.dro_beta`` (default
     ``null``, and verl raises unless it is $> 0$: no default here either; its PR's example
-    uses 0.05) and the actor's ``loss_agg_mode``. verl's documentation says DRO "expects the
-    caller to construct advantages appropriate for its soft off-policy formulation". The
-    anchor is verl's ``old_log_prob``, as for
-    [opd_literate.mismatch.correction.dppo_tv_loss][]: $\pi_{\mathrm{old}}$ in decoupled mode,
-    the sampler with ``bypass_mode: true`` in the default (v1) trainer, never the sampler in
-    the legacy one.
+    uses 0.05) and the actor's ``loss_agg_mode``. verl's ``docs/algo/dro.md`` (in the
+    repository at ``VERL_COMMIT``) says DRO "expects the caller to construct advantages
+    appropriate for its soft off-policy formulation". The anchor is verl's ``old_log_prob``,
+    as for [opd_literate.mismatch.correction.dppo_tv_loss][]: $\pi_{\mathrm{old}}$ in
+    decoupled mode, the sampler with ``bypass_mode: true`` in the default (v1) trainer, never
+    the sampler in the legacy one.
 
     Returns
     -------
