@@ -323,7 +323,11 @@ CASES = [
       for name, clips in (("ppo_clip_loss", ({},)), ("cispo_loss", ({},)),
                           # GSPO's default band (3e-4, 4e-4) clips nearly every response of these
                           # inputs, which leaves no gradient to compare: a wide band as well
-                          ("gspo_loss", ({}, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3})))],
+                          ("gspo_loss", ({}, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3})),
+                          # the default regions and tighter ones that remove and truncate more
+                          ("dppo_tv_loss", ({}, {"clip_ratio": 0.05, "clip_ratio_c": 1.5})),
+                          ("dppo_kl_loss", ({}, {"clip_ratio": 0.01, "clip_ratio_c": 1.5})),
+                          ("dro_loss", ({"dro_beta": 0.1}, {"dro_beta": 2.0})))],
     Case("correction.reinforce_loss",
          lambda s, g: {**_with_advantages(s, g),
                        "weights": torch.rand(s["B"], s["T"], generator=g, dtype=torch.float64)},

@@ -11,8 +11,8 @@ would check the same mask again.
 lengths, the reductions of a per-token loss, the cancellation-free KL to a mixture (torch), and
 the exponential of a log-ratio that refuses to overflow (numpy).
 
-**Constants** read by several modules, defined here once: ``REDUCTIONS``, ``VERL_VERSION`` and
-``VERL_COMMIT``.
+**Constants** read by several modules, defined here once: ``REDUCTIONS``, ``VERL_VERSION``,
+``VERL_COMMIT`` and ``BINARY_KL_EPS``.
 The modules that document them re-export them under the same name.
 
 The numpy-only modules import this file, so it imports no third-party package at import time:
@@ -34,6 +34,7 @@ __all__ = [
     "VERL_VERSION",
     "VERL_COMMIT",
     "MAX_LOG_RATIO",
+    "BINARY_KL_EPS",
     "check_float_tensor",
     "check_same_shape",
     "check_mask",
@@ -70,6 +71,12 @@ snapshot: its ``rollout_corr_helper.py`` equals this commit's byte for byte, its
 
 MAX_LOG_RATIO = math.log(sys.float_info.max)
 """709.78: ``exp`` of a larger log-ratio is ``inf`` in float64, and ``inf * 0`` is NaN."""
+
+BINARY_KL_EPS = 1e-8
+r"""The $10^{-8}$ that verl's DPPO-Binary-KL (``compute_policy_loss_dppo_kl``) adds to $1 - q$ and
+$1 - p$ inside its logarithm, $(1 - q) \log \frac{1 - q + 10^{-8}}{1 - p + 10^{-8}}$: finite at
+$p = 1$. The numpy estimator and the torch loss of DPPO-KL both use it, so that their trust
+regions are verl's."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def _estimators():
     toy = make_toy()
     rows = comparison_table(toy, N=64)
     _write("estimators_table.md", format_table(rows, N=64) + "\n")
-    # With a baseline some advantages are negative: ppo_clip_bypass and gspo change.
+    # With a baseline some advantages are negative: ppo_clip_bypass, gspo and DPPO change.
     rows_baseline = comparison_table(make_toy(mismatch=1.0), N=64, baseline=0.5)
     _write("estimators_table_baseline.md", format_table(rows_baseline, N=64) + "\n")
 

@@ -26,16 +26,29 @@ $$
 mask less the rejected tokens) and ``metrics``, named as verl logs them. A trainer multiplies
 its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; on the toy,
 ``weights * keep`` is exactly the weight $w_t$ of the matching numpy estimator
-(``tests/mismatch/test_correction.py`` checks all sixteen). The losses take the sampler's
+(``tests/mismatch/test_correction.py`` checks all eighteen). The losses take the sampler's
 log-probabilities as the PPO anchor, as verl's *bypass mode* does, and their autograd
 gradient is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with verl's
 dual clip) and [opd_literate.mismatch.correction.reinforce_loss][] are the two losses of
-verl's bypass mode (``loss_type: ppo_clip`` and ``reinforce``);
-[opd_literate.mismatch.correction.cispo_loss][] and [opd_literate.mismatch.correction.gspo_loss][]
-are verl's CISPO and GSPO losses called with the sampler as their anchor, which verl's own
-bypass mode cannot do (it replaces the loss mode by its own, see
-[opd_literate.mismatch.correction.cispo_loss][]). [opd_literate.mismatch.correction.kl_penalty][]
-adds the straight-through ``"k1+"`` / ``"k3+"`` estimators.
+verl's bypass-mode loss (``loss_mode: bypass_mode``, ``loss_type: ppo_clip`` and
+``reinforce``); [opd_literate.mismatch.correction.cispo_loss][],
+[opd_literate.mismatch.correction.gspo_loss][], the DPPO losses
+[opd_literate.mismatch.correction.dppo_tv_loss][] and
+[opd_literate.mismatch.correction.dppo_kl_loss][], and
+[opd_literate.mismatch.correction.dro_loss][] are verl's losses of those names with the sampler
+as their anchor. **Which verl trainer runs them so** (``VERL_VERSION``): its default trainer
+(``trainer.use_v1: true``, ``verl/trainer/ppo/v1/trainer_base.py``) answers
+``bypass_mode: true`` by setting ``old_log_probs = rollout_log_probs`` and nothing else: the
+actor's ``loss_mode`` (``vanilla``, ``cispo``, ``gspo``, ``dppo_tv``, ``dppo_kl``, ``dro``, ...)
+runs with the sampler as its anchor, and the rollout-correction weights and rejection are not
+computed (``loss_type`` and ``rollout_rs`` are read only by ``loss_mode: bypass_mode``, which
+reads them from ``policy_loss.rollout_correction``). The legacy trainer
+(``trainer.use_v1: false``, ``verl/trainer/ppo/ray_trainer.py``) calls ``apply_bypass_mode``,
+which also replaces the ``loss_mode`` by ``"bypass_mode"`` and copies the rollout-correction
+options into it: there the only losses with the sampler as their anchor are PPO's clip and
+REINFORCE (``tests/integration/test_verl.py`` reads both trainers).
+[opd_literate.mismatch.correction.kl_penalty][] adds the straight-through ``"k1+"`` /
+``"k3+"`` estimators.
 
 **Overflow.** Every ratio is the exponential of a log-ratio clamped to
 $[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
@@ -80,6 +93,7 @@ from typing import NamedTuple
 import torch
 
 from .._numerics import (
+    BINARY_KL_EPS,
     VERL_COMMIT,
     VERL_VERSION,
     aggregate,
@@ -116,6 +130,9 @@ __all__ = [
     "cispo_loss",
     "gspo_loss",
     "reinforce_loss",
+    "dppo_tv_loss",
+    "dppo_kl_loss",
+    "dro_loss",
     "kl_penalty",
 ]
 
@@ -851,8 +868,9 @@ PRESETS = {
 of ``verl/trainer/config/algorithm.py``): the fields each sets that differ from
 ``rollout_is=None``, ``rollout_rs=None``, ``bypass_mode=False``, ``loss_type="ppo_clip"``.
 Without ``bypass_mode`` and ``loss_type``, a preset is the keyword arguments of
-[opd_literate.mismatch.correction.rollout_correction][]; with ``bypass_mode=True`` the loss is
-[opd_literate.mismatch.correction.ppo_clip_loss][] over ``keep`` (``loss_type="ppo_clip"``,
+[opd_literate.mismatch.correction.rollout_correction][]; with ``bypass_mode=True``, in verl's
+legacy trainer (``apply_bypass_mode``; see the module docstring for the default one), the loss
+is [opd_literate.mismatch.correction.ppo_clip_loss][] over ``keep`` (``loss_type="ppo_clip"``,
 whose importance weights verl computes for its metrics only) or
 [opd_literate.mismatch.correction.reinforce_loss][] with ``weights`` over ``keep``
 (``"reinforce"``)."""
@@ -1047,10 +1065,11 @@ def cispo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
     verl's ``compute_policy_loss_cispo`` (``loss_mode: cispo``) called with
     ``old_log_prob = sampler_logp``: it reads the actor's ``clip_ratio_low`` and
     ``clip_ratio_high`` (0.2 each in ``ActorConfig``, the defaults here) and the same clamped
-    ratio. verl's trainer does not make that call: in decoupled mode CISPO's anchor is the
-    recomputed ``old_log_prob``, and ``bypass_mode: true`` (``apply_bypass_mode``) sets
-    ``loss_mode = "bypass_mode"``, whose loss is PPO's clip or REINFORCE
-    (``compute_policy_loss_bypass_mode``, ``loss_type``), never CISPO.
+    ratio. In decoupled mode CISPO's anchor is the recomputed ``old_log_prob``; with
+    ``bypass_mode: true`` verl 0.9.1's default trainer makes this call (it only substitutes
+    the anchor), and its legacy trainer cannot (``apply_bypass_mode`` sets
+    ``loss_mode = "bypass_mode"``, whose loss is PPO's clip or REINFORCE,
+    ``compute_policy_loss_bypass_mode``): see the module docstring.
 
     Returns
     -------
@@ -1113,8 +1132,8 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     10^{-4}$; verl (``loss_mode: gspo``, ``compute_policy_loss_gspo``) reads the actor's
     ``clip_ratio_low`` / ``clip_ratio_high``, whose defaults (0.2) must be set to these. verl
     clamps $\log s_t$ at 10 from above only; here at $\pm 20$ like every ratio. As for
-    [opd_literate.mismatch.correction.cispo_loss][], verl's bypass mode cannot select GSPO:
-    the sampler as its anchor is this module's call, not a verl configuration.
+    [opd_literate.mismatch.correction.cispo_loss][], the sampler is GSPO's anchor in verl
+    with ``bypass_mode: true`` in the default trainer, not in the legacy one.
 
     Examples
     --------
@@ -1156,9 +1175,9 @@ def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="t
 
     Its gradient with respect to $\log \pi_\theta(y_t)$ is $-w_t A$: with the ``weights`` of
     [opd_literate.mismatch.correction.rollout_correction][] and ``mask = keep`` it is the estimate
-    $w_t A s_t$ of [opd_literate.mismatch.estimators][]. verl's bypass mode with ``loss_type:
-    reinforce`` (``compute_policy_loss_reinforce``; the actor's ``loss_agg_mode``, default
-    ``"token-mean"``). ``weights=None`` is $w_t = 1$.
+    $w_t A s_t$ of [opd_literate.mismatch.estimators][]. verl's bypass-mode loss with
+    ``loss_type: reinforce`` (``compute_policy_loss_reinforce``; the actor's ``loss_agg_mode``,
+    default ``"token-mean"``). ``weights=None`` is $w_t = 1$.
 
     Examples
     --------
@@ -1183,6 +1202,285 @@ def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="t
     w = select(mask, weights.detach().to(dtype))
     per_token = -w * A * select(mask, trainer_logp.to(dtype))
     return aggregate(select(mask, per_token), mask, reduction)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trust regions on the probabilities (DPPO) and a quadratic pull to the anchor (DRO)
+# ---------------------------------------------------------------------------------------------
+def _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c):
+    r"""The thresholds $\delta_l, \delta_h \ge 0$ and the cap $c > 0$ of DPPO (``inf``: none).
+
+    verl reads them from PPO's options: ``clip_ratio_low`` / ``clip_ratio_high`` (None means
+    ``clip_ratio``) are the divergence thresholds, ``clip_ratio_c`` the truncation of the ratio.
+    """
+    clip_ratio = check_finite_number("clip_ratio", clip_ratio, low=0.0, allow_inf=True)
+    low, high = (clip_ratio if value is None else
+                 check_finite_number(name, value, low=0.0, allow_inf=True)
+                 for name, value in (("clip_ratio_low", clip_ratio_low),
+                                     ("clip_ratio_high", clip_ratio_high)))
+    cap = check_finite_number("clip_ratio_c", clip_ratio_c, positive=True, allow_inf=True)
+    # A ratio lies in [e^-20, e^20]: a cap above e^21 never binds, and torch.clamp refuses a
+    # bound its dtype cannot hold (1e39 in float32).
+    return low, high, min(cap, math.exp(SAFETY_BOUND + 1.0))
+
+
+def _check_log_probabilities(mask, **log_probs):
+    """Refuse a log-probability above 0 where mask is 1: the binary KL needs 1 - p >= 0."""
+    for name, logp in log_probs.items():
+        bad = mask & (logp.detach() > 0)
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} must be <= 0 where mask is 1 (a log-probability: DPPO-KL's binary KL "
+                f"needs 1 - p >= 0), got {logp[b, t].item()!r} at position ({b}, {t})")
+
+
+def _binary_kl(log_q, log_p):
+    r"""verl's $q \log \frac{q}{p} + (1 - q) \log \frac{1 - q + 10^{-8}}{1 - p + 10^{-8}}$,
+    elementwise, for log-probabilities $\le 0$; $1 - p$ as $-\mathrm{expm1}(\log p)$, exact
+    near $p = 1$ where $1 - e^{\log p}$ loses its digits."""
+    q = torch.exp(log_q)
+    not_q, not_p = -torch.expm1(log_q), -torch.expm1(log_p)  # 1 - q, 1 - p
+    return q * (log_q - log_p) + not_q * torch.log((not_q + BINARY_KL_EPS)
+                                                   / (not_p + BINARY_KL_EPS))
+
+
+def _dppo_loss(trainer_logp, sampler_logp, A, mask, dtype, low, high, cap, reduction,
+               divergence):
+    """DPPO's loss and verl's metrics on checked inputs (``divergence`` "tv" or "kl")."""
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    trainer = select(mask, trainer_logp.to(dtype))  # log pi(y_t), with its gradient
+    with torch.no_grad():  # the trust region and the weight are constants of the update
+        sampler = select(mask, sampler_logp.detach().to(dtype))
+        log_p = trainer.detach()
+        p, q = torch.exp(log_p), torch.exp(sampler)  # pi(y_t), mu(y_t); 1 on the padding
+        if divergence == "tv":
+            # |p - q| is the TV between "y_t or not" under pi and under mu; one side per sign
+            inside_up, inside_down = p - q <= high, p - q >= -low
+        else:
+            kl = _binary_kl(sampler, log_p)
+            # the KL bounds a move in the advantage's direction only
+            inside_up, inside_down = (kl <= high) | (p <= q), (kl <= low) | (p >= q)
+        inside = torch.where(A > 0, inside_up, inside_down)  # A = 0 takes verl's A <= 0 side
+        ratio = _exp_safe(log_rho_t)
+        weight = torch.clamp(ratio, max=cap)  # sg(min(r_t, c)), verl's truncated IS
+    # L_t = -sg(min(r_t, c)) A log pi(y_t) inside the trust region, 0 outside
+    per_token = torch.where(inside, -weight * A * trainer, torch.zeros_like(trainer))
+    loss = aggregate(select(mask, per_token), mask, reduction)
+    metrics = {
+        "actor/pg_clipfrac": float(masked_mean((~inside).to(dtype), mask)),
+        "actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask)),
+        "actor/pg_clipfrac_lower": float(masked_mean((inside & (ratio > cap)).to(dtype), mask)),
+    }
+    return loss, metrics
+
+
+def dppo_tv_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+                 clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                 reduction="token-mean"):
+    r"""DPPO-Binary-TV: truncated IS inside a trust region on $\pi_\theta(y_t) - \mu(y_t)$.
+
+    PPO's clip bounds the *ratio* $r_t$, which over-constrains rare tokens (a probability that
+    moves from 0.01 to 0.02 doubles its ratio) and under-constrains frequent ones. DPPO
+    (Qi et al., *Rethinking the Trust Region in LLM Reinforcement Learning*, 2026) bounds a
+    divergence instead; this variant the probability difference. With $p_t = \pi_\theta(y_t)$,
+    $q_t = \mu(y_t)$, $r_t = \exp(\mathrm{clamp}(\log \rho_t, -20, 20))$, the thresholds
+    $\delta_l, \delta_h$ and the cap $c$:
+
+    $$
+    \begin{aligned}
+    L_t &= -\,\mathrm{sg}\big(\min(r_t, c)\big)\, m_t\, A\, \log \pi_\theta(y_t), \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -\min(r_t, c)\, m_t\, A, \\
+    m_t &= \mathbb{1}[A > 0]\, \mathbb{1}[p_t - q_t \le \delta_h]
+    + \mathbb{1}[A \le 0]\, \mathbb{1}[p_t - q_t \ge -\delta_l] .
+    \end{aligned}
+    $$
+
+    $|p_t - q_t|$ is the total variation between the two distributions of "the token $y_t$ or
+    another" under $\pi_\theta$ and $\mu$, which the full-vocabulary TV bounds from above. The
+    region is one-sided, like PPO's clip: a token leaves it only once its probability has
+    moved by more than $\delta$ in the direction its advantage pushes it. The gradient is the
+    weight $w_t = \min(r_t, c)\, m_t$ of [opd_literate.mismatch.estimators.dppo_tv][] times
+    $-A$. No dual clip.
+
+    verl: ``loss_mode: dppo_tv`` (``compute_policy_loss_dppo_tv``, since commit ``182383b``,
+    PR #5397, February 2026; in ``VERL_VERSION``). It reads the actor's ``clip_ratio``,
+    ``clip_ratio_low`` and ``clip_ratio_high`` as $\delta$ (0.2 each in ``ActorConfig``: the
+    defaults here), ``clip_ratio_c`` as $c$ and ``loss_agg_mode`` (``reduction``). Its code
+    falls back to $c = 20$ only for a config without ``clip_ratio_c``; ``ActorConfig`` has one,
+    3.0 (the dual clip's constant), the default here, although the code's comment recommends a
+    large cap. verl's DPPO example script
+    (``examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh`` at ``VERL_COMMIT``, in the
+    repository, not in the package) sets $\delta = 0.15$, ``clip_ratio_c=10000`` and
+    ``loss_agg_mode=seq-mean-token-sum-norm``.
+
+    **The anchor.** $q_t$ is verl's ``old_log_prob``: in decoupled mode the recomputed
+    $\pi_{\mathrm{old}}$ (then verl also multiplies the loss by the ``rollout_is`` weights, if
+    any). With ``bypass_mode: true`` it is the sampler's ``rollout_log_probs``, as here, in
+    verl 0.9.1's default trainer (``trainer.use_v1: true``,
+    ``verl/trainer/ppo/v1/trainer_base.py``), which keeps the actor's ``loss_mode``; the legacy
+    trainer (``trainer.use_v1: false``) replaces ``loss_mode`` by ``"bypass_mode"``
+    (``apply_bypass_mode``), so DPPO never sees the sampler there.
+
+    Returns
+    -------
+    loss : torch.Tensor
+    metrics : dict
+        verl's ``actor/pg_clipfrac`` (share of valid tokens outside the trust region, whatever
+        the sign of $A$), ``actor/ppo_kl`` (mean $-\log \rho_t$) and
+        ``actor/pg_clipfrac_lower`` (share of valid tokens inside it whose ratio exceeds $c$).
+
+    Examples
+    --------
+    Three tokens with $A = 1$ and $(p, q) = (0.02, 0.01), (0.9, 0.6), (0.04, 0.01)$, so
+    $r_t = 2, 1.5, 4$: PPO's clip at 1.2 would remove all three. The trust region removes only
+    the frequent token, whose probability rose by $0.3 > 0.2$; the cap $c = 3$ truncates the
+    last ratio:
+
+    >>> trainer = torch.log(torch.tensor([[0.02, 0.9, 0.04]])).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.01, 0.6, 0.01]]))
+    >>> loss, m = dppo_tv_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 3),
+    ...                        reduction="sum")
+    >>> loss.backward()
+    >>> [round(g, 6) for g in trainer.grad[0].tolist()]
+    [-2.0, 0.0, -3.0]
+    >>> round(m["actor/pg_clipfrac"], 6), round(m["actor/pg_clipfrac_lower"], 6)
+    (0.333333, 0.333333)
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    low, high, cap = _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high,
+                                         clip_ratio_c)
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    return _dppo_loss(trainer_logp, sampler_logp, A, mask, dtype, low, high, cap, reduction,
+                      "tv")
+
+
+def dppo_kl_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+                 clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                 reduction="token-mean"):
+    r"""DPPO-Binary-KL: truncated IS inside a trust region on a binary KL to the anchor.
+
+    [opd_literate.mismatch.correction.dppo_tv_loss][] with the divergence
+    $\mathrm{KL}(q_t \,\|\, p_t)$ between the two distributions of "the token $y_t$ or
+    another" under $\mu$ and $\pi_\theta$ (which the full-vocabulary
+    $\mathrm{KL}(\mu_t \,\|\, \pi_t)$ bounds from above), in verl's form, with
+    $\epsilon = 10^{-8}$ (``BINARY_KL_EPS`` of ``_numerics``):
+
+    $$
+    \begin{aligned}
+    D_t &= q_t \log \frac{q_t}{p_t} + (1 - q_t) \log \frac{1 - q_t + \epsilon}{1 - p_t +
+    \epsilon}, \\
+    m_t &= \mathbb{1}[A > 0]\, \mathbb{1}[D_t \le \delta_h \text{ or } p_t \le q_t]
+    + \mathbb{1}[A \le 0]\, \mathbb{1}[D_t \le \delta_l \text{ or } p_t \ge q_t],
+    \end{aligned}
+    $$
+
+    and the same loss $L_t = -\mathrm{sg}(\min(r_t, c))\, m_t\, A \log \pi_\theta(y_t)$: the
+    weight of [opd_literate.mismatch.estimators.dppo_kl][]. Where TV weighs every unit of
+    probability alike, the KL is large for a rare token that became likely and small for a
+    frequent one that moved by as much.
+
+    verl: ``loss_mode: dppo_kl`` (``compute_policy_loss_dppo_kl``, same commit, release,
+    options, defaults and anchor as [opd_literate.mismatch.correction.dppo_tv_loss][]; verl's
+    example script sets $\delta = 0.05$ for this variant). $1 - p$ is computed as
+    $-\mathrm{expm1}(\log p)$ (verl: $1 - e^{\log p}$, the same to rounding), so the
+    log-probabilities must be $\le 0$ inside the mask: a ``ValueError`` names the one that is
+    not (verl would take the logarithm of a negative number).
+
+    Examples
+    --------
+    $A = 1$, $(p, q) = (0.81, 0.6)$ and $(0.19, 0.001)$. The frequent token moved by
+    $0.21 > 0.2$ (out of TV's region) but $D = 0.118$ (inside the KL's); the rare one by
+    $0.189$ (inside TV's) but $D = 0.204 > 0.2$ (out of the KL's):
+
+    >>> trainer = torch.log(torch.tensor([[0.81, 0.19]], dtype=torch.float64))
+    >>> sampler = torch.log(torch.tensor([[0.6, 0.001]], dtype=torch.float64))
+    >>> A, ones = torch.tensor([1.0]), torch.ones(1, 2)
+    >>> for loss_fn in (dppo_tv_loss, dppo_kl_loss):
+    ...     x = trainer.clone().requires_grad_()
+    ...     loss_fn(x, sampler, A, ones, reduction="sum")[0].backward()
+    ...     print(loss_fn.__name__, [round(g, 6) for g in x.grad[0].tolist()])
+    dppo_tv_loss [0.0, -3.0]
+    dppo_kl_loss [-1.35, 0.0]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    _check_log_probabilities(mask, trainer_logp=trainer_logp, sampler_logp=sampler_logp)
+    low, high, cap = _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high,
+                                         clip_ratio_c)
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    return _dppo_loss(trainer_logp, sampler_logp, A, mask, dtype, low, high, cap, reduction,
+                      "kl")
+
+
+def dro_loss(trainer_logp, sampler_logp, advantages, mask, *, dro_beta,
+             reduction="token-mean"):
+    r"""DRO: the advantage-weighted log-likelihood less a quadratic penalty on the log-ratio.
+
+    verl's Direct Reward Optimization loss, with $\beta$ = ``dro_beta``:
+
+    $$
+    L_t = -\Big(A \log \pi_\theta(y_t) - \frac{\beta}{2}\, (\log \rho_t)^2\Big), \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -A + \beta \log \rho_t .
+    $$
+
+    No ratio weights the advantage: the penalty pulls $\log \pi_\theta(y_t)$ back to the
+    anchor's $\log \mu(y_t)$ with a force proportional to their distance, and at the anchor
+    ($\log \rho_t = 0$) the gradient is plain REINFORCE's $-A$. The log-ratio is not clamped
+    (verl's is not either). The gradient is not of the form $w_t A$ (the penalty does not
+    scale with $A$, and acts where $A = 0$), so DRO has no weight in
+    [opd_literate.mismatch.estimators][]' catalogue of $w_t A s_t$ estimators: it estimates
+    the gradient of a regularised objective, not $\nabla J$.
+
+    verl: ``loss_mode: dro`` (``compute_policy_loss_dro``, since commit ``ddfbf4e``,
+    PR #7245, August 2026; in ``VERL_VERSION``), with ``policy_loss.dro_beta`` (default
+    ``null``, and verl raises unless it is $> 0$: no default here either; its PR's example
+    uses 0.05) and the actor's ``loss_agg_mode``. verl's ``docs/algo/dro.md`` (in the
+    repository at ``VERL_COMMIT``) says DRO "expects the caller to construct advantages
+    appropriate for its soft off-policy formulation". The anchor is verl's ``old_log_prob``,
+    as for [opd_literate.mismatch.correction.dppo_tv_loss][]: $\pi_{\mathrm{old}}$ in
+    decoupled mode, the sampler with ``bypass_mode: true`` in the default (v1) trainer, never
+    the sampler in the legacy one.
+
+    Returns
+    -------
+    loss : torch.Tensor
+    metrics : dict
+        verl's one metric, ``actor/ppo_kl`` (mean $-\log \rho_t$).
+
+    Examples
+    --------
+    One token with $\log \rho = \log 2 = 0.693$ and $A = 1$: with $\beta = 1$ the penalty
+    cancels most of the push, $-1 + 0.693 = -0.307$:
+
+    >>> trainer = torch.log(torch.tensor([[0.5]], dtype=torch.float64)).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.25]], dtype=torch.float64))
+    >>> loss, m = dro_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 1),
+    ...                    dro_beta=1.0)
+    >>> loss.backward()
+    >>> round(trainer.grad.item(), 6), round(m["actor/ppo_kl"], 6)
+    (-0.306853, -0.693147)
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    beta = check_finite_number("dro_beta", dro_beta, positive=True)
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    trainer = select(mask, trainer_logp.to(dtype))
+    # one path from trainer_logp: a half-precision input gets its float32 gradient rounded once
+    log_rho_t = trainer - select(mask, sampler_logp.detach().to(dtype))
+    # L_t = -(A log pi(y_t) - beta / 2 (log pi(y_t) - log mu(y_t))^2)
+    per_token = -(A * trainer - 0.5 * beta * log_rho_t.square())
+    bad = mask & ~torch.isfinite(per_token.detach())
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"dro_loss overflows {dtype} at position ({b}, {t}): dro_beta / 2 * (log ratio)^2 "
+            f"with dro_beta={beta!r}, log ratio {log_rho_t[b, t].item()!r}; use float64 inputs "
+            "or a smaller dro_beta")
+    loss = aggregate(select(mask, per_token), mask, reduction)
+    metrics = {"actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask))}
+    return loss, metrics
 
 
 def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):

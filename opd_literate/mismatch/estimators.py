@@ -42,6 +42,15 @@ point where the gradient is taken, $\theta_{\mathrm{old}} = \theta$, with the ro
 the PPO anchor ("bypass mode" in verl's ``rollout_correction``), so the PPO ratio *is* $\rho_t$.
 The gradient of a clipped term is then $\rho_t A s_t$ where the clip is inactive and 0 where it
 is active.
+DPPO (``dppo_tv``, ``dppo_kl``) replaces the clip on $\rho_t$ by a trust region on the
+probabilities $\pi(y_t)$ and $\mu(y_t)$, evaluated the same way.
+
+**Not here: DRO.** verl's ``dro`` loss, $-(A \log \pi_\theta(y_t) - \frac{\beta}{2}
+(\log \rho_t)^2)$, gives the estimate (minus its gradient) $(A - \beta \log \rho_t)\, s_t$:
+its penalty does not scale with $A$ (it acts where $A = 0$), so it has no weight $w_t$ in the
+form above, and it estimates the gradient of an objective regularised towards its anchor
+($\mu$ in bypass mode), not $\nabla J$. Its torch form is
+[opd_literate.mismatch.correction.dro_loss][].
 
 **The hand-made examples.** Each estimator's example uses a toy of one or two positions built
 with [opd_literate.mismatch.toy.toy_from_logits][], where the ratios are round numbers: with the
@@ -66,7 +75,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._numerics import VERL_COMMIT, check_band, check_finite_number, exp_ratio
+from .._numerics import (
+    BINARY_KL_EPS,
+    VERL_COMMIT,
+    check_band,
+    check_finite_number,
+    exp_ratio,
+)
 from .toy import (
     ar_toy_from_logits,
     check_toy,
@@ -96,6 +111,8 @@ __all__ = [
     "k3_seq_rs",
     "geo_rs_token_tis",
     "gspo",
+    "dppo_tv",
+    "dppo_kl",
     "VERL_COMMIT",
     "EstimatorSpec",
     "REGISTRY",
@@ -793,6 +810,126 @@ def gspo(toy, eps_low=3e-4, eps_high=4e-4, baseline=0.0, *, return_weights=False
     return _finish(toy, weights, baseline, return_weights)
 
 
+def _dppo_weights(toy, divergence, delta_low, delta_high, clip_ratio_c, baseline):
+    r"""DPPO's weight $\min(\rho_t, c)\, m_t$ (``divergence`` "tv" or "kl") on checked options."""
+    log_p, log_q = toy["logp_train"], toy["logp_sampler"]  # (M, T): log pi(y_t), log mu(y_t)
+    p, q = np.exp(log_p), np.exp(log_q)
+    if divergence == "tv":
+        # pi(y_t) - mu(y_t): the TV of "y_t or not", one side per sign of the advantage
+        inside_up, inside_down = p - q <= delta_high, p - q >= -delta_low
+    else:
+        not_p, not_q = -np.expm1(log_p), -np.expm1(log_q)  # 1 - p, 1 - q, exact near 1
+        kl = q * (log_q - log_p) + not_q * np.log((not_q + BINARY_KL_EPS)
+                                                  / (not_p + BINARY_KL_EPS))
+        inside_up = (kl <= delta_high) | (p <= q)
+        inside_down = (kl <= delta_low) | (p >= q)
+    advantage = (toy["R"] - baseline)[:, None]  # (M, 1)
+    inside = np.where(advantage > 0, inside_up, inside_down)  # A = 0: verl's A <= 0 side
+    return np.where(inside, np.minimum(token_ratios(toy), clip_ratio_c), 0.0)
+
+
+def _check_dppo(delta_low, delta_high, clip_ratio_c, baseline):
+    delta_low = check_finite_number("delta_low", delta_low, low=0.0, allow_inf=True)
+    delta_high = check_finite_number("delta_high", delta_high, low=0.0, allow_inf=True)
+    clip_ratio_c = check_finite_number("clip_ratio_c", clip_ratio_c, positive=True,
+                                       allow_inf=True)
+    return delta_low, delta_high, clip_ratio_c, check_finite_number("baseline", baseline)
+
+
+def dppo_tv(toy, delta_low=0.2, delta_high=0.2, clip_ratio_c=3.0, baseline=0.0, *,
+            return_weights=False):
+    r"""DPPO-Binary-TV, bypass mode: the truncated ratio inside a trust region on $\pi - \mu$.
+
+    $$
+    w_t = \min(\rho_t, c)\, \Big(\mathbb{1}[A > 0]\, \mathbb{1}[\pi(y_t) - \mu(y_t) \le
+    \delta_h] + \mathbb{1}[A \le 0]\, \mathbb{1}[\pi(y_t) - \mu(y_t) \ge -\delta_l]\Big).
+    $$
+
+    From P. Qi et al., *Rethinking the Trust Region in LLM Reinforcement Learning* (DPPO,
+    2026): PPO's clip bounds the ratio $\rho_t$, which removes a rare token whose probability
+    moved a little (0.01 to 0.02 doubles its ratio) and keeps a frequent one that moved a lot;
+    DPPO bounds the probability difference instead, one-sided in the advantage's direction as
+    PPO's clip is, and truncates the ratio at $c$ (no dual clip). verl ``loss_mode: dppo_tv``
+    (its ``clip_ratio_low`` / ``clip_ratio_high`` are $\delta_l, \delta_h$, 0.2 each, and
+    ``clip_ratio_c`` is $c$, 3.0 in its ``ActorConfig``: the defaults here), with the sampler
+    as the anchor (verl's ``bypass_mode`` in its default trainer; see
+    [opd_literate.mismatch.correction.dppo_tv_loss][]), at $\theta_{\mathrm{old}} = \theta$.
+    A token with $A = 0$ gets the $A \le 0$ side, as in verl: its estimate is 0 either way,
+    but it counts as modified when outside. Biased: the token ratio of ``token_is``, the
+    truncation and the mask.
+
+    Parameters
+    ----------
+    delta_low, delta_high : float
+        $\delta_l, \delta_h \ge 0$; ``inf`` for no bound on that side.
+    clip_ratio_c : float
+        $c > 0$, the cap of the ratio; ``inf`` for none.
+
+    Examples
+    --------
+    One position, $\pi = (0.04, 0.96)$, $\mu = (0.01, 0.99)$, baseline 0.5: token 0 ($A > 0$,
+    $\rho = 4$) moved by $0.03 \le 0.2$ and keeps the capped ratio 3, where
+    ``ppo_clip_bypass`` zeroes it; token 1 ($A < 0$) keeps its ratio $0.96 / 0.99$:
+
+    >>> rare = toy_from_logits(np.log([[0.04, 0.96]]), np.log([[0.01, 0.99]]))
+    >>> dppo_tv(rare, baseline=0.5, return_weights=True).round(6).tolist()
+    [[3.0], [0.969697]]
+    >>> ppo_clip_bypass(rare, baseline=0.5, return_weights=True).round(6).tolist()
+    [[0.0], [0.969697]]
+
+    With $\pi = (0.9, 0.1)$, $\mu = (0.5, 0.5)$ both tokens moved by 0.4 in their advantage's
+    direction: both are out of the region.
+
+    >>> toy = toy_from_logits(np.log([[0.9, 0.1]]), np.log([[0.5, 0.5]]))
+    >>> dppo_tv(toy, baseline=0.5, return_weights=True).round(6).tolist()
+    [[0.0], [0.0]]
+    """
+    delta_low, delta_high, clip_ratio_c, baseline_value = _check_dppo(
+        delta_low, delta_high, clip_ratio_c, baseline)
+    check_toy(toy)
+    weights = _dppo_weights(toy, "tv", delta_low, delta_high, clip_ratio_c, baseline_value)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def dppo_kl(toy, delta_low=0.2, delta_high=0.2, clip_ratio_c=3.0, baseline=0.0, *,
+            return_weights=False):
+    r"""DPPO-Binary-KL, bypass mode: the truncated ratio inside a trust region on a binary KL.
+
+    ``dppo_tv`` with the region $D_t \le \delta$ instead of $|\pi(y_t) - \mu(y_t)| \le \delta$,
+    where $D_t$ is the KL between the distributions of "the token $y_t$ or another" under
+    $\mu$ and $\pi$, in verl's form ($\epsilon = 10^{-8}$):
+
+    $$
+    D_t = \mu(y_t) \log \frac{\mu(y_t)}{\pi(y_t)} + (1 - \mu(y_t))
+    \log \frac{1 - \mu(y_t) + \epsilon}{1 - \pi(y_t) + \epsilon}, \qquad
+    w_t = \min(\rho_t, c)\, \Big(\mathbb{1}[A > 0]\, \mathbb{1}[D_t \le \delta_h
+    \text{ or } \pi \le \mu] + \mathbb{1}[A \le 0]\, \mathbb{1}[D_t \le \delta_l
+    \text{ or } \pi \ge \mu]\Big).
+    $$
+
+    verl ``loss_mode: dppo_kl`` (same options and defaults as ``dppo_tv``; verl's example
+    script sets $\delta = 0.05$ for this variant). The KL is large for a rare token that
+    became likely and small for a frequent token that moved by as much. Biased.
+
+    Examples
+    --------
+    One position, $\pi = (0.81, 0.19)$, $\mu = (0.6, 0.4)$, baseline 0.5: both tokens moved
+    by $0.21 > 0.2$ in their advantage's direction (token 0, $A > 0$, rose; token 1, $A < 0$,
+    fell), out of TV's region, but $D = 0.118$ for both, inside the KL's:
+
+    >>> toy = toy_from_logits(np.log([[0.81, 0.19]]), np.log([[0.6, 0.4]]))
+    >>> dppo_kl(toy, baseline=0.5, return_weights=True).round(6).tolist()
+    [[1.35], [0.475]]
+    >>> dppo_tv(toy, baseline=0.5, return_weights=True).round(6).tolist()
+    [[0.0], [0.0]]
+    """
+    delta_low, delta_high, clip_ratio_c, baseline_value = _check_dppo(
+        delta_low, delta_high, clip_ratio_c, baseline)
+    check_toy(toy)
+    weights = _dppo_weights(toy, "kl", delta_low, delta_high, clip_ratio_c, baseline_value)
+    return _finish(toy, weights, baseline, return_weights)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry and the exact comparison
 # ---------------------------------------------------------------------------------------------
@@ -898,6 +1035,18 @@ REGISTRY = {
             source="Zheng et al. 2025 (GSPO), bypass; TRL importance_sampling_level=sequence",
             unbiased=False, reference="geometric",
         ),
+        EstimatorSpec(
+            name="dppo_tv", fn=dppo_tv,
+            defaults={"delta_low": 0.2, "delta_high": 0.2, "clip_ratio_c": 3.0},
+            source="Qi et al. 2026 (DPPO-Binary-TV); verl loss_mode=dppo_tv, bypass",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="dppo_kl", fn=dppo_kl,
+            defaults={"delta_low": 0.2, "delta_high": 0.2, "clip_ratio_c": 3.0},
+            source="Qi et al. 2026 (DPPO-Binary-KL); verl loss_mode=dppo_kl, bypass",
+            unbiased=False, reference="token",
+        ),
     ]
 }
 """Every estimator of this module by name, with its default thresholds and source.
@@ -911,7 +1060,7 @@ def estimator_weights(toy, name, baseline=0.0, **params):
     """The ``(M, T)`` weights of a registered estimator (its defaults, updated by ``params``).
 
     ``baseline`` matters for the estimators whose weight depends on the sign of the advantage
-    (``ppo_clip_bypass``, ``gspo``).
+    (``ppo_clip_bypass``, ``gspo``, ``dppo_tv``, ``dppo_kl``).
 
     Examples
     --------
@@ -1000,7 +1149,7 @@ def comparison_table(toy, names=None, N=64, baseline=0.0, params=None):
     rows = []
     for name in names:
         spec = _spec(name)
-        # The weights depend on the baseline for ppo_clip_bypass and gspo (the advantage's sign).
+        # The weights depend on the baseline for ppo_clip_bypass, gspo and DPPO (the sign of A).
         weights = estimator_weights(toy, name, baseline=baseline, **params.get(name, {}))
         estimate = weighted_score(toy, weights, baseline)
         moments = estimator_moments(toy, estimate)

@@ -20,7 +20,9 @@ module is skipped when verl cannot be imported.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import json
 import math
 import pathlib
@@ -98,11 +100,11 @@ def _assert_metrics_equal(ours, theirs):
 
 
 def _actor(B, clip_low=0.2, clip_high=0.2, clip_c=3.0, rollout_correction=None,
-           loss_mode="vanilla"):
+           loss_mode="vanilla", dro_beta=None):
     """verl's ActorConfig with the trainer's global batch size (every row counts in 1/B)."""
     policy_loss = PolicyLossConfig(loss_mode=loss_mode,
                                    rollout_correction=rollout_correction
-                                   or RolloutCorrectionConfig())
+                                   or RolloutCorrectionConfig(), dro_beta=dro_beta)
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
                        clip_ratio=0.2, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
                        clip_ratio_c=clip_c, global_batch_info={"global_batch_size": B},
@@ -370,6 +372,135 @@ def test_losses_gradients_and_metrics_are_verls(seed, scale, reduction, loss_nam
         assert set(our_metrics) == set(their_metrics)
         for name, value in their_metrics.items():
             assert our_metrics[name] == pytest.approx(value, rel=REL, abs=ABS), name
+
+
+# DPPO's thresholds (verl's clip_ratio_low / _high) and cap (clip_ratio_c): the ActorConfig
+# defaults, the example script's (0.15 or 0.05 and 10000), and asymmetric ones that bite more.
+DPPO_CASES = [
+    ("dppo_tv", dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)),
+    ("dppo_tv", dict(clip_ratio_low=0.15, clip_ratio_high=0.15, clip_ratio_c=10000.0)),
+    ("dppo_tv", dict(clip_ratio_low=0.05, clip_ratio_high=0.1, clip_ratio_c=1.5)),
+    ("dppo_kl", dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)),
+    ("dppo_kl", dict(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=10000.0)),
+    ("dppo_kl", dict(clip_ratio_low=0.01, clip_ratio_high=0.03, clip_ratio_c=1.5)),
+    ("dro", dict(dro_beta=0.05)),
+    ("dro", dict(dro_beta=2.0)),
+]
+
+
+def _log_probabilities(seed, scale):
+    """_batch with the sampler's log-probabilities reflected to <= 0 (_batch's sampler is the
+    trainer plus noise, above 0 in places, where DPPO-KL's 1 - p would be negative)."""
+    trainer, sampler, mask, advantages = _batch(seed, scale, empty_row=(seed == 1))
+    return trainer, -sampler.abs(), mask, advantages
+
+
+def _dppo_or_dro(loss_mode, options, B):
+    """verl's registered loss for loss_mode, its config, and this package's loss and options."""
+    if loss_mode == "dro":
+        config = _actor(B, loss_mode="dro", dro_beta=options["dro_beta"])
+    else:
+        config = _actor(B, options["clip_ratio_low"], options["clip_ratio_high"],
+                        options["clip_ratio_c"], loss_mode=loss_mode)
+    return core_algos.get_policy_loss_fn(loss_mode), config, getattr(C, f"{loss_mode}_loss")
+
+
+@pytest.mark.parametrize("seed, scale", BATCHES)
+@pytest.mark.parametrize("reduction", VERL_REDUCTIONS)
+@pytest.mark.parametrize("loss_mode, options", DPPO_CASES)
+def test_dppo_and_dro_losses_gradients_and_metrics_are_verls(seed, scale, reduction, loss_mode,
+                                                             options):
+    """verl's loss_mode dppo_tv, dppo_kl and dro (through get_policy_loss_fn) with the sampler
+    as old_log_prob, as its default trainer's bypass mode passes it."""
+    trainer, sampler, mask, advantages = _log_probabilities(seed, scale)
+    verl_fn, config, ours_fn = _dppo_or_dro(loss_mode, options, trainer.shape[0])
+
+    def theirs(leaf):
+        return verl_fn(sampler, leaf, advantages, mask, loss_agg_mode=reduction, config=config)
+
+    def ours(leaf):
+        return ours_fn(leaf, sampler, advantages, mask, reduction=reduction, **options)
+
+    loss, grad, their_metrics = _grad(theirs, trainer)
+    our_loss, our_grad, our_metrics = _grad(ours, trainer)
+    assert our_loss == pytest.approx(loss, rel=REL, abs=ABS)
+    torch.testing.assert_close(our_grad, grad, rtol=REL, atol=ABS)
+    assert set(our_metrics) == set(their_metrics)
+    for name, value in their_metrics.items():
+        assert our_metrics[name] == pytest.approx(value, rel=REL, abs=ABS), name
+
+
+def test_the_dppo_cases_exercise_both_sides_of_the_trust_region_and_the_cap():
+    """The comparison above is not vacuous: on the batch of scale 0.4 every DPPO case removes
+    some tokens and keeps others (verl's pg_clipfrac), the tight cases also truncate."""
+    trainer, sampler, mask, advantages = _log_probabilities(0, 0.4)
+    for loss_mode, options in DPPO_CASES:
+        if loss_mode == "dro":
+            continue
+        verl_fn, config, _ = _dppo_or_dro(loss_mode, options, trainer.shape[0])
+        _, metrics = verl_fn(sampler, trainer, advantages, mask, config=config)
+        assert 0 < metrics["actor/pg_clipfrac"] < 1, (loss_mode, options)
+        if options["clip_ratio_c"] == 1.5:
+            assert metrics["actor/pg_clipfrac_lower"] > 0, (loss_mode, options)
+
+
+def test_dppo_reads_clip_ratio_c_from_the_actor_config_not_its_fallback_of_20():
+    """ActorConfig has clip_ratio_c = 3.0, so verl's config.get("clip_ratio_c", 20.0) is 3.0:
+    the default of dppo_tv_loss and dppo_kl_loss."""
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    assert config.get("clip_ratio_c", 20.0) == 3.0
+    assert (config.clip_ratio, config.clip_ratio_low, config.clip_ratio_high) == (0.2, 0.2, 0.2)
+    assert config.loss_agg_mode == "token-mean" and config.policy_loss.dro_beta is None
+    for name in ("dppo_tv_loss", "dppo_kl_loss"):
+        defaults = {k: v.default for k, v in inspect.signature(getattr(C, name)).parameters.items()}
+        assert (defaults["clip_ratio"], defaults["clip_ratio_c"]) == (0.2, 3.0)
+        assert defaults["reduction"] == "token-mean"
+
+
+def test_dro_without_a_positive_beta_is_refused_on_both_sides():
+    trainer, sampler, mask, advantages = _log_probabilities(0, 0.4)
+    config = _actor(trainer.shape[0], loss_mode="dro")  # dro_beta None, verl's default
+    with pytest.raises(ValueError, match="dro_beta"):
+        core_algos.compute_policy_loss_dro(sampler, trainer, advantages, mask, config=config)
+    with pytest.raises(TypeError, match="dro_beta"):
+        C.dro_loss(trainer, sampler, advantages, mask)
+
+
+def _function_source(path, name):
+    tree = ast.parse(path.read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return ast.get_source_segment(path.read_text(), node)
+
+
+def test_bypass_mode_substitutes_the_anchor_and_only_the_legacy_trainer_replaces_the_loss():
+    """What correction's module docstring says of bypass_mode in verl 0.9.1: the default trainer
+    is the v1 one, whose bypass mode sets old_log_probs = rollout_log_probs, leaves loss_mode
+    alone (so dppo_tv, dppo_kl, dro, cispo and gspo run with the sampler as their anchor) and
+    skips the rollout correction; the legacy trainer's apply_bypass_mode also sets loss_mode
+    to bypass_mode and passes the rollout-correction options to it."""
+    package = pathlib.Path(verl.__file__).parent
+    trainer_yaml = (package / "trainer" / "config" / "ppo_trainer.yaml").read_text()
+    assert re.search(r"^  use_v1: true$", trainer_yaml, re.MULTILINE)
+    main = _function_source(package / "trainer" / "main_ppo.py", "main")
+    assert "if config.trainer.use_v1:" in main and "TaskRunnerV1" in main
+    v1 = _function_source(package / "trainer" / "ppo" / "v1" / "trainer_base.py",
+                          "_compute_old_log_prob")
+    assert 'data["old_log_probs"] = data.pop("rollout_log_probs")' in v1
+    assert "loss_mode" not in v1 and "apply_bypass_mode" not in v1
+    # and its rollout correction (weights, rejection) runs only without bypass mode
+    advantage = _function_source(package / "trainer" / "ppo" / "v1" / "trainer_base.py",
+                                 "_compute_advantage")
+    assert "and not bypass_recomputing_logprobs" in advantage
+    assert "apply_bypass_mode" in (package / "trainer" / "ppo" / "ray_trainer.py").read_text()
+    from omegaconf import OmegaConf
+    from verl import DataProto
+
+    batch = DataProto.from_dict({"rollout_log_probs": torch.zeros(2, 3)})
+    policy_loss = OmegaConf.create({"loss_mode": "dppo_tv"})
+    helper.apply_bypass_mode(batch, RolloutCorrectionConfig.bypass_ppo_clip(), policy_loss)
+    assert policy_loss.loss_mode == "bypass_mode"
+    assert policy_loss.rollout_correction.loss_type == "ppo_clip"
+    assert torch.equal(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"])
 
 
 @pytest.mark.parametrize("kind", C.KL_PENALTIES)

@@ -18,7 +18,7 @@ import torch
 
 from opd_literate.mismatch import correction as C
 from opd_literate.mismatch import estimators as E
-from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
+from opd_literate.mismatch.toy import estimator_moments, make_ar_toy, make_toy, response_mask
 from opd_literate.opd import REDUCTIONS, kl_estimator
 
 FIXTURE = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" /
@@ -99,6 +99,9 @@ def torch_weights(name, toy, p):
     if name == "gspo":
         return loss_weights(C.gspo_loss, toy, clip_ratio_low=p["eps_low"],
                             clip_ratio_high=p["eps_high"])
+    if name in ("dppo_tv", "dppo_kl"):
+        return loss_weights(getattr(C, f"{name}_loss"), toy, clip_ratio_low=p["delta_low"],
+                            clip_ratio_high=p["delta_high"], clip_ratio_c=p["clip_ratio_c"])
     raise KeyError(name)
 
 
@@ -118,6 +121,8 @@ OVERRIDES = {
     "k3_seq_rs": {"threshold": 0.05},
     "geo_rs_token_tis": {"low": 0.8, "high": 1.25, "cap": 1.5},
     "gspo": {"eps_low": 0.05, "eps_high": 0.05},
+    "dppo_tv": {"delta_low": 0.1, "delta_high": 0.15, "clip_ratio_c": 1.5},
+    "dppo_kl": {"delta_low": 0.02, "delta_high": 0.05, "clip_ratio_c": 1.5},
 }
 
 
@@ -229,6 +234,69 @@ def test_gspo(toy_name):
     _check_estimator("gspo", toy_name)
 
 
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_dppo_tv(toy_name):
+    _check_estimator("dppo_tv", toy_name)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_dppo_kl(toy_name):
+    _check_estimator("dppo_kl", toy_name)
+
+
+def _expected_gradient_of_the_loss(toy, loss_fn, baseline, **options):
+    """-d/d theta of E_mu[L(y)], by autograd: every enumerated response a batch of its own,
+    its loss (reduction "sum") weighted by its probability under the sampler. The trainer's
+    log-probabilities are recomputed from the logits theta in torch, not read from the toy."""
+    theta = torch.tensor(toy["theta"], dtype=torch.float64, requires_grad=True)
+    log_pi = torch.log_softmax(theta, dim=-1)  # (T, V), or (T, V + 1, V) for the AR toy
+    Y = torch.from_numpy(toy["Y"])
+    positions = torch.arange(Y.shape[1])
+    trainer = (log_pi[positions, torch.from_numpy(toy["prev"]), Y] if "prev" in toy
+               else log_pi[positions, Y])  # (M, T): log pi(y_t), the padding masked below
+    sampler = torch.from_numpy(np.array(toy["logp_sampler"]))
+    mask = torch.from_numpy(response_mask(toy))
+    A = torch.from_numpy(np.asarray(toy["R"], dtype=float) - baseline)
+    total = 0.0
+    for m, mu in enumerate(toy["p_sampler"]):
+        loss, _ = loss_fn(trainer[m:m + 1], sampler[m:m + 1], A[m:m + 1], mask[m:m + 1],
+                          reduction="sum", **options)
+        total = total + float(mu) * loss
+    total.backward()
+    return -theta.grad.numpy()
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+@pytest.mark.parametrize("baseline", [0.0, BASELINE])
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_estimator_mean_is_the_expected_gradient_of_the_loss(name, baseline, toy_name):
+    """The exact mean of the numpy estimator on the toy (a sum over its responses) against
+    autograd of the torch loss over the same responses, weighted by mu, in float64."""
+    toy = TOYS[toy_name]
+    for params in (E.REGISTRY[name].defaults, OVERRIDES[name]):
+        mean = estimator_moments(toy, getattr(E, name)(toy, **params, baseline=baseline))["mean"]
+        grad = _expected_gradient_of_the_loss(
+            toy, getattr(C, f"{name}_loss"), baseline, clip_ratio_low=params["delta_low"],
+            clip_ratio_high=params["delta_high"], clip_ratio_c=params["clip_ratio_c"])
+        np.testing.assert_allclose(mean, grad, rtol=1e-12, atol=1e-15 * np.abs(mean).max())
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_dro_mean_on_the_toy_is_naive_less_the_penalty(toy_name):
+    """dro_loss's expected gradient is E_mu[sum_t (A - beta log rho_t) s_t]: naive's mean less
+    beta E_mu[sum_t log rho_t s_t] (written out in numpy); at beta -> 0, naive."""
+    toy = TOYS[toy_name]
+    beta = 0.3
+    log_rho_t = (toy["logp_train"] - toy["logp_sampler"]) * response_mask(toy)
+    extra = (1,) * (toy["score"].ndim - 2)
+    penalty = log_rho_t.reshape(log_rho_t.shape + extra) * toy["score"]
+    naive = estimator_moments(toy, E.naive(toy, baseline=BASELINE))["mean"]
+    expected = naive - beta * np.einsum("m,m...->...", toy["p_sampler"], penalty)
+    grad = _expected_gradient_of_the_loss(toy, C.dro_loss, BASELINE, dro_beta=beta)
+    np.testing.assert_allclose(grad, expected, rtol=1e-12, atol=1e-15 * np.abs(expected).max())
+    assert not np.allclose(grad, naive)
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses: autograd against analytic gradients, for every reduction
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +382,96 @@ def test_reinforce_loss_gradient_is_minus_weight_times_advantage(reduction):
     C.reinforce_loss(x, A, mask, weights, reduction=reduction).backward()
     torch.testing.assert_close(x.grad, -weights * A * _normaliser(mask, reduction), rtol=1e-12,
                                atol=1e-15)
+
+
+def _dppo_region(trainer, sampler, A, divergence, low, high):
+    """DPPO's trust region m_t read from the docstrings (float64, verl's 1 - exp(log p))."""
+    p, q = trainer.exp(), sampler.exp()
+    if divergence == "tv":
+        up, down = p - q <= high, p - q >= -low
+    else:
+        kl = q * (sampler - trainer) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        up, down = (kl <= high) | (p <= q), (kl <= low) | (p >= q)
+    return torch.where(A > 0, up, down)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("divergence, low, high", [("tv", 0.1, 0.15), ("kl", 0.02, 0.05)])
+def test_dppo_loss_gradient_and_value_are_the_analytic_ones(divergence, low, high, reduction):
+    trainer, sampler, mask, A = _random_batch(18)
+    sampler = -sampler.abs()  # log-probabilities (the KL needs them <= 0)
+    c = 1.5
+    x = trainer.clone().requires_grad_()
+    loss_fn = getattr(C, f"dppo_{divergence}_loss")
+    loss, metrics = loss_fn(x, sampler, A, mask, clip_ratio_low=low, clip_ratio_high=high,
+                            clip_ratio_c=c, reduction=reduction)
+    loss.backward()
+    r = torch.exp(trainer - sampler)
+    inside = _dppo_region(trainer, sampler, A, divergence, low, high)
+    valid = mask > 0
+    assert (~inside)[valid].any() and inside[valid].any() and (inside & (r > c))[valid].any()
+    w = torch.where(inside, torch.clamp(r, max=c), 0.0)
+    torch.testing.assert_close(x.grad, -w * A * _normaliser(mask, reduction), rtol=1e-12,
+                               atol=1e-15)
+    value = (-w * A * trainer * _normaliser(mask, reduction)).sum()
+    torch.testing.assert_close(loss, value, rtol=1e-12, atol=1e-15)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(
+        float((~inside)[valid].double().mean()), rel=1e-12)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(
+        float((inside & (r > c))[valid].double().mean()), rel=1e-12)
+    assert metrics["actor/ppo_kl"] == pytest.approx(float((sampler - trainer)[valid].mean()),
+                                                    rel=1e-12)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_dro_loss_gradient_and_value_are_the_analytic_ones(reduction):
+    trainer, sampler, mask, A = _random_batch(14)
+    beta = 0.7
+    x = trainer.clone().requires_grad_()
+    loss, metrics = C.dro_loss(x, sampler, A, mask, dro_beta=beta, reduction=reduction)
+    loss.backward()
+    log_rho = trainer - sampler
+    torch.testing.assert_close(x.grad, (-A + beta * log_rho) * _normaliser(mask, reduction),
+                               rtol=1e-12, atol=1e-15)
+    value = (-(A * trainer - 0.5 * beta * log_rho ** 2) * _normaliser(mask, reduction)).sum()
+    torch.testing.assert_close(loss, value, rtol=1e-12, atol=1e-15)
+    assert set(metrics) == {"actor/ppo_kl"}
+
+
+def test_dppo_with_an_open_region_and_no_cap_is_reinforce_with_the_token_ratio():
+    """delta = inf and c = inf: no token leaves the region, the weight is the plain ratio."""
+    trainer, sampler, mask, A = _random_batch(15)
+    sampler = -sampler.abs()
+    weights, _ = C.importance_weights(trainer, sampler, mask, rollout_is_threshold=math.inf)
+    for loss_fn in (C.dppo_tv_loss, C.dppo_kl_loss):
+        x, y = trainer.clone().requires_grad_(), trainer.clone().requires_grad_()
+        loss_fn(x, sampler, A, mask, clip_ratio=math.inf, clip_ratio_c=math.inf)[0].backward()
+        C.reinforce_loss(y, A, mask, weights=weights).backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-13, atol=0)
+
+
+def test_dppo_defaults_are_verls_actor_config():
+    """clip_ratio 0.2 on both sides and clip_ratio_c 3.0 (ActorConfig), token-mean."""
+    trainer, sampler, mask, A = _random_batch(16)
+    sampler = -sampler.abs()
+    for loss_fn in (C.dppo_tv_loss, C.dppo_kl_loss):
+        default, m = loss_fn(trainer, sampler, A, mask)
+        explicit, m2 = loss_fn(trainer, sampler, A, mask, clip_ratio_low=0.2,
+                               clip_ratio_high=0.2, clip_ratio_c=3.0, reduction="token-mean")
+        assert torch.equal(default, explicit) and m == m2
+        other, _ = loss_fn(trainer, sampler, A, mask, clip_ratio=0.0)
+        assert not torch.equal(default, other)  # clip_ratio is read when low/high are None
+
+
+def test_dppo_kl_is_finite_where_the_trainer_probability_is_one():
+    """log p = 0: 1 - p = 0, and verl's 1e-8 keeps the logarithm finite."""
+    trainer = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    sampler = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    loss, metrics = C.dppo_kl_loss(trainer, sampler, torch.tensor([1.0, 1.0]).double()[:1],
+                                   torch.ones(1, 2), reduction="sum")
+    loss.backward()
+    # token 0: D = 0.5 log 0.5 + 0.5 log(0.5 / 1e-8) = 8.52 > 0.2, moved up: out; token 1 in
+    assert trainer.grad.tolist() == [[0.0, -1.0]] and metrics["actor/pg_clipfrac"] == 0.5
 
 
 @pytest.mark.parametrize("kind", ["k1+", "k3+"])
@@ -420,9 +578,13 @@ def _all_outputs(trainer, sampler, mask, A):
                              rollout_rs="seq_max_k2,token_k1", rollout_rs_threshold="0.3,1.5",
                              veto_threshold=0.1)
     out["keep"] = c.keep.to(torch.float64)
-    for name, fn in [("ppo", C.ppo_clip_loss), ("cispo", C.cispo_loss), ("gspo", C.gspo_loss)]:
+    losses = [("ppo", C.ppo_clip_loss), ("cispo", C.cispo_loss), ("gspo", C.gspo_loss),
+              ("dppo_tv", C.dppo_tv_loss), ("dppo_kl", C.dppo_kl_loss),
+              ("dro", lambda *args: C.dro_loss(*args, dro_beta=0.5))]
+    for name, fn in losses:
         x = trainer.detach().clone().requires_grad_()
-        loss, _ = fn(x, sampler, A, mask)
+        # log-probabilities (dppo_kl needs them <= 0); the padding keeps its garbage
+        loss, _ = fn(x, sampler.clamp_max(0.0), A, mask)
         loss.backward()
         out[name], out[f"{name}_grad"] = loss.detach(), x.grad
     x = trainer.detach().clone().requires_grad_()
@@ -457,6 +619,12 @@ def test_half_precision_is_computed_in_float32():
         loss.backward()
         assert loss.dtype == torch.float32 and torch.equal(loss, loss32)
         assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+        s_logp = s.clamp_max(0.0)
+        for fn in (C.dppo_tv_loss, C.dppo_kl_loss,
+                   lambda *args: C.dro_loss(*args, dro_beta=0.5)):
+            half, m = fn(t, s_logp, A, mask)
+            full, m32 = fn(t.float(), s_logp.float(), A, mask)
+            assert half.dtype == torch.float32 and torch.equal(half, full) and m == m32
 
 
 def test_huge_log_ratios_are_clamped_not_overflowed():
@@ -498,6 +666,21 @@ def test_huge_log_ratios_are_clamped_not_overflowed():
     (lambda t, s, m, a: C.veto_mask(t, s, m, veto_threshold=0), ValueError, "veto_threshold"),
     (lambda t, s, m, a: C.kl_penalty(t, s, m, "k2+"), ValueError, "kind"),
     (lambda t, s, m, a: C.importance_weights(t.long(), s, m), TypeError, "floating"),
+    (lambda t, s, m, a: C.dppo_tv_loss(t, s, a, m, clip_ratio_low=-0.1), ValueError,
+     "clip_ratio_low must be >= 0"),
+    (lambda t, s, m, a: C.dppo_tv_loss(t, s, a, m, clip_ratio=math.nan), ValueError,
+     "clip_ratio must be a finite number"),
+    (lambda t, s, m, a: C.dppo_tv_loss(t, s, a, m, clip_ratio_c=0.0), ValueError,
+     "clip_ratio_c must be > 0"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t, s, a, m, reduction="mean"), ValueError, "reduction"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t, s.abs() + 0.1, a, m), ValueError,
+     r"sampler_logp must be <= 0 where mask is 1"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t, s, a[:, :2], m), ValueError, "advantages"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=0.0), ValueError, "dro_beta must be > 0"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=None), TypeError, "dro_beta"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m), TypeError, "dro_beta"),
+    (lambda t, s, m, a: C.dro_loss(t.float(), s.float() + 100.0, a, m, dro_beta=1e35),
+     ValueError, "dro_loss overflows torch.float32"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, message):
     trainer, sampler, mask, A = _random_batch()
@@ -537,8 +720,12 @@ def test_metric_names_are_verls():
     names = {n.removeprefix(FIXTURE["metric_prefix"]) for n in c.metrics}
     assert all(n.startswith(FIXTURE["metric_prefix"]) for n in c.metrics)
     assert names <= _verl_metric_names(options.split(","))
-    for fn in (C.ppo_clip_loss, C.cispo_loss, C.gspo_loss):
+    for fn in (C.ppo_clip_loss, C.cispo_loss, C.gspo_loss, C.dppo_tv_loss):
         assert set(fn(trainer, sampler, A, mask)[1]) <= set(FIXTURE["actor_metrics"])
+    assert set(C.dppo_kl_loss(trainer, sampler.clamp_max(0.0), A, mask)[1]) <= set(
+        FIXTURE["actor_metrics"])
+    assert set(C.dro_loss(trainer, sampler, A, mask, dro_beta=0.1)[1]) <= set(
+        FIXTURE["actor_metrics"])
 
 
 def test_metric_values_against_float64_formulas():
@@ -577,6 +764,14 @@ def test_metric_values_against_float64_formulas():
     assert got["training_ppl"] == pytest.approx(np.exp(-mean_logp).mean(), rel=1e-12)
     assert got["rollout_log_ppl"] == pytest.approx((-mean_logq).mean(), rel=1e-12)
     assert got["ppl_ratio"] == pytest.approx(np.exp(mean_logq - mean_logp).mean(), rel=1e-12)
+
+
+def test_the_dppo_and_dro_losses_are_named_after_verls_loss_modes():
+    """dppo_tv_loss, dppo_kl_loss, dro_loss: the loss_mode names of verl's registry (the
+    fixture read from the installed release), with its actor metrics."""
+    for mode in ("dppo_tv", "dppo_kl", "dro"):
+        assert mode in FIXTURE["policy_loss_modes"] and f"{mode}_loss" in C.__all__
+    assert "bypass_mode" in FIXTURE["policy_loss_modes"]
 
 
 def test_the_module_cites_the_verl_version_of_the_fixture():

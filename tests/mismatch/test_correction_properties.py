@@ -301,6 +301,13 @@ def loss_calls(draw, case):
         "reinforce_loss": (lambda t, a, m, **kw: C.reinforce_loss(t, a, m, **kw),
                            (A, mask), {"weights": draw(st.sampled_from([None, weights])),
                                        "reduction": reduction}),
+        **{f"dppo_{d}_loss": (getattr(C, f"dppo_{d}_loss"), (case["sampler"], A, mask),
+                              dict(clip, reduction=reduction, clip_ratio_c=draw(
+                                  st.sampled_from([1e-6, 1.0, 3.0, 1e39, math.inf]))))
+           for d in ("tv", "kl")},
+        "dro_loss": (C.dro_loss, (case["sampler"], A, mask),
+                     {"dro_beta": draw(st.sampled_from([1e-3, 0.05, 1.0, 100.0])),
+                      "reduction": reduction}),
     }
 
 
@@ -590,6 +597,24 @@ MALFORMED = [
     (lambda t, s, m, a: C.gspo_loss(t, s, a, m, reduction="token_mean"), ValueError,
      "reduction"),
     (lambda t, s, m, a: C.reinforce_loss(t, a, m, reduction=None), ValueError, "reduction"),
+    (lambda t, s, m, a: C.dppo_tv_loss(t, s, a, m, clip_ratio_high=NAN), ValueError,
+     "^clip_ratio_high must be a finite number"),
+    (lambda t, s, m, a: C.dppo_tv_loss(t, s, a, m, clip_ratio_low=-1e-3), ValueError,
+     "^clip_ratio_low must be >= 0"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t, s, a, m, clip_ratio_c=-3.0), ValueError,
+     "^clip_ratio_c must be > 0"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t, s, a, m, clip_ratio_c="3"), TypeError,
+     "^clip_ratio_c must be a real number"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t.masked_fill(m > 0, 0.5), s, a, m), ValueError,
+     r"^trainer_logp must be <= 0 where mask is 1 .* got 0.5 at position \(0, 0\)"),
+    (lambda t, s, m, a: C.dppo_kl_loss(t, s, a.long(), m), TypeError, "advantages"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=-1.0), ValueError,
+     "^dro_beta must be > 0"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=math.inf), ValueError,
+     "^dro_beta must be a finite number"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=True), TypeError, "^dro_beta"),
+    (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=0.1, reduction="seq-mean"), ValueError,
+     "reduction"),
     (lambda t, s, m, a: C.kl_penalty(t, s, m, "K1"), ValueError, "kind"),
     (lambda t, s, m, a: C.kl_penalty(t, s, m, "k2+"), ValueError, "kind"),
     (lambda t, s, m, a: C.kl_penalty(t.float(), s.float() + 100.0, m, "k3"), ValueError,
@@ -809,3 +834,24 @@ def test_a_ratio_equal_to_the_veto_threshold_is_not_vetoed():
     keep = C.veto_mask(trainer, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2),
                        veto_threshold=0.5)
     assert keep.all()
+
+
+def test_dppo_kl_takes_a_log_probability_of_exactly_zero_and_a_padding_above_it():
+    """log p = 0 is a probability of 1 (accepted, finite); a positive value off the mask is
+    never read."""
+    trainer, sampler, mask, A = _batch()
+    trainer = trainer.clone()
+    trainer[0, 0] = 0.0
+    trainer[0, 2] = 5.0  # padding
+    loss, metrics = C.dppo_kl_loss(trainer, sampler, A, mask)
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_a_dppo_cap_above_float32_is_no_cap():
+    """clip_ratio_c = 1e39 in float32 (which torch.clamp refuses) is no truncation, as inf is."""
+    trainer, sampler, mask, A = _batch()
+    t, s = trainer.float(), sampler.float()
+    big, _ = C.dppo_tv_loss(t, s - 30.0, A.float(), mask, clip_ratio_c=1e39, clip_ratio=math.inf)
+    none, _ = C.dppo_tv_loss(t, s - 30.0, A.float(), mask, clip_ratio_c=math.inf,
+                             clip_ratio=math.inf)
+    assert torch.equal(big, none) and torch.isfinite(big)

@@ -215,7 +215,7 @@ def advantage_times_score(toy, baseline):
 def test_every_row_of_the_table_equals_the_estimator_called_directly():
     toy = make_toy(mismatch=1.0)
     rows = {r["name"]: r for r in E.comparison_table(toy, N=64, baseline=0.5)}
-    assert set(rows) == set(E.REGISTRY) and len(rows) == 16
+    assert set(rows) == set(E.REGISTRY) and len(rows) == 18
     for name, spec in E.REGISTRY.items():
         direct = estimator_moments(toy, spec.fn(toy, **spec.defaults, baseline=0.5))
         for key in ("bias", "var", "rel_bias"):
@@ -445,6 +445,26 @@ def test_wide_bands_coincide_with_their_uncorrected_estimator():
     np.testing.assert_array_equal(E.icepop(toy), E.token_is(toy))
     np.testing.assert_array_equal(E.cispo(toy), E.token_is(toy))
     np.testing.assert_array_equal(E.token_veto(toy), E.naive(toy))
+    np.testing.assert_array_equal(E.dppo_tv(toy), E.token_is(toy))
+    np.testing.assert_array_equal(E.dppo_kl(toy), E.token_is(toy))
+
+
+def test_dppo_coincides_with_token_is_at_the_default_mismatch_for_the_stated_reasons():
+    """"No token's probability differs by more than 0.2, nor does its binary KL exceed 0.2,
+    and no ratio exceeds their cap of 3" (so the regions and the cap never bite)."""
+    toy = make_toy()
+    p, q = np.exp(toy["logp_train"]), np.exp(toy["logp_sampler"])
+    kl = q * np.log(q / p) + (1 - q) * np.log((1 - q) / (1 - p))
+    assert np.abs(p - q).max() < 0.2 and kl.max() < 0.2 and (p / q).max() < 3.0
+
+
+def test_dppo_removes_fewer_tokens_than_ppos_clip_with_less_bias_but_more_than_token_is():
+    """docs/mismatch.md, under the table at mismatch 1.0 and baseline 0.5."""
+    rows = {r["name"]: r for r in E.comparison_table(make_toy(mismatch=1.0), N=64, baseline=0.5)}
+    for name in ("dppo_tv", "dppo_kl"):
+        assert 0 < rows[name]["token_frac"] < rows["ppo_clip_bypass"]["token_frac"], name
+        assert rows["token_is"]["rel_bias"] < rows[name]["rel_bias"], name
+        assert rows[name]["rel_bias"] < rows["ppo_clip_bypass"]["rel_bias"], name
 
 
 def test_masking_has_more_bias_and_less_variance_than_truncation(default_rows):
@@ -550,6 +570,14 @@ def reference(name, toy, baseline=0.0, **p):
     if name == "gspo":
         cut = ((A > 0) & (geo > 1 + p["eps_high"])) | ((A < 0) & (geo < 1 - p["eps_low"]))
         return geo * (1 - cut)
+    if name in ("dppo_tv", "dppo_kl"):
+        pi, mu = np.exp(toy["logp_train"]), np.exp(toy["logp_sampler"])
+        if name == "dppo_tv":
+            up, down = pi - mu <= p["delta_high"], pi - mu >= -p["delta_low"]
+        else:  # the binary KL(mu || pi) as verl writes it, with its 1e-8
+            kl = mu * np.log(mu / pi) + (1 - mu) * np.log((1 - mu + 1e-8) / (1 - pi + 1e-8))
+            up, down = (kl <= p["delta_high"]) | (pi <= mu), (kl <= p["delta_low"]) | (pi >= mu)
+        return np.minimum(rho_t, p["clip_ratio_c"]) * np.where(At > 0, up, down)
     raise KeyError(name)
 
 
@@ -565,6 +593,8 @@ DEFAULTS = {
     "token_veto": {"threshold": 1e-4}, "k3_seq_rs": {"threshold": 0.01},
     "geo_rs_token_tis": {"low": 1 / 1.001, "high": 1 / 0.999, "cap": 2.0},
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
+    "dppo_tv": {"delta_low": 0.2, "delta_high": 0.2, "clip_ratio_c": 3.0},
+    "dppo_kl": {"delta_low": 0.2, "delta_high": 0.2, "clip_ratio_c": 3.0},
 }
 
 # Non-default parameters that move every bound.
@@ -577,6 +607,8 @@ OTHER = {
     "token_veto": {"threshold": 0.5}, "k3_seq_rs": {"threshold": 0.3},
     "geo_rs_token_tis": {"low": 0.8, "high": 1.3, "cap": 1.5},
     "gspo": {"eps_low": 0.2, "eps_high": 0.3},
+    "dppo_tv": {"delta_low": 0.05, "delta_high": 0.1, "clip_ratio_c": 1.5},
+    "dppo_kl": {"delta_low": 0.02, "delta_high": 0.05, "clip_ratio_c": 1.5},
 }
 
 
@@ -672,6 +704,39 @@ def test_ppo_and_gspo_bounds_on_a_ratio(baseline):
                                                      eps_high=eps_high))
 
 
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_regions_are_one_sided_and_keep_tokens_ppos_clip_removes(name):
+    """On the m1 toy with baseline 0.5 and OTHER's regions: the region removes tokens on both
+    sides of the advantage, only those that moved in its direction, and keeps some that PPO's
+    clip removes."""
+    toy = TOYS["m1"]
+    pi, mu = np.exp(toy["logp_train"]), np.exp(toy["logp_sampler"])
+    A = toy["R"][:, None] - 0.5
+    w = getattr(E, name)(toy, **OTHER[name], baseline=0.5, return_weights=True)
+    removed = w == 0
+    assert (removed & (A > 0)).any() and (removed & (A < 0)).any()
+    # a token that moved against its advantage (or not at all) is never removed
+    assert not (removed & (((A > 0) & (pi <= mu)) | ((A < 0) & (pi >= mu)))).any()
+    ppo = E.ppo_clip_bypass(toy, baseline=0.5, return_weights=True)
+    assert ((ppo == 0) & ~removed).any()
+    # with no region left, the weight is the capped ratio everywhere
+    open_region = getattr(E, name)(toy, delta_low=INF, delta_high=INF, clip_ratio_c=1.5,
+                                   baseline=0.5, return_weights=True)
+    np.testing.assert_array_equal(open_region, np.minimum(_parts(toy)[0], 1.5))
+
+
+def test_dppo_tv_and_kl_disagree_on_rare_and_frequent_tokens():
+    """The binary KL is larger than the TV for a rare token that became likely, smaller for a
+    frequent one that moved by as much: one position, each token alone with A > 0."""
+    rare = toy_from_logits(np.log([[0.19, 0.81]]), np.log([[0.001, 0.999]]))
+    frequent = toy_from_logits(np.log([[0.81, 0.19]]), np.log([[0.6, 0.4]]))
+    # sequence 0 (token 0, R = 1, A = 1 with baseline 0) is the one that moved up
+    assert E.dppo_tv(rare, return_weights=True)[0, 0] == 3.0  # |0.189| <= 0.2, ratio 190 -> 3
+    assert E.dppo_kl(rare, return_weights=True)[0, 0] == 0.0  # D = 0.204 > 0.2
+    assert E.dppo_tv(frequent, return_weights=True)[0, 0] == 0.0  # 0.21 > 0.2
+    assert E.dppo_kl(frequent, return_weights=True)[0, 0] == pytest.approx(1.35)  # D = 0.118
+
+
 def test_caps_of_infinity_remove_the_truncation():
     toy = TOYS["m1"]
     rho_t, rho, geo, _ = _parts(toy)
@@ -728,6 +793,11 @@ ERRORS = [
     ("gspo", {"baseline": NAN}, "baseline must be a finite number, got nan"),
     ("naive", {"baseline": NAN}, "baseline must be a finite number, got nan"),
     ("token_is", {"baseline": INF}, "baseline must be a finite number, got inf"),
+    ("dppo_tv", {"delta_low": -0.1}, "delta_low must be >= 0.0, got -0.1"),
+    ("dppo_tv", {"delta_high": NAN}, "delta_high must be a finite number, got nan"),
+    ("dppo_kl", {"clip_ratio_c": 0.0}, "clip_ratio_c must be > 0, got 0.0"),
+    ("dppo_kl", {"clip_ratio_c": NAN}, "clip_ratio_c must be a finite number, got nan"),
+    ("dppo_kl", {"baseline": NAN}, "baseline must be a finite number, got nan"),
 ]
 
 

@@ -502,6 +502,8 @@ def test_mismatch_page_claims():
     np.testing.assert_array_equal(E.icepop(toy), E.token_is(toy))
     np.testing.assert_array_equal(E.cispo(toy), E.token_is(toy))
     np.testing.assert_array_equal(E.token_veto(toy), E.naive(toy))
+    np.testing.assert_array_equal(E.dppo_tv(toy), E.token_is(toy))
+    np.testing.assert_array_equal(E.dppo_kl(toy), E.token_is(toy))
     # "Taking the student log-prob from the sampler is the worst choice" (at every mismatch > 0)
     opd_rows = opd_mismatch_table([0.1, 0.3, 0.5, 1.0, 1.5])
     for m in {r["mismatch"] for r in opd_rows}:
