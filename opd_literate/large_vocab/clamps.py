@@ -41,13 +41,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from opd_literate._numerics import (
-    check_finite_number,
-    check_float_tensor,
-    check_mask,
-    compute_dtype,
-)
-from opd_literate.large_vocab.topk import topk_kl, zipf_pair
+from .._numerics import check_finite_number, check_float_tensor, check_mask, compute_dtype
+from .topk import topk_kl, zipf_pair
 
 __all__ = ["LOG_PROB_MIN_CLAMP", "LOSS_MAX_CLAMP", "TOPK", "verl_forward_kl_topk",
            "topk_diagnostics", "clamp_study"]
