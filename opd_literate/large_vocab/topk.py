@@ -537,6 +537,8 @@ def plot_topk_bias(path, data=None):
     axes[0, 1].set_title("gradient: ‖ĝ − g‖ / ‖g‖")
     for ax in axes[1]:
         ax.set_xlabel(f"k (teacher's top-k of V = {data['V']:,})")
+    for ax in axes.flat:
+        ax.grid(True, which="both")  # the log axes gridded at their minor ticks too
     fig.legend(*axes[0, 1].get_legend_handles_labels(), loc="lower center", ncol=3,
                bbox_to_anchor=(0.5, 0.0), columnspacing=1.2, handlelength=2.4)
     fig.tight_layout(rect=(0, 0.12, 1, 1))

@@ -688,3 +688,155 @@ def test_a_bias_of_another_dtype_gets_a_gradient_of_its_own_dtype():
     assert b.grad.dtype == torch.float32 and h.grad.dtype == torch.float64
     want = chunked("reverse_kl", hidden, weight, b.detach().double(), teacher, torch.ones(10), 4)
     torch.testing.assert_close(b.grad, want[1][2].float(), rtol=1e-6, atol=1e-7)
+
+
+def _teacher_head(N=10, V=13, H_T=2):
+    g = torch.Generator().manual_seed(9)
+    return (torch.randn(N, H_T, generator=g, dtype=torch.float64),
+            torch.randn(V, H_T, generator=g, dtype=torch.float64))
+
+
+# Each argument's refusal in full: its name, the shape or value it got and what it must be
+# (N = 10 positions, H = 4, V = 13, the teacher's head H_T = 2; make_inputs and _teacher_head).
+ARGUMENT_REFUSALS = [
+    (dict(student_hidden=torch.zeros(10)),
+     "student_hidden must have 2 dimensions, got shape (10,) (1 dimensions)"),
+    (dict(student_hidden=torch.zeros(10, 4, 1)),
+     "student_hidden must have 2 dimensions, got shape (10, 4, 1) (3 dimensions)"),
+    (dict(student_hidden=torch.zeros(10, 4, dtype=torch.long)),
+     "student_hidden must have a floating dtype, got torch.int64"),
+    (dict(student_weight=torch.zeros(13, 4, 1)),
+     "student_weight must have 2 dimensions, got shape (13, 4, 1) (3 dimensions)"),
+    (dict(student_weight=torch.zeros(13, 5)),
+     "student_weight must have shape (V, H) with H = 4 (student_hidden's last dimension), "
+     "got (13, 5)"),
+    (dict(student_weight=torch.zeros(0, 4), student_bias=None),
+     "student_weight must have at least one row (V >= 1), got shape (0, 4)"),
+    (dict(student_weight=torch.zeros(13, 4).index_fill_(0, torch.tensor([2]), math.nan)),
+     "student_weight holds NaN; it must be finite"),
+    (dict(student_bias=torch.zeros(12)), "student_bias must have shape (13,), got (12,)"),
+    (dict(student_bias=torch.zeros(13).index_fill_(0, torch.tensor([2]), math.nan)),
+     "student_bias holds NaN"),
+    (dict(teacher_logits=None),
+     "give the teacher either as teacher_logits (N, V) or as teacher_hidden (N, H_T) with "
+     "teacher_weight (V, H_T), not both and not neither"),
+    (dict(teacher_hidden="head", teacher_weight="head"),
+     "give the teacher either as teacher_logits (N, V) or as teacher_hidden (N, H_T) with "
+     "teacher_weight (V, H_T), not both and not neither"),
+    (dict(teacher_hidden="head"),
+     "give the teacher either as teacher_logits (N, V) or as teacher_hidden (N, H_T) with "
+     "teacher_weight (V, H_T), not both and not neither"),
+    (dict(teacher_weight="head"),
+     "give the teacher either as teacher_logits (N, V) or as teacher_hidden (N, H_T) with "
+     "teacher_weight (V, H_T), not both and not neither"),
+    (dict(teacher_logits=torch.zeros(13)),
+     "teacher_logits must have 2 dimensions, got shape (13,) (1 dimensions)"),
+    (dict(teacher_logits=torch.zeros(10, 13, 1)),
+     "teacher_logits must have 2 dimensions, got shape (10, 13, 1) (3 dimensions)"),
+    (dict(teacher_logits=torch.zeros(10, 13, dtype=torch.long)),
+     "teacher_logits must have a floating dtype, got torch.int64"),
+    (dict(teacher_logits=torch.zeros(10, 12)),
+     "teacher_logits must have shape (N, V) = (10, 13), got (10, 12)"),
+    (dict(teacher_logits=torch.zeros(9, 13)),
+     "teacher_logits must have shape (N, V) = (10, 13), got (9, 13)"),
+    (dict(teacher_bias=torch.zeros(13)),
+     "teacher_bias is only used with teacher_hidden and teacher_weight"),
+    (dict(teacher_logits=None, teacher_hidden="head"),
+     "teacher_hidden and teacher_weight must be given together"),
+    (dict(teacher_logits=None, teacher_weight="head"),
+     "teacher_hidden and teacher_weight must be given together"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(10), teacher_weight="head"),
+     "teacher_hidden must have 2 dimensions, got shape (10,) (1 dimensions)"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(10, 2, 1), teacher_weight="head"),
+     "teacher_hidden must have 2 dimensions, got shape (10, 2, 1) (3 dimensions)"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(10, 2, dtype=torch.long),
+          teacher_weight="head"),
+     "teacher_hidden must have a floating dtype, got torch.int64"),
+    (dict(teacher_logits=None, teacher_hidden="head", teacher_weight=torch.zeros(13)),
+     "teacher_weight must have 2 dimensions, got shape (13,) (1 dimensions)"),
+    (dict(teacher_logits=None, teacher_hidden="head", teacher_weight=torch.zeros(13, 2, 1)),
+     "teacher_weight must have 2 dimensions, got shape (13, 2, 1) (3 dimensions)"),
+    (dict(teacher_logits=None, teacher_hidden="head",
+          teacher_weight=torch.zeros(13, 2, dtype=torch.long)),
+     "teacher_weight must have a floating dtype, got torch.int64"),
+    (dict(teacher_logits=None, teacher_hidden=torch.zeros(9, 2), teacher_weight="head"),
+     "teacher_hidden must have N = 10 rows (one per student position), got shape (9, 2)"),
+    (dict(teacher_logits=None, teacher_hidden="head", teacher_weight=torch.zeros(13, 3)),
+     "teacher_weight must have shape (V, H_T) = (13, 2), got (13, 3)"),
+    (dict(teacher_logits=None, teacher_hidden="head", teacher_weight=torch.zeros(12, 2)),
+     "teacher_weight must have shape (V, H_T) = (13, 2), got (12, 2)"),
+    (dict(teacher_logits=None, teacher_hidden="head",
+          teacher_weight=torch.zeros(13, 2).index_fill_(0, torch.tensor([1]), math.nan)),
+     "teacher_weight holds NaN; it must be finite"),
+    (dict(teacher_logits=None, teacher_hidden="head", teacher_weight="head",
+          teacher_bias=torch.zeros(12)),
+     "teacher_bias must have shape (13,), got (12,)"),
+    (dict(teacher_logits=None, teacher_hidden="head", teacher_weight="head",
+          teacher_bias=torch.zeros(13).index_fill_(0, torch.tensor([3]), math.nan)),
+     "teacher_bias holds NaN"),
+    (dict(chunk_size=0), "chunk_size must be a positive int, got 0"),
+    (dict(chunk_size=-3), "chunk_size must be a positive int, got -3"),
+    (dict(chunk_size=True), "chunk_size must be a positive int, got True"),
+    (dict(chunk_size=2.0), "chunk_size must be a positive int, got 2.0"),
+    (dict(chunk_size="4"), "chunk_size must be a positive int, got '4'"),
+    (dict(mask=torch.ones(9)), "mask must have the shape of student_hidden[:, 0] (10,), got (9,)"),
+    (dict(mask=torch.ones(10, 1)),
+     "mask must have the shape of student_hidden[:, 0] (10,), got (10, 1)"),
+    (dict(mask=[1] * 10), "mask must be a torch.Tensor, got list"),
+    (dict(mask=torch.full((10,), 0.5)), "mask values must be 0 or 1, found 0.5"),
+    (dict(divergence="kl"),
+     "divergence must be one of ('reverse_kl', 'forward_kl', 'jsd'), got 'kl'"),
+    (dict(divergence="JSD"),
+     "divergence must be one of ('reverse_kl', 'forward_kl', 'jsd'), got 'JSD'"),
+    (dict(divergence="jsd", beta=1.5), "beta must be <= 1.0, got 1.5"),
+    (dict(divergence="jsd", beta=-0.5), "beta must be >= 0.0, got -0.5"),
+    (dict(beta=-0.5), "beta must be >= 0.0, got -0.5"),
+    (dict(beta=math.nan), "beta must be a finite number, got nan"),
+    (dict(beta=True), "beta must be a real number, got bool True"),
+    (dict(normalize=1), "normalize must be a bool, got int 1"),
+    (dict(divergence="jsd", normalize="yes"), "normalize must be a bool, got str 'yes'"),
+]
+
+
+@pytest.mark.parametrize("change,message", ARGUMENT_REFUSALS)
+def test_every_argument_refusal_names_the_argument_what_it_got_and_what_it_must_be(change,
+                                                                                   message):
+    hidden, weight, bias, teacher = make_inputs()
+    t_hidden, t_weight = _teacher_head()
+    kwargs = dict(student_hidden=hidden, student_weight=weight, mask=torch.ones(10),
+                  teacher_logits=teacher, student_bias=bias)
+    kwargs.update(change)
+    # "head": the well-formed teacher head of the same N and V
+    kwargs.update({name: {"teacher_hidden": t_hidden, "teacher_weight": t_weight}[name]
+                   for name, value in change.items() if isinstance(value, str) and value == "head"})
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        chunked_divergence(**kwargs)
+
+
+def test_the_documented_defaults_are_the_ones_used():
+    # divergence "reverse_kl", and for the JSD beta = 1/2 without normalisation: the dense
+    # references with those arguments written out
+    hidden, weight, bias, teacher = make_inputs()
+    mask = torch.tensor(MASKS["partial"])
+    logits = (hidden @ weight.T + bias)[None]
+    got = chunked_divergence(hidden, weight, mask, teacher_logits=teacher, student_bias=bias)
+    want = opd.full_vocab_reverse_kl(logits, teacher[None], mask[None])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for function in (lambda **kw: chunked_divergence(divergence="jsd", **kw),
+                     chunked_generalized_jsd):
+        got = function(student_hidden=hidden, student_weight=weight, mask=mask,
+                       teacher_logits=teacher, student_bias=bias)
+        want = opd.generalized_jsd(logits, teacher[None], mask[None], beta=0.5, normalize=False)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_default_chunk_is_256_rows():
+    # a refusal names the rows of the chunk that holds the NaN: rows 256 to 299 of 300
+    hidden = torch.zeros(300, 2, dtype=torch.float64)
+    hidden[280, 1] = math.nan
+    weight, teacher = torch.zeros(3, 2, dtype=torch.float64), torch.zeros(300, 3)
+    message = "student_hidden (rows 256 to 299) holds NaN; it must be finite"
+    for function in (chunked_divergence, chunked_reverse_kl, chunked_forward_kl,
+                     chunked_generalized_jsd):
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            function(hidden, weight, torch.ones(300), teacher_logits=teacher)

@@ -472,6 +472,12 @@ def test_the_figure_shows_what_its_docstring_and_the_chapter_say(tmp_path, monke
                         and r["approximation"] == approximation]
                 key = "rel_bias" if axis is value else "rel_grad_bias"
                 assert list(line.get_ydata()) == [r[key] for r in rows]
+            assert all(g.get_alpha() == 0.3 for g in axis.get_xgridlines() + axis.get_ygridlines()
+                       if g.get_visible())
+            # the log axes are gridded at their minor ticks as well
+            minor = axis.xaxis.get_minor_ticks()
+            assert minor and all(t.gridline.get_visible() and t.gridline.get_alpha() == 0.3
+                                 for t in minor)
     for axis in axes[2:]:
         assert axis.get_xlabel() == "k (teacher's top-k of V = 64)"
     assert axes[0].get_xlabel() == ""
@@ -577,3 +583,239 @@ def test_a_teacher_mass_that_rounds_above_one_leaves_no_tail_and_no_nan():
 def test_every_top_k_refusal_says_what(call, message):
     with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
         call()
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(0), torch.zeros(0, dtype=torch.long)),
+     "teacher_topk_logp must report 1 <= k <= V = 3 tokens, got k = 0"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(4), torch.arange(4)),
+     "teacher_topk_logp must report 1 <= k <= V = 3 tokens, got k = 4"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(2), torch.tensor([0, 1, 2])),
+     "topk_ids must have the shape of teacher_topk_logp (2,), got (3,)"),
+    (lambda: topk_kl(torch.tensor([0.0, math.nan, 0.0]), torch.zeros(1), torch.tensor([0])),
+     "student_logits holds NaN (first at index (1,))"),
+    (lambda: topk_kl(torch.zeros(2, 3).index_fill_(1, torch.tensor([2]), math.nan),
+                     torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.long)),
+     "student_logits holds NaN (first at index (0, 2))"),
+    (lambda: topk_kl(torch.full((3,), -math.inf), torch.zeros(1), torch.tensor([0])),
+     "student_logits has a position whose logits are all -inf: the student must be able to "
+     "emit at least one token"),
+    # one position of two with no token: the check is per position
+    (lambda: topk_kl(torch.tensor([[0.0, 0.0], [-math.inf, -math.inf]]), torch.zeros(2, 1),
+                     torch.zeros(2, 1, dtype=torch.long)),
+     "student_logits has a position whose logits are all -inf: the student must be able to "
+     "emit at least one token"),
+    (lambda: topk_kl(torch.zeros(2, 3, 4), torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.long)),
+     "teacher_topk_logp must have shape (..., k) with the leading shape of student_logits "
+     "(2, 3), got (2, 1)"),
+    (lambda: topk_kl(torch.zeros(4), torch.zeros(2), torch.tensor([0, 4])),
+     "topk_ids must lie in [0, V) = [0, 4), got values from 0 to 4"),
+    (lambda: topk_kl(torch.zeros(4), torch.zeros(2), torch.tensor([-1, 2])),
+     "topk_ids must lie in [0, V) = [0, 4), got values from -1 to 2"),
+    (lambda: topk_kl(torch.zeros(4), torch.zeros(3), torch.tensor([2, 0, 2])),
+     "topk_ids must be distinct within each position (a repeated id would count its "
+     "probability twice)"),
+    (lambda: topk_kl(torch.zeros(4), torch.tensor([-1.0, 0.5]), torch.tensor([0, 1])),
+     "teacher_topk_logp must hold log-probabilities (<= 0, not NaN)"),
+    (lambda: topk_kl(torch.zeros(4), torch.tensor([-1.0, math.nan]), torch.tensor([0, 1])),
+     "teacher_topk_logp must hold log-probabilities (<= 0, not NaN)"),
+    (lambda: topk_kl(torch.zeros(4), torch.zeros(1), torch.tensor([0]), "top"),
+     "approximation must be one of ('renormalize', 'tail', 'ignore'), got 'top'"),
+    (lambda: topk_kl(torch.zeros(4), torch.zeros(1), torch.tensor([0]), "tail", "both"),
+     "direction must be one of ('reverse', 'forward'), got 'both'"),
+    (lambda: topk_kl(torch.tensor([-3e38, 0.0, 3e38]), torch.zeros(1), torch.tensor([0])),
+     "student_logits span more than the range of torch.float32 within a position: "
+     "log_softmax overflows (shift or rescale them)"),
+    (lambda: topk_kl(torch.zeros(3), torch.zeros(1, dtype=torch.long), torch.tensor([0])),
+     "teacher_topk_logp must have a floating dtype, got torch.int64"),
+    (lambda: topk_bias_table([2], torch.tensor([0.0, math.inf, 1.0]), torch.zeros(3)),
+     "student_logits must be finite or -inf, with one finite entry"),
+    (lambda: topk_bias_table([2], torch.full((3,), -math.inf), torch.zeros(3)),
+     "student_logits must be finite or -inf, with one finite entry"),
+    (lambda: topk_bias_table([2], torch.zeros(3, dtype=torch.float64),
+                             torch.zeros(3, dtype=torch.float64)),
+     "the true KLs and their gradients must be nonzero and finite for a relative bias, got "
+     "KL [0.0, 0.0] (the student equals the teacher, or one side puts mass where the other "
+     "has none)"),
+    (lambda: topk_bias_table([2.0], torch.arange(3.0), torch.zeros(3)),
+     "ks must hold ints in [1, V] = [1, 3], got 2.0"),
+    (lambda: topk_bias_table([4], torch.arange(3.0), torch.zeros(3)),
+     "ks must hold ints in [1, V] = [1, 3], got 4"),
+    (lambda: zipf_pair(V=2, seed=True), "seed must be an int, got bool True"),
+    (lambda: zipf_pair(V=2, seed="0"), "seed must be an int, got str '0'"),
+    (lambda: zipf_pair(V=0), "V must be a positive int, got 0"),
+    (lambda: zipf_pair(V=2.0), "V must be a positive int, got 2.0"),
+    (lambda: zipf_pair(V=2, temperature=-1.0), "temperature must be > 0, got -1.0"),
+    (lambda: zipf_pair(V=2, exponent=math.inf), "exponent must be a finite number, got inf"),
+    (lambda: zipf_pair(V=2, noise=math.nan), "noise must be a finite number, got nan"),
+    (lambda: topk_bias_figure_data(V=1), "V must be an int >= 2 for the default ks, got 1"),
+    (lambda: topk_bias_figure_data(V=2.5), "V must be an int >= 2 for the default ks, got 2.5"),
+])
+def test_every_refusal_of_the_top_k_loss_and_the_study_in_full(call, message):
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        call()
+
+
+def test_the_default_approximation_is_the_reverse_tail_bucket():
+    student, teacher = zipf_pair(V=6, noise=0.7, seed=2)
+    ids = torch.tensor([0, 1])
+    log_q = torch.log_softmax(teacher, -1)[ids]
+    p, q = torch.softmax(student, -1).tolist(), torch.softmax(teacher, -1).tolist()
+    want = approximations(p, q, {0, 1}, "reverse")["tail"]
+    assert topk_kl(student, log_q, ids).item() == pytest.approx(want, rel=1e-12)
+
+
+def test_one_reported_token_of_mass_close_to_one_keeps_its_tail_exact():
+    # q_0 = exp(-1e-9): the teacher's tail 1 - q_0 = 1e-9 - 5e-19 (its series), which
+    # 1 - exp(t) would get only to 1e-7 (the rounding of exp near 1): log(1 - Q) from expm1
+    t = torch.tensor([-1e-9], dtype=torch.float64)
+    tail = 1e-9 - 0.5e-18 + 1e-27 / 6
+    p = [0.5, 0.3, 0.2]
+    student = torch.tensor(p, dtype=torch.float64).log()
+    q0 = 1 - tail
+    for direction, want in [
+            ("reverse", 0.5 * math.log(0.5 / q0) + 0.5 * math.log(0.5 / tail)),
+            ("forward", q0 * math.log(q0 / 0.5) + tail * math.log(tail / 0.5))]:
+        got = topk_kl(student, t, torch.tensor([0]), "tail", direction).item()
+        assert got == pytest.approx(want, rel=1e-13)
+
+
+def test_the_tail_bucket_of_a_student_without_mass_off_s():
+    # p = (1/2, 1/2, 0), q = (0.4, 0.4, 0.2), S = {0, 1}: the student's tail is empty
+    student = torch.tensor([0.0, 0.0, -math.inf], dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([math.log(0.4), math.log(0.4)], dtype=torch.float64)
+    reverse = topk_kl(student, t, torch.tensor([0, 1]), "tail", "reverse")
+    assert reverse.item() == pytest.approx(math.log(1.25), rel=1e-12)  # 0 log(0 / 0.2) = 0
+    reverse.backward()
+    assert bool(torch.isfinite(student.grad).all())
+    # forward: the teacher's tail 0.2 against the student's 0 makes it +inf
+    forward = topk_kl(student.detach(), t, torch.tensor([0, 1]), "tail", "forward")
+    assert forward.item() == math.inf
+
+
+def test_batched_positions_are_independent_where_one_is_infinite_or_has_no_mass_on_s():
+    # position 0: ordinary; position 1: the student has no mass on S = {0} (renormalize: 0
+    # with a zero gradient); position 2: the teacher reports 0 on a token the student can
+    # say (reverse: +inf). Each position's value and gradient are those computed alone.
+    student = torch.tensor([[0.3, -0.2, 0.5], [-math.inf, 0.1, 0.4], [0.2, 0.0, -0.1]],
+                           dtype=torch.float64)
+    t = torch.tensor([[-0.5], [-0.2], [-math.inf]], dtype=torch.float64)
+    ids = torch.tensor([[0], [0], [1]])
+    for approximation in APPROXIMATIONS:
+        for direction in DIRECTIONS:
+            z = student.clone().requires_grad_(True)
+            batched = topk_kl(z, t, ids, approximation, direction)
+            batched.masked_fill(~torch.isfinite(batched), 0.0).sum().backward()
+            for i in range(3):
+                zi = student[i].clone().requires_grad_(True)
+                single = topk_kl(zi, t[i], ids[i], approximation, direction)
+                assert batched[i].item() == single.item()
+                if math.isfinite(single.item()):
+                    single.backward()
+                    assert torch.equal(z.grad[i], zi.grad)
+    # the +inf position leaves the others finite
+    got = topk_kl(student, t, ids, "ignore", "reverse")
+    assert got[2].item() == math.inf and bool(torch.isfinite(got[:2]).all())
+    renormalized = topk_kl(student, t, ids, "renormalize", "reverse")
+    assert renormalized[1].item() == 0.0
+
+
+@pytest.mark.parametrize("student_dtype,teacher_dtype", [(torch.float32, torch.float64),
+                                                         (torch.float64, torch.float32)])
+def test_mixed_precision_is_computed_in_the_wider_dtype(student_dtype, teacher_dtype):
+    student, teacher = zipf_pair(V=8, noise=1.0, seed=6)
+    ids = torch.tensor([0, 1, 2])
+    log_q = torch.log_softmax(teacher, -1)[ids]
+    s, t = student.to(student_dtype), log_q.to(teacher_dtype)
+    for approximation in APPROXIMATIONS:
+        got = topk_kl(s, t, ids, approximation)
+        want = topk_kl(s.double(), t.double(), ids, approximation)
+        assert got.dtype == torch.float64 and got.item() == want.item()
+
+
+def test_zipf_pair_defaults_and_formula():
+    # V = 4,096 ranks, exponent 1.1, temperature 1, unit noise, seed 0 (the signature)
+    student, teacher = zipf_pair()
+    ranks = torch.arange(1, 4097, dtype=torch.float64)
+    torch.testing.assert_close(teacher, -1.1 * ranks.log(), rtol=1e-15, atol=0)
+    noise = torch.randn(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.testing.assert_close(student, teacher + noise, rtol=1e-15, atol=0)
+    # the temperature divides both: q_v proportional to r_v^(-s / tau)
+    student, teacher = zipf_pair(V=3, exponent=2.0, temperature=0.5, noise=0.25, seed=4)
+    torch.testing.assert_close(teacher, -4.0 * torch.arange(1, 4, dtype=torch.float64).log(),
+                               rtol=1e-15, atol=0)
+    noise = torch.randn(3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    torch.testing.assert_close(student, teacher + 0.5 * noise, rtol=1e-15, atol=1e-16)
+
+
+def test_the_figure_data_defaults_are_used():
+    # V 4,096, exponent 1.1, tau 0.7 and 1, unit noise, seed 0: the study at one k
+    data = topk_bias_figure_data(ks=[3])
+    assert (data["V"], data["exponent"], data["noise"], data["ks"]) == (4096, 1.1, 1.0, [3])
+    assert list(data["rows"]) == [0.7, 1.0]
+    for temperature in (0.7, 1.0):
+        want = topk_bias_table([3], *zipf_pair(4096, 1.1, temperature, 1.0, 0))
+        assert data["rows"][temperature] == want
+
+
+def test_a_bias_table_row_formats_every_cell():
+    # hand-made rows: each cell "value bias / gradient bias", signed, three decimals; a zero
+    # bias prints as +0.000 whatever its sign bit
+    biases = {("reverse", "renormalize"): (0.12345, 0.5), ("reverse", "tail"): (-0.0, 0.25),
+              ("reverse", "ignore"): (-1.5, 2.0), ("forward", "renormalize"): (0.0004, 0.0),
+              ("forward", "tail"): (-0.0125, 0.0625), ("forward", "ignore"): (3.0, 1.125)}
+    rows = [{"k": 5, "direction": d, "approximation": a, "teacher_mass": 0.8125,
+             "rel_bias": b, "rel_grad_bias": g} for (d, a), (b, g) in biases.items()]
+    data = {"ks": [5], "rows": {0.7: rows}}
+    lines = format_topk_bias_table(data, ks=[5]).split("\n")
+    assert len(lines) == 3
+    assert lines[2] == ("| 0.7 | 5 | 0.812 | +0.123 / 0.500 | +0.000 / 0.250 | -1.500 / 2.000 "
+                        "| +0.000 / 0.000 | -0.013 / 0.062 | +3.000 / 1.125 |")
+
+
+def test_the_figure_data_is_the_table_of_its_own_zipf_pairs():
+    # every setting reaches zipf_pair: V, exponent, temperature, noise and seed
+    data = topk_bias_figure_data(V=12, exponent=0.8, temperatures=(0.5, 2.0), noise=0.3, seed=5,
+                                 ks=[2, 4])
+    assert (data["V"], data["exponent"], data["noise"], data["ks"]) == (12, 0.8, 0.3, [2, 4])
+    for temperature in (0.5, 2.0):
+        want = topk_bias_table([2, 4], *zipf_pair(12, 0.8, temperature, 0.3, 5))
+        assert data["rows"][temperature] == want
+
+
+def test_the_default_ks_add_the_tables_k_below_v():
+    import numpy as np
+
+    # no temperature: only the ks are computed. At V = 4,096 the log-spaced values skip 20,
+    # 100 and 500 (17, 24; 85, 117; 416, 572), which the table's k then add; at V = 500, 500
+    # itself is not below V.
+    for V in (500, 4096):
+        data = topk_bias_figure_data(V=V, temperatures=())
+        want = {int(round(x)) for x in np.logspace(0, math.log10(V / 2), 25)}
+        want |= {k for k in (1, 5, 20, 100, 500) if k < V}
+        assert data["ks"] == sorted(want) and data["rows"] == {}
+    assert 6 not in data["ks"] and {20, 100, 500} <= set(data["ks"])
+    assert not {21, 101, 501} & set(data["ks"])
+
+
+def test_the_study_is_computed_in_float64_whatever_the_input_dtype():
+    student, teacher = zipf_pair(V=32, noise=1.0, seed=3)
+    want = topk_bias_table([1, 4], student, teacher)
+    got = topk_bias_table([1, 4], student.float(), teacher.float())
+    want32 = topk_bias_table([1, 4], student.float().double(), teacher.float().double())
+    assert got == want32
+    assert all(abs(g["true"] - w["true"]) < 1e-5 for g, w in zip(got, want))
+
+
+def test_a_teacher_mass_above_one_reads_as_no_tail_and_the_reverse_bucket_takes_k_eps():
+    # log(1/2) + log(1/2 + 2e-16): Q rounds to just above 1. The teacher's tail is then 0 (the
+    # forward bucket has no teacher term), and the reverse bucket floors it at k eps.
+    t = torch.tensor([math.log(0.5), math.log(0.5 + 2e-16)], dtype=torch.float64)
+    q = t.exp().tolist()
+    ids = torch.tensor([0, 1])
+    student = torch.zeros(3, dtype=torch.float64)  # p = (1/3, 1/3, 1/3)
+    floor = 2 * 2.0**-52
+    reverse = sum(math.log((1 / 3) / b) / 3 for b in q) + math.log((1 / 3) / floor) / 3
+    forward = sum(b * math.log(b / (1 / 3)) for b in q)
+    assert topk_kl(student, t, ids, "tail", "reverse").item() == pytest.approx(reverse, rel=1e-12)
+    assert topk_kl(student, t, ids, "tail", "forward").item() == pytest.approx(forward, rel=1e-12)
