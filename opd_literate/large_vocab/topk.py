@@ -100,6 +100,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._figures import new_figure, svg_bytes
 from .._numerics import check_finite_number, check_float_tensor, compute_dtype
 
 __all__ = [
@@ -509,8 +510,6 @@ def plot_topk_bias(path, data=None):
         The written file.
     """
     import pathlib
-
-    from opd_literate._figures import new_figure, svg_bytes
 
     data = topk_bias_figure_data() if data is None else data
     fig, axes = new_figure(2, 2, height=6.4, sharex=True)

@@ -900,11 +900,14 @@ def dppo_kl(toy, delta_low=0.2, delta_high=0.2, clip_ratio_c=3.0, baseline=0.0, 
     $\mu$ and $\pi$, in verl's form ($\epsilon = 10^{-8}$):
 
     $$
-    D_t = \mu(y_t) \log \frac{\mu(y_t)}{\pi(y_t)} + (1 - \mu(y_t))
-    \log \frac{1 - \mu(y_t) + \epsilon}{1 - \pi(y_t) + \epsilon}, \qquad
-    w_t = \min(\rho_t, c)\, \Big(\mathbb{1}[A > 0]\, \mathbb{1}[D_t \le \delta_h
-    \text{ or } \pi \le \mu] + \mathbb{1}[A \le 0]\, \mathbb{1}[D_t \le \delta_l
+    \begin{aligned}
+    D_t &= \mu(y_t) \log \frac{\mu(y_t)}{\pi(y_t)} + (1 - \mu(y_t))
+    \log \frac{1 - \mu(y_t) + \epsilon}{1 - \pi(y_t) + \epsilon}, \\
+    w_t &= \min(\rho_t, c)\, \Big(\mathbb{1}[A > 0]\, \mathbb{1}[D_t \le \delta_h
+    \text{ or } \pi \le \mu] \\
+    &\qquad + \mathbb{1}[A \le 0]\, \mathbb{1}[D_t \le \delta_l
     \text{ or } \pi \ge \mu]\Big).
+    \end{aligned}
     $$
 
     verl ``loss_mode: dppo_kl`` (same options and defaults as ``dppo_tv``; verl's example
