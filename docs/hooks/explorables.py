@@ -190,11 +190,11 @@ def fragments() -> dict[str, str]:
 
 
 def on_pre_build(config):
-    import plotly
-
     # Only a build whose pages show an explorable (docs/hooks/_built.py) computes them.
     if not _built.wanted(_built.used_generated_files(config), ("explore_*.html",)):
         return
+    import plotly
+
     OUT.mkdir(exist_ok=True)
     bundle = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     _write("plotly.min.js", bundle.read_bytes())

@@ -105,6 +105,13 @@ def _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, log_prob
     return s, t, s.clamp_min(log_prob_min_clamp), t.clamp_min(log_prob_min_clamp)
 
 
+def _token_terms(s_bar, t_bar):
+    r"""$e^{\bar t_v} (\bar t_v - \bar s_v)$ for each reported token, 0 where the teacher reports
+    a probability of 0 (no clamp: $0 \cdot (-\infty)$ would be NaN)."""
+    weight = t_bar.exp()
+    return torch.where(weight > 0, weight * (t_bar - s_bar), torch.zeros_like(weight))
+
+
 def verl_forward_kl_topk(student_logits, teacher_topk_logp, teacher_topk_ids, *,
                          log_prob_min_clamp=LOG_PROB_MIN_CLAMP, loss_max_clamp=LOSS_MAX_CLAMP):
     r"""verl's per-position ``forward_kl_topk`` loss, with both clamps (no reduction).
@@ -151,10 +158,7 @@ def verl_forward_kl_topk(student_logits, teacher_topk_logp, teacher_topk_ids, *,
     low = _clamp_option("log_prob_min_clamp", log_prob_min_clamp, -1)
     high = _clamp_option("loss_max_clamp", loss_max_clamp, +1)
     _, _, s_bar, t_bar = _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, low)
-    # 0 * (-inf) where the teacher reports a token of probability 0 and no clamp: its term is 0
-    weight = t_bar.exp()
-    terms = torch.where(weight > 0, weight * (t_bar - s_bar), torch.zeros_like(weight))
-    value = terms.sum(-1).clamp_min(0.0)
+    value = _token_terms(s_bar, t_bar).sum(-1).clamp_min(0.0)
     return value if high is None else value.clamp_max(high)
 
 
@@ -210,8 +214,7 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
     student_top = torch.topk(student_logits, k=k, dim=-1).indices
     overlap = (teacher_topk_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
     count = overlap.sum(-1)
-    weight = t_bar.exp()
-    token_kl = torch.where(weight > 0, weight * (t_bar - s_bar), torch.zeros_like(weight))
+    token_kl = _token_terms(s_bar, t_bar)
     advantage = torch.where(overlap, -token_kl, torch.zeros_like(token_kl)).sum(-1)
     advantage = torch.where(count > 0, advantage / count.clamp_min(1), torch.zeros_like(advantage))
     student_mass, teacher_mass = s.exp().sum(-1), t.exp().sum(-1)
@@ -285,7 +288,7 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
             for k in ks:
                 report, ids = log_q.topk(k, -1)
                 s, t, s_bar, t_bar = _clamped_terms(student, report, ids, LOG_PROB_MIN_CLAMP)
-                clamped = (t_bar.exp() * (t_bar - s_bar)).sum(-1) < 0
+                clamped = _token_terms(s_bar, t_bar).sum(-1) < 0
                 g_c = _row_gradients(lambda z, r=report, i=ids: verl_forward_kl_topk(
                     z, r, i, loss_max_clamp=None), student)
                 g_b = _row_gradients(lambda z, r=report, i=ids: topk_kl(z, r, i, "tail",

@@ -149,8 +149,9 @@ def _given_site():
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """``$OPD_SITE_DIR`` when set (the full site), else the one-chapter build."""
-    if _given_site():
-        return _given_site()
+    given = _given_site()
+    if given:
+        return given
     try:
         import mkdocs  # noqa: F401 (the docs extra)
     except ImportError:
@@ -162,8 +163,9 @@ def site(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_site(tmp_path_factory):
     """The whole site: ``$OPD_SITE_DIR``, else built here with ``mkdocs build --strict``."""
-    if _given_site():
-        return _given_site()
+    given = _given_site()
+    if given:
+        return given
     if shutil.which("mkdocs") is None:
         _skip_or_fail("mkdocs is not installed (pip install -e '.[docs]')")
     out = tmp_path_factory.mktemp("full_site")
