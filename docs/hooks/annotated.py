@@ -31,7 +31,7 @@ OUT = DOCS / "source"
 PACKAGE = DOCS.parent / "opd_literate"
 
 MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
-           "mismatch.correction", "large_vocab.chunked", "large_vocab.topk",
+           "mismatch.correction", "mismatch.engine", "large_vocab.chunked", "large_vocab.topk",
            "large_vocab.clamps", "experiment.tinylm", "experiment.train")
 """The chapter modules, in the order of the chapters."""
 

@@ -406,6 +406,70 @@ def _topk():
         _write("topk_bias.svg", svg.read_bytes())
 
 
+ENGINE_ESTIMATORS = ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "icepop"]
+
+
+def _engine():
+    """The engine's sampler (mismatch chapter): temperature, top-p and the reported log-probs."""
+    from opd_literate.mismatch.engine import engine_toy
+    from opd_literate.mismatch.estimators import comparison_table
+    from opd_literate.mismatch.toy import make_toy
+
+    toy = make_toy()  # mismatch 0.3, T = 6, V = 4
+
+    def rel_bias(**engine):
+        rows = comparison_table(engine_toy(toy, **engine), names=ENGINE_ESTIMATORS, N=64)
+        return [row["rel_bias"] for row in rows]
+
+    tau, top_p = 0.7, 0.9
+    columns = [
+        (f"τ = {tau}: processed, trainer at τ", dict(temperature=tau)),
+        ("raw, trainer at τ", dict(temperature=tau, reported="raw")),
+        ("processed, trainer at 1", dict(temperature=tau, trainer_temperature=False)),
+        ("raw, trainer at 1", dict(temperature=tau, reported="raw", trainer_temperature=False)),
+        (f"top-p = {top_p}: processed", dict(top_p=top_p)),
+        ("raw", dict(top_p=top_p, reported="raw")),
+    ]
+    values = [rel_bias(**engine) for _, engine in columns]
+    lines = ["| estimator | " + " | ".join(title for title, _ in columns) + " |",
+             "| --- | " + " | ".join("---:" for _ in columns) + " |"]
+    for i, name in enumerate(ENGINE_ESTIMATORS):
+        lines.append(f"| `{name}` | " + " | ".join(f"{column[i]:.3f}" for column in values)
+                     + " |")
+    cut = engine_toy(toy, top_p=top_p)
+    share = np.linalg.norm(cut["truncated_grad"]) / np.linalg.norm(cut["true_grad"])
+    lines += ["", f"At top-p = {top_p} the engine cannot write {len(toy['Y']) - len(cut['Y']):,} "
+              f"of the {len(toy['Y']):,} sequences; they carry {cut['truncated_mass']:.3f} of "
+              f"the trainer's probability and {share:.3f} of the norm of the true gradient."]
+    _write("engine_table.md", "\n".join(lines) + "\n")
+
+    temperatures = np.round(np.linspace(0.5, 1.5, 11), 2)
+    top_ps = np.round(np.linspace(0.8, 1.0, 11), 2)
+    fig, axes = new_figure(1, 2, height=3.9, sharey=True)
+    for reported, style in (("processed", "-"), ("raw", "--")):
+        by_tau = np.array([rel_bias(temperature=t, reported=reported) for t in temperatures])
+        by_p = np.array([rel_bias(top_p=p, reported=reported) for p in top_ps])
+        for i, name in enumerate(ENGINE_ESTIMATORS):
+            colour = f"C{i}"
+            label = name if reported == "processed" else None
+            axes[0].plot(temperatures, by_tau[:, i], style, color=colour, marker=".", label=label)
+            axes[1].plot(top_ps, by_p[:, i], style, color=colour, marker=".")
+    floor = [np.linalg.norm(e["truncated_grad"]) / np.linalg.norm(e["true_grad"])
+             for e in (engine_toy(toy, top_p=p) for p in top_ps)]
+    axes[1].plot(top_ps, floor, ":", color="black", label="part of ∇J cut")
+    axes[0].set(xlabel="sampling temperature τ (top-p 1)", ylabel="relative bias",
+                title="temperature, trainer at τ")
+    axes[1].set(xlabel="top-p (τ = 1)", title="top-p truncation")
+    handles, labels = axes[0].get_legend_handles_labels()
+    handles += [Line2D([], [], color="grey", ls="-"), Line2D([], [], color="grey", ls="--"),
+                *axes[1].get_legend_handles_labels()[0]]
+    labels += ["processed log-probs", "raw log-probs", "part of ∇J cut"]
+    fig.legend(handles, labels, loc="lower center", ncol=4, bbox_to_anchor=(0.5, -0.02),
+               columnspacing=1.0, handlelength=2.2)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    _write("engine_bias.svg", svg_bytes(fig))
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -421,6 +485,7 @@ GENERATORS = (
     (_gradient_agreement, ("gradient_agreement.md",)),
     (_handout, ("handout_*",)),
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
+    (_engine, ("engine_table.md", "engine_bias.svg")),
 )
 
 

@@ -51,7 +51,7 @@ PACKAGE = "opd_literate"
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 COPY_READY_MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
-                      "mismatch.correction", "large_vocab.chunked", "large_vocab.topk",
+                      "mismatch.correction", "mismatch.engine", "large_vocab.chunked", "large_vocab.topk",
                       "large_vocab.clamps")
 """The modules whose every public function has its snippet on its API page (and is tested)."""
 
