@@ -422,26 +422,41 @@ def _engine():
         return [row["rel_bias"] for row in rows]
 
     tau, top_p = 0.7, 0.9
-    columns = [
-        (f"τ = {tau}: processed, trainer at τ", dict(temperature=tau)),
+
+    def table(columns):
+        values = [rel_bias(**engine) for _, engine in columns]
+        lines = ["| estimator | " + " | ".join(title for title, _ in columns) + " |",
+                 "| --- | " + " | ".join("---:" for _ in columns) + " |"]
+        for i, name in enumerate(ENGINE_ESTIMATORS):
+            lines.append(f"| `{name}` | " + " | ".join(f"{column[i]:.3f}" for column in values)
+                         + " |")
+        return lines
+
+    _write("engine_temperature_table.md", "\n".join(table([
+        ("processed, trainer at τ", dict(temperature=tau)),
         ("raw, trainer at τ", dict(temperature=tau, reported="raw")),
         ("processed, trainer at 1", dict(temperature=tau, trainer_temperature=False)),
         ("raw, trainer at 1", dict(temperature=tau, reported="raw", trainer_temperature=False)),
-        (f"top-p = {top_p}: processed", dict(top_p=top_p)),
+    ])) + "\n")
+    lines = table([
+        ("processed", dict(top_p=top_p)),
         ("raw", dict(top_p=top_p, reported="raw")),
-    ]
-    values = [rel_bias(**engine) for _, engine in columns]
-    lines = ["| estimator | " + " | ".join(title for title, _ in columns) + " |",
-             "| --- | " + " | ".join("---:" for _ in columns) + " |"]
-    for i, name in enumerate(ENGINE_ESTIMATORS):
-        lines.append(f"| `{name}` | " + " | ".join(f"{column[i]:.3f}" for column in values)
-                     + " |")
+        ("processed, mask replayed", dict(top_p=top_p, trainer_mask=True)),
+    ])
     cut = engine_toy(toy, top_p=top_p)
     share = np.linalg.norm(cut["truncated_grad"]) / np.linalg.norm(cut["true_grad"])
+    replayed = engine_toy(toy, top_p=top_p, trainer_mask=True)
+    from opd_literate.mismatch.estimators import seq_is
+    from opd_literate.mismatch.toy import estimator_moments
+
+    own = np.linalg.norm(estimator_moments(replayed, seq_is(replayed))["mean"]
+                         - replayed["masked_grad"]) / np.linalg.norm(replayed["masked_grad"])
     lines += ["", f"At top-p = {top_p} the engine cannot write {len(toy['Y']) - len(cut['Y']):,} "
               f"of the {len(toy['Y']):,} sequences; they carry {cut['truncated_mass']:.3f} of "
-              f"the trainer's probability and {share:.3f} of the norm of the true gradient."]
-    _write("engine_table.md", "\n".join(lines) + "\n")
+              f"the trainer's probability and {share:.3f} of the norm of the true gradient. "
+              "With the mask replayed, `seq_is`'s relative bias against the gradient of the "
+              f"truncated policy's own objective is {own:.1e} (float64 rounding)."]
+    _write("engine_top_p_table.md", "\n".join(lines) + "\n")
 
     temperatures = np.round(np.linspace(0.5, 1.5, 11), 2)
     top_ps = np.round(np.linspace(0.8, 1.0, 11), 2)
@@ -485,7 +500,7 @@ GENERATORS = (
     (_gradient_agreement, ("gradient_agreement.md",)),
     (_handout, ("handout_*",)),
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
-    (_engine, ("engine_table.md", "engine_bias.svg")),
+    (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg")),
 )
 
 

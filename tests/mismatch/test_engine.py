@@ -272,6 +272,15 @@ def test_a_trainer_without_the_temperature_estimates_the_untempered_gradient():
     np.testing.assert_array_equal(engine["logp_train"], toy["logp_train"])
 
 
+def test_at_top_p_09_the_raw_ratio_gives_seq_is_less_bias_on_the_chapters_toy():
+    """The mismatch chapter's sentence under its top-p table."""
+    toy = make_toy()
+    bias = {reported: estimator_moments(e, seq_is(e))["rel_bias"]
+            for reported in ("processed", "raw")
+            for e in [engine_toy(toy, top_p=0.9, reported=reported)]}
+    assert bias["raw"] < bias["processed"] - 0.05
+
+
 @pytest.mark.parametrize("make", [make_toy, make_ar_toy], ids=["toy", "ar_toy"])
 def test_the_trainers_own_arrays_agree_with_the_toys_enumeration(make):
     """engine._trainer (used for the untempered and the masked trainers) against _enumerate."""

@@ -595,3 +595,14 @@ def test_every_chapter_opens_with_what_it_assumes_and_its_key_equations():
         assert '!!! info "What this chapter assumes"' in opening, page
         box = opening.split('!!! abstract "Key equations"', 1)
         assert len(box) == 2 and "$$" in box[1], page
+
+
+def test_no_wrapped_line_of_prose_starts_a_heading_by_accident():
+    """A hard-wrapped "issue\\n#4159" renders as a heading: every "#" heading has a space."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        in_code = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                in_code = not in_code
+            if not in_code and re.match(r"#+[^#\s]", line):
+                raise AssertionError(f"{page.name}:{number} starts with {line[:20]!r}")
