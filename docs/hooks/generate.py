@@ -485,6 +485,48 @@ def _engine():
     _write("engine_bias.svg", svg_bytes(fig))
 
 
+TASK_REWARD_COEFS = (0.0, 0.1, 0.3, 1.0, 3.0)
+
+
+def _task_rewards():
+    """OPD with task rewards (mismatch chapter): every mixture's exact bias against lambda."""
+    from opd_literate.mismatch.opd_mismatch import add_teacher
+    from opd_literate.mismatch.task_rewards import MIXED_ESTIMATORS, mixed_table
+    from opd_literate.mismatch.toy import make_ar_toy
+
+    toy = add_teacher(make_ar_toy(**AR_SIZE, mismatch=0.0))
+    rows = mixed_table(toy, TASK_REWARD_COEFS)
+    lines = ["| teacher's part | " + " | ".join(f"λ = {c:g}" for c in TASK_REWARD_COEFS) + " |",
+             "| --- | " + " | ".join("---:" for _ in TASK_REWARD_COEFS) + " |"]
+    at_1 = ["| teacher's part | rel. bias, ∇J − λ∇K | rel. bias, per-state | variance of one "
+            "response | rel. RMSE, N = 64 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for kind in MIXED_ESTIMATORS:
+        mine = {r["coef"]: r for r in rows if r["kind"] == kind}
+        lines.append(f"| `{kind}` | " + " | ".join(f"{mine[c]['rel_bias']:.3f}"
+                                                  for c in TASK_REWARD_COEFS) + " |")
+        one = mine[1.0]
+        at_1.append(f"| `{kind}` | {one['rel_bias']:.3f} | {one['rel_bias_per_state']:.3f} | "
+                    f"{one['var']:.3f} | {one['rel_rmse']:.3f} |")
+    _write("task_rewards_at_1.md", "\n".join(at_1) + "\n")
+    _write("task_rewards_table.md", "\n".join(lines) + "\n")
+
+    coefs = np.logspace(-2, 1, 19)
+    sweep = mixed_table(toy, coefs)
+    fig, axes = new_figure(1, 2, height=3.6)
+    for i, kind in enumerate(MIXED_ESTIMATORS):
+        mine = [r for r in sweep if r["kind"] == kind]
+        axes[0].plot(coefs, [r["rel_bias"] for r in mine], color=f"C{i}", marker=".", label=kind)
+        axes[1].plot(coefs, [r["rel_rmse"] for r in mine], color=f"C{i}", marker=".")
+    axes[0].set(xscale="log", xlabel="mixing weight λ", ylabel="relative bias",
+                title="bias against ∇J − λ∇K")
+    axes[1].set(xscale="log", xlabel="mixing weight λ", ylabel="relative RMSE, N = 64",
+                title="error of a batch of 64")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5,
+               bbox_to_anchor=(0.5, -0.02), columnspacing=1.0, handlelength=2.0)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    _write("task_rewards.svg", svg_bytes(fig))
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -501,6 +543,7 @@ GENERATORS = (
     (_handout, ("handout_*",)),
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
     (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg")),
+    (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
 )
 
 

@@ -168,3 +168,11 @@ def test_every_mixture_is_finite_and_the_return_is_unbiased(T, V, seed, scale, c
         target = mixed_targets(toy, coef)["sequence"]
         moments = estimator_moments(dict(toy, true_grad=target), estimate)
         assert moments["bias"] <= 1e-10 * max(1.0, float(np.abs(target).max()))
+
+
+def test_at_lambda_1_the_return_has_the_smallest_error_of_a_batch_of_64():
+    """The chapter's sentence under its table (the default autoregressive toy, on-policy)."""
+    rows = mixed_table(_ar_teacher_toy(), [1.0], N=64)
+    best = min(rows, key=lambda row: row["rel_rmse"])
+    assert best["kind"] == "k1_return"
+    assert best["var"] > min(row["var"] for row in rows)  # not the smallest variance: the bias
