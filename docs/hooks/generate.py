@@ -527,6 +527,32 @@ def _task_rewards():
     _write("task_rewards.svg", svg_bytes(fig))
 
 
+CLAMP_STUDY = DOCS / "data" / "experiment" / "clamp_study.json"
+
+
+def _tinylm_clamps():
+    """verl's clamp on the experiment's teacher against its students (large-vocabulary chapter),
+    from docs/data/experiment/clamp_study.json (``--clamp-study``: two minutes, too long here)."""
+    record = json.loads(CLAMP_STUDY.read_text())
+    seeds = sorted({row["seed"] for row in record["rows"]})
+    lines = ["| k | positions clamped | share of the gradient lost | $P > Q$ "
+             "| gradient error, verl's (c) | gradient error, tail bucket (b) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def spread(rows, key):
+        values = [row[key] for row in rows]
+        return f"{np.mean(values):.3f} ({min(values):.3f} to {max(values):.3f})"
+
+    for k in record["ks"]:
+        rows = [row for row in record["rows"] if row["k"] == k]
+        lines.append(f"| {k} | " + " | ".join(spread(rows, key) for key in (
+            "clamped", "lost", "p_above_q", "c_grad_error", "b_grad_error")) + " |")
+    lines += ["", f"Mean over the {len(seeds)} weak students (smallest to largest), every state of "
+              f"their answers to {record['prompts']} test prompts weighted by the student's "
+              "probability of reaching it."]
+    _write("tinylm_clamps_table.md", "\n".join(lines) + "\n")
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -544,6 +570,7 @@ GENERATORS = (
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
     (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg")),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
+    (_tinylm_clamps, ("tinylm_clamps_table.md",)),
 )
 
 

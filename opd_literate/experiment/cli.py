@@ -79,6 +79,10 @@ def build_parser():
     parser.add_argument("--gradient-agreement", action="store_true",
                         help="instead of training, write gradient_agreement.json (the table of "
                              "the OPD chapter, from the configuration's weak student) to --out")
+    parser.add_argument("--clamp-study", action="store_true",
+                        help="instead of training, write clamp_study.json (verl's clamped top-k "
+                             "forward KL on the teacher against the weak students, exactly; the "
+                             "large-vocabulary chapter's table) to --out")
     parser.add_argument("--no-cache", action="store_true",
                         help="retrain the teacher instead of loading it, and rewrite its cache "
                              "file (which also repairs a corrupt one)")
@@ -131,6 +135,16 @@ def main(argv=None):
                  if value is not None}
     config = dataclasses.replace(QUICK if args.quick else LONG if args.long else DEFAULT,
                                  **overrides)
+    if args.gradient_agreement and args.clamp_study:
+        parser.error("--gradient-agreement and --clamp-study write different files; choose one")
+    if args.clamp_study:
+        from .exact import clamp_study_record
+
+        path = out_dir / "clamp_study.json"
+        record = clamp_study_record(config, cache="refresh" if args.no_cache else "read")
+        replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
+        print(f"wrote {path}")
+        return 0
     if args.gradient_agreement:
         path = out_dir / "gradient_agreement.json"
         record = gradient_agreement_record(config)

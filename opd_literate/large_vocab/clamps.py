@@ -45,7 +45,7 @@ from .._numerics import check_finite_number, check_float_tensor, check_mask, com
 from .topk import topk_kl, zipf_pair
 
 __all__ = ["LOG_PROB_MIN_CLAMP", "LOSS_MAX_CLAMP", "TOPK", "verl_forward_kl_topk",
-           "topk_diagnostics", "clamp_study"]
+           "topk_diagnostics", "clamp_study", "weighted_clamp_study"]
 
 LOG_PROB_MIN_CLAMP = -10.0
 """verl 0.9.1's default ``distillation_loss.log_prob_min_clamp`` (``DistillationLossConfig``)."""
@@ -282,23 +282,99 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
             pairs = [zipf_pair(V, exponent, temperature, noise, seed + i)
                      for i in range(positions)]
             student = torch.stack([pair[0] for pair in pairs])  # (positions, V)
-            log_q = F.log_softmax(torch.stack([pair[1] for pair in pairs]), -1)
-            g = F.softmax(student, -1) - log_q.exp()  # the forward KL's gradient, p - q
-            norm = g.norm(dim=-1)
-            for k in ks:
-                report, ids = log_q.topk(k, -1)
-                s, t, s_bar, t_bar = _clamped_terms(student, report, ids, LOG_PROB_MIN_CLAMP)
-                clamped = _token_terms(s_bar, t_bar).sum(-1) < 0
-                g_c = _row_gradients(lambda z, r=report, i=ids: verl_forward_kl_topk(
-                    z, r, i, loss_max_clamp=None), student)
-                g_b = _row_gradients(lambda z, r=report, i=ids: topk_kl(z, r, i, "tail",
-                                                                        "forward"), student)
-                rows.append({
-                    "temperature": temperature, "noise": noise, "k": k,
-                    "clamped": float(clamped.double().mean()),
-                    "p_above_q": float((s.exp().sum(-1) > t.exp().sum(-1)).double().mean()),
-                    "lost": float(norm[clamped].sum() / norm.sum()),
-                    "c_grad_error": float(((g_c - g).norm(dim=-1) / norm).mean()),
-                    "b_grad_error": float(((g_b - g).norm(dim=-1) / norm).mean()),
-                })
+            teacher = torch.stack([pair[1] for pair in pairs])
+            for row in weighted_clamp_study(student, teacher, torch.ones(positions,
+                                                                         dtype=student.dtype),
+                                            ks):
+                rows.append({"temperature": temperature, "noise": noise, **row})
+    return rows
+
+
+def weighted_clamp_study(student_logits, teacher_logits, weights, ks=(1, 8, 32, TOPK)):
+    r""":func:`clamp_study`'s measurements on given states, each with a weight.
+
+    Each row $i$ is one position: the student's and the teacher's full logits there, and its
+    probability $w_i$ of being visited (a state distribution: the fractions and means are
+    $\sum_i w_i x_i / \sum_i w_i$). The teacher reports its top-$k$ log-probabilities.
+
+    Parameters
+    ----------
+    student_logits, teacher_logits : torch.Tensor
+        ``(N, V)``, finite.
+    weights : torch.Tensor
+        ``(N,)``, non-negative and not all 0.
+    ks : sequence of int
+        The report sizes, each in ``[1, V]``.
+
+    Returns
+    -------
+    list of dict
+        One row per $k$: ``k``, ``clamped``, ``p_above_q``, ``lost``, ``c_grad_error``,
+        ``b_grad_error`` (as in :func:`clamp_study`, weighted).
+
+    Examples
+    --------
+    A position that the student reaches with probability 0 does not count:
+
+    >>> student = torch.log(torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.3, 0.5]], dtype=torch.float64))
+    >>> teacher = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]],
+    ...                                  dtype=torch.float64))
+    >>> [row["clamped"] for row in weighted_clamp_study(student, teacher,
+    ...                                                 torch.tensor([1.0, 0.0]), ks=[2])]
+    [1.0]
+    >>> [row["clamped"] for row in weighted_clamp_study(student, teacher,
+    ...                                                 torch.tensor([0.0, 1.0]), ks=[2])]
+    [0.0]
+    """
+    check_float_tensor("student_logits", student_logits, 2)
+    check_float_tensor("teacher_logits", teacher_logits, 2)
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"teacher_logits must have the shape of student_logits "
+                         f"{tuple(student_logits.shape)}, got {tuple(teacher_logits.shape)}")
+    if not (bool(torch.isfinite(student_logits).all())
+            and bool(torch.isfinite(teacher_logits).all())):
+        raise ValueError("student_logits and teacher_logits must be finite")
+    check_float_tensor("weights", weights, 1)
+    if weights.shape != student_logits.shape[:1]:
+        raise ValueError(f"weights must have shape (N,) = ({student_logits.shape[0]},), got "
+                         f"{tuple(weights.shape)}")
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) or not bool(
+            (weights > 0).any()):
+        raise ValueError("weights must be finite, >= 0 and not all 0")
+    V = student_logits.shape[-1]
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
+            raise ValueError(f"every k must be an integer in [1, V] = [1, {V}], got {k!r}")
+    dtype = compute_dtype(student_logits, teacher_logits)
+    student, w = student_logits.to(dtype), weights.to(dtype)
+    log_q = F.log_softmax(teacher_logits.to(dtype), -1)
+    g = F.softmax(student, -1) - log_q.exp()  # the forward KL's gradient, p - q
+    norm = g.norm(dim=-1)
+
+    def mean(x):
+        return float((w * x.to(dtype)).sum() / w.sum())
+
+    rows = []
+    for k in ks:
+        report, ids = log_q.topk(k, -1)
+        s, t, s_bar, t_bar = _clamped_terms(student, report, ids, LOG_PROB_MIN_CLAMP)
+        clamped = _token_terms(s_bar, t_bar).sum(-1) < 0
+        g_c = _row_gradients(lambda z, r=report, i=ids: verl_forward_kl_topk(
+            z, r, i, loss_max_clamp=None), student)
+        g_b = _row_gradients(lambda z, r=report, i=ids: topk_kl(z, r, i, "tail", "forward"),
+                             student)
+        # a state where student and teacher agree exactly has g = 0: no relative error there
+        moved = norm > 0
+        safe = torch.where(moved, norm, torch.ones_like(norm))
+        rows.append({
+            "k": k,
+            "clamped": mean(clamped),
+            "p_above_q": mean(s.exp().sum(-1) > t.exp().sum(-1)),
+            "lost": float((w * norm * clamped).sum() / (w * norm).sum()) if bool(
+                (w * norm).sum() > 0) else 0.0,
+            "c_grad_error": mean(torch.where(moved, (g_c - g).norm(dim=-1) / safe,
+                                             torch.zeros_like(norm))),
+            "b_grad_error": mean(torch.where(moved, (g_b - g).norm(dim=-1) / safe,
+                                             torch.zeros_like(norm))),
+        })
     return rows

@@ -606,3 +606,34 @@ def test_no_wrapped_line_of_prose_starts_a_heading_by_accident():
                 in_code = not in_code
             if not in_code and re.match(r"#+[^#\s]", line):
                 raise AssertionError(f"{page.name}:{number} starts with {line[:20]!r}")
+
+
+CLAMP_STUDY = ROOT / "docs/data/experiment/clamp_study.json"
+
+
+def _clamp_study_claims(record):
+    """The large-vocabulary chapter's sentences under its tinylm clamp table."""
+    by_k = {k: [row for row in record["rows"] if row["k"] == k] for k in record["ks"]}
+    assert record["ks"] == [1, 2, 4, 8]
+    assert all(row["clamped"] > 0.3 for k in (1, 2) for row in by_k[k])
+    assert all(row["clamped"] < 0.02 for row in by_k[4])
+    assert all(row["clamped"] < 1e-9 and row["p_above_q"] > 0.5 for row in by_k[8])
+    assert all(row["b_grad_error"] < row["c_grad_error"] for row in record["rows"])
+
+
+def test_committed_clamp_study_uses_the_current_defaults_and_backs_the_chapter():
+    from opd_literate.experiment.exact import CLAMP_STUDY_KEYS
+
+    record = json.loads(CLAMP_STUDY.read_text())
+    expected = {k: getattr(DEFAULT_CONFIG, k) for k in CLAMP_STUDY_KEYS}
+    assert record["config"] == json.loads(json.dumps(expected))
+    assert len({row["seed"] for row in record["rows"]}) == DEFAULTS["seeds"]
+    _clamp_study_claims(record)
+
+
+@pytest.mark.slow
+def test_the_clamp_study_recomputed_here_backs_the_chapter_too():
+    """Recomputed on this machine (the weights differ across CPUs by rounding): the same claims."""
+    from opd_literate.experiment.exact import clamp_study_record
+
+    _clamp_study_claims(clamp_study_record(DEFAULT_CONFIG))

@@ -1,0 +1,216 @@
+r"""Every answer of tinylm, enumerated: exact expectations over a model's own answers.
+
+tinylm answers a prompt with at most ``max_answer`` tokens (4 for two-digit operands) from a
+vocabulary of $V = 14$, the last of them ``<eos>`` unless the answer fills every position. A
+model's answer distribution is therefore a finite tree: the **states** (prefixes) at answer
+position $t$ are the $(V - 1)^t$ sequences of $t$ tokens none of which is ``<eos>`` (after
+``<eos>`` nothing more is written), $1 + 13 + 169 + 2197 = 2380$ states per prompt in all. The
+probability that a model $\pi$ reaches the state $y_{<t}$ is the product of its conditional
+probabilities along the way,
+
+$$
+P_\pi(y_{<t}) = \prod_{s < t} \pi(y_s \mid x, y_{<s}),
+$$
+
+and for each $t$ these probabilities sum to the probability that the answer is still going at
+position $t$. Any expectation over the model's own answers of a per-position quantity $f$
+(what a sampled rollout estimates) is then an exact sum over the states,
+$\mathbb{E}_\pi\bigl[\sum_t f(x, y_{<t})\bigr] = \sum_{t, y_{<t}} P_\pi(y_{<t})\, f(x, y_{<t})$.
+
+:func:`answer_states` lists the states of some prompts (independent of any model), and
+:func:`reach_log_probs` their log-probabilities under a model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tinylm import EOS, PAD, V
+
+__all__ = ["answer_states", "state_logits", "reach_log_probs", "clamp_study_on_tinylm",
+           "CLAMP_STUDY_KEYS", "clamp_study_record"]
+
+
+def answer_states(prompts, max_answer=4):
+    r"""Every state of the answers to ``prompts``, level by level.
+
+    Parameters
+    ----------
+    prompts : torch.Tensor
+        ``(B, L)`` long, from [opd_literate.experiment.tinylm.make_prompts][].
+    max_answer : int
+        The answer positions (a model's ``max_answer``).
+
+    Returns
+    -------
+    dict
+        ``prompt`` ``(N,)`` the index of each state's prompt; ``position`` ``(N,)`` its answer
+        position $t$; ``prefix`` ``(N, max_answer)`` the $t$ tokens written, then ``<pad>``;
+        ``parent`` ``(N,)`` the index of the state one token earlier (-1 at $t = 0$) and
+        ``token`` ``(N,)`` the token that led from it (``<pad>`` at $t = 0$). States are in
+        order of position, so every parent comes before its children.
+
+    Examples
+    --------
+    >>> from opd_literate.experiment.tinylm import make_prompts
+    >>> states = answer_states(make_prompts(torch.tensor([[1, 2], [3, 4]])))
+    >>> len(states["prompt"]), int((states["position"] == 3).sum())  # 2 * 2380, 2 * 13**3
+    (4760, 4394)
+    """
+    if not isinstance(prompts, torch.Tensor) or prompts.dtype != torch.long or prompts.ndim != 2:
+        raise TypeError(f"prompts must be a (B, L) long tensor, got "
+                        f"{getattr(prompts, 'dtype', type(prompts).__name__)} of shape "
+                        f"{tuple(getattr(prompts, 'shape', ()))}")
+    if isinstance(max_answer, bool) or not isinstance(max_answer, int) or max_answer < 1:
+        raise ValueError(f"max_answer must be an integer >= 1, got {max_answer!r}")
+    device = prompts.device
+    B = prompts.shape[0]
+    continuing = torch.tensor([v for v in range(V) if v != EOS], device=device)  # 13 tokens
+    prompt = torch.arange(B, device=device)
+    prefix = torch.full((B, max_answer), PAD, dtype=torch.long, device=device)
+    parent = torch.full((B,), -1, dtype=torch.long, device=device)
+    token = torch.full((B,), PAD, dtype=torch.long, device=device)
+    levels = [dict(prompt=prompt, prefix=prefix, parent=parent, token=token)]
+    offset = 0
+    for t in range(1, max_answer):
+        previous = levels[-1]
+        n = len(previous["prompt"])
+        # each state of level t - 1 has one child per token that is not <eos>
+        child_prefix = previous["prefix"].repeat_interleave(len(continuing), dim=0)
+        child_token = continuing.repeat(n)
+        child_prefix[:, t - 1] = child_token
+        levels.append(dict(
+            prompt=previous["prompt"].repeat_interleave(len(continuing)),
+            prefix=child_prefix,
+            parent=offset + torch.arange(n, device=device).repeat_interleave(len(continuing)),
+            token=child_token,
+        ))
+        offset += n
+    out = {key: torch.cat([level[key] for level in levels]) for key in levels[0]}
+    out["position"] = torch.cat([torch.full((len(level["prompt"]),), t, dtype=torch.long,
+                                            device=device) for t, level in enumerate(levels)])
+    return out
+
+
+@torch.no_grad()
+def state_logits(model, prompts, states):
+    """The model's logits ``(N, V)`` at every state (``(M, N, V)`` for an ensemble of ``M``)."""
+    contexts = torch.empty((len(states["prompt"]), prompts.shape[1] + states["prefix"].shape[1]
+                            - 1), dtype=torch.long, device=prompts.device)
+    for t in range(states["prefix"].shape[1]):
+        rows = states["position"] == t
+        contexts[rows] = model.context_at(prompts[states["prompt"][rows]],
+                                          states["prefix"][rows], t)
+    models = getattr(model, "models", None)
+    if models is None:
+        return model(contexts, states["position"])
+    return model(contexts.expand(models, *contexts.shape),
+                 states["position"].expand(models, -1))
+
+
+def reach_log_probs(logits, states):
+    r"""$\log P_\pi$ of every state, from the model's logits at every state.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``(..., N, V)`` from :func:`state_logits`.
+    states : dict
+        From :func:`answer_states`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(..., N)``: 0 at $t = 0$, then the parent's value plus the log-probability of the
+        token that leads to the state.
+
+    Examples
+    --------
+    At each position the states' probabilities sum to the probability that the answer has not
+    ended: 1 at $t = 0$, then 1 minus the mass of ``<eos>`` so far.
+
+    >>> from opd_literate.experiment.tinylm import TinyLM, make_prompts
+    >>> _ = torch.manual_seed(0)
+    >>> model, prompts = TinyLM(), make_prompts(torch.tensor([[1, 2]]))
+    >>> states = answer_states(prompts)
+    >>> logits = state_logits(model, prompts, states)
+    >>> reach = reach_log_probs(logits, states).exp()
+    >>> log_p = torch.log_softmax(logits, -1)
+    >>> ended_at_1 = float(log_p[0, EOS].exp())  # the root's <eos>
+    >>> round(float(reach[states["position"] == 1].sum()), 6) == round(1 - ended_at_1, 6)
+    True
+    """
+    log_p = torch.log_softmax(logits, -1)
+    reach = torch.zeros(logits.shape[:-1], dtype=log_p.dtype, device=logits.device)
+    for t in range(1, int(states["position"].max()) + 1):
+        rows = torch.nonzero(states["position"] == t).squeeze(-1)
+        parents = states["parent"][rows]
+        step = log_p[..., parents, :].gather(
+            -1, states["token"][rows].expand(*log_p.shape[:-2], -1)[..., None])[..., 0]
+        reach[..., rows] = reach[..., parents] + step
+    return reach
+
+
+def clamp_study_on_tinylm(prepared, prompts=200, ks=(1, 2, 4, 8)):
+    r"""verl's clamped top-$k$ forward KL, on the experiment's teacher against its students.
+
+    For the first ``prompts`` test prompts, every state of every weak student's own answers
+    (the states on-policy distillation samples), weighted by the student's probability of
+    reaching it: [opd_literate.large_vocab.clamps.weighted_clamp_study][] with the teacher's
+    top-$k$ report at each state. Exact: no answer is sampled.
+
+    Parameters
+    ----------
+    prepared : opd_literate.experiment.train.Prepared
+        From [opd_literate.experiment.run.prepare][]: the teacher and the students' initial
+        weights.
+    prompts : int
+        How many test prompts.
+    ks : sequence of int
+        Report sizes, at most $V = 14$ (verl's default 128 would report the whole vocabulary).
+
+    Returns
+    -------
+    list of dict
+        One row per (student seed, k): ``seed`` and the keys of ``weighted_clamp_study``.
+    """
+    from ..large_vocab.clamps import weighted_clamp_study
+    from .tinylm import EnsembleLM, make_prompts
+
+    config = prepared.config
+    pairs = prepared.test_pairs[:prompts]
+    prompt_ids = make_prompts(pairs, config.digits)
+    states = answer_states(prompt_ids, prepared.teacher.max_answer)
+    teacher = state_logits(prepared.teacher, prompt_ids, states).double()
+    students = EnsembleLM(config.seeds, config.student_hidden, config.student_layers,
+                          digits=config.digits)
+    students.load_state_dict(prepared.student_state)
+    student_logits = state_logits(students, prompt_ids, states).double()  # (seeds, N, V)
+    reach = reach_log_probs(student_logits, states).exp()
+    rows = []
+    for seed in range(config.seeds):
+        for row in weighted_clamp_study(student_logits[seed], teacher, reach[seed], ks):
+            rows.append({"seed": seed, **row})
+    return rows
+
+
+CLAMP_STUDY_KEYS = ("seed", "held_out", "val_prompts", "teacher_hidden", "teacher_layers",
+                    "teacher_steps", "teacher_batch", "pretrain_lr", "teacher_label_smoothing",
+                    "seeds", "student_hidden", "student_layers", "student_pretrain_steps",
+                    "student_pretrain_batch", "digits")
+"""The settings of an experiment configuration that shape the teacher, the weak students and
+the test prompts of :func:`clamp_study_on_tinylm`."""
+
+
+def clamp_study_record(config, prompts=200, ks=(1, 2, 4, 8), cache="read"):
+    """``clamp_study.json``: :func:`clamp_study_on_tinylm` with the settings it came from.
+
+    Written by ``python -m opd_literate.experiment --clamp-study --out docs/data/experiment``
+    (about two minutes on 2 cores: the students' pretraining, the teacher from its cache, then
+    the exact sums); the docs build reads it.
+    """
+    from .run import prepare
+
+    rows = clamp_study_on_tinylm(prepare(config, cache), prompts, ks)
+    return {"config": {k: getattr(config, k) for k in CLAMP_STUDY_KEYS}, "prompts": prompts,
+            "ks": list(ks), "rows": rows}
