@@ -16,6 +16,10 @@ the package's own modules), so that a reader knows what a lifted module drags al
     trainer (imports: numpy).
   * ``opd_literate.mismatch.correction``: the same weights, rejection criteria and losses on
     real ``(B, T)`` batches, as the frameworks apply them (imports: torch).
+  * ``opd_literate.mismatch.engine``: the inference engine's sampler on the toys: temperature,
+    min-p, top-k, top-p, and which log-probs it reports (imports: numpy).
+  * ``opd_literate.mismatch.task_rewards``: OPD with task rewards, the mixtures' exact bias
+    against the mixing weight (imports: numpy).
 
 * ``opd_literate.large_vocab``: the large-vocabulary chapter.
 
@@ -29,6 +33,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
 * ``opd_literate.experiment``: the experiment chapter.
 
   * ``opd_literate.experiment.tinylm``: a tiny LM for two-digit addition (imports: torch).
+  * ``opd_literate.experiment.exact``: every answer of tinylm enumerated, and exact sums over a
+    model's own answers (imports: torch).
   * ``opd_literate.experiment.config``: the frozen configuration dataclass, ``DEFAULT``,
     ``QUICK`` and ``LONG`` (imports: nothing).
   * ``opd_literate.experiment.ensemble``: many students trained as one: the summed loss and

@@ -283,9 +283,8 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
                      for i in range(positions)]
             student = torch.stack([pair[0] for pair in pairs])  # (positions, V)
             teacher = torch.stack([pair[1] for pair in pairs])
-            for row in weighted_clamp_study(student, teacher, torch.ones(positions,
-                                                                         dtype=student.dtype),
-                                            ks):
+            weights = torch.ones(positions, dtype=student.dtype, device=student.device)
+            for row in weighted_clamp_study(student, teacher, weights, ks):
                 rows.append({"temperature": temperature, "noise": noise, **row})
     return rows
 

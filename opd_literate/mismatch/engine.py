@@ -85,7 +85,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._numerics import check_finite_number
-from .toy import _enumerate, _enumerate_ar, check_toy, log_softmax
+from .toy import ar_toy_from_logits, check_toy, log_softmax, toy_from_logits
 
 __all__ = ["REPORTED", "processed_log_probs", "engine_toy"]
 
@@ -151,14 +151,14 @@ def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.
     >>> logits = np.log([0.5, 0.3, 0.15, 0.05])
     >>> np.exp(processed_log_probs(logits, top_p=0.8)).round(12).tolist()
     [0.625, 0.375, 0.0, 0.0]
-    >>> np.exp(processed_log_probs(logits, top_p=0.81)).round(12).tolist()
-    [0.526315789474, 0.315789473684, 0.157894736842, 0.0]
+    >>> np.exp(processed_log_probs(logits, top_p=0.81)).round(6).tolist()  # 0.5 / 0.95, ...
+    [0.526316, 0.315789, 0.157895, 0.0]
 
     Temperature 0.5 squares the probabilities before renormalising; top-k = 1 keeps the largest:
 
     >>> tempered = processed_log_probs(np.log([0.5, 0.5 / 3, 1 / 3]), temperature=0.5)
-    >>> np.exp(tempered).round(12).tolist()
-    [0.642857142857, 0.071428571429, 0.285714285714]
+    >>> np.exp(tempered).round(6).tolist()  # 9/14, 1/14, 4/14
+    [0.642857, 0.071429, 0.285714]
     >>> np.exp(processed_log_probs(logits, top_k=1)).tolist()
     [1.0, 0.0, 0.0, 0.0]
     """
@@ -330,16 +330,15 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     raw = theta + toy["mismatch"] * np.asarray(toy["b"], dtype=float)  # the sampler's logits
     autoregressive = "mask" in toy
     scaled_theta = _scaled(theta, temperature, "theta")
-    log_target = log_softmax(scaled_theta)  # pi_tau
-    log_raw = log_softmax(raw)
     log_processed = _processed(raw, temperature, top_k, top_p, min_p, "theta + mismatch * b")
     kept = np.isfinite(log_processed)
 
-    # Enumerate under the target with the raw log-probs (all finite), then read mu per token.
+    # Enumerate under the target with the raw log-probs (all finite), then read mu per token:
+    # the toys' own enumeration of softmax(theta / tau) against softmax(theta + mismatch * b).
     if autoregressive:
-        target = _enumerate_ar(log_target, log_raw, toy["eos"])
+        target = ar_toy_from_logits(scaled_theta, raw, eos=toy["eos"] is not None)
     else:
-        target = _enumerate(log_target, log_raw)
+        target = toy_from_logits(scaled_theta, raw)
     rows = _rows(target)
     real = target["mask"] > 0 if autoregressive else np.ones(target["Y"].shape, dtype=bool)
     with np.errstate(divide="ignore"):

@@ -28,10 +28,13 @@ THIRD_PARTY = {
     "mismatch.estimators": {"numpy"},
     "mismatch.opd_mismatch": {"numpy"},
     "mismatch.correction": {"torch"},
+    "mismatch.engine": {"numpy"},
+    "mismatch.task_rewards": {"numpy"},
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
     "large_vocab.clamps": {"torch"},
     "experiment.tinylm": {"torch"},
+    "experiment.exact": {"torch"},
     "experiment.config": set(),
     "experiment.ensemble": {"torch"},
     "experiment.train": {"torch"},
