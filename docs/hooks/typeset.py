@@ -134,11 +134,31 @@ class Typesetter:
         self.close()
 
 
+# A display numbered by hand, ``\tag{2}``: the page links to it as ``[(2)](#eq-2)``.
+_TAG = re.compile(r"\\tag\{(?P<number>\d+)\}")
+
+
 def typeset_page(content: str, typesetter: Typesetter) -> str:
-    """``content`` with each arithmatex formula replaced by MathJax's HTML."""
+    """``content`` with each arithmatex formula replaced by MathJax's HTML.
+
+    A display with ``\tag{N}`` gets the anchor ``eq-N``, which the text's ``(N)`` links to; a
+    number tagged twice on one page is an error.
+    """
+    numbers = []
+
     def replace(match: re.Match) -> str:
         tex = html.unescape(match.group("tex")).strip()
-        return typesetter.typeset(tex, display=match.group("open") == "[")
+        display = match.group("open") == "["
+        out = typesetter.typeset(tex, display=display)
+        tags = _TAG.findall(tex) if display else []
+        if len(tags) > 1:
+            raise ValueError(f"one display holds the tags {tags}: number one equation a display")
+        for number in tags:
+            if number in numbers:
+                raise ValueError(f"equation ({number}) is tagged twice on the page")
+            numbers.append(number)
+            out = f'<span class="equation-anchor" id="eq-{number}"></span>' + out
+        return out
 
     return _MATH.sub(replace, content)
 

@@ -637,3 +637,27 @@ def test_the_clamp_study_recomputed_here_backs_the_chapter_too():
     from opd_literate.experiment.exact import clamp_study_record
 
     _clamp_study_claims(clamp_study_record(DEFAULT_CONFIG))
+
+
+def test_numbered_equations_are_numbered_in_order_and_each_is_referred_to():
+    """A chapter numbers a display (\\tag{N}) only where its text refers to it, [(N)](#eq-N)."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        tags = [int(n) for n in re.findall(r"\\tag\{(\d+)\}", text)]
+        links = {int(n) for n in re.findall(r"\]\(#eq-(\d+)\)", text)}
+        assert tags == list(range(1, len(tags) + 1)), (page.name, tags)
+        assert links == set(tags), (page.name, sorted(links), tags)
+
+
+def test_every_display_is_a_paragraph_of_its_own():
+    """arithmatex leaves a $$ block followed by text on the next line as raw TeX in the page."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        lines = page.read_text().splitlines()
+        inside = False
+        for number, line in enumerate(lines, 1):
+            if line.strip() != "$$":
+                continue
+            inside = not inside
+            if not inside and number < len(lines):
+                following = lines[number]  # the line after the closing $$
+                assert following.strip() == "", f"{page.name}:{number + 1}: text after a display"

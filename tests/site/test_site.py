@@ -72,6 +72,26 @@ def test_typeset_hook_refuses_what_mathjax_cannot_typeset():
         assert "<mjx-container" in typesetter.typeset("x", display=False)
 
 
+def test_typeset_hook_anchors_a_tagged_display_and_refuses_a_number_twice():
+    page = ('<div class="arithmatex">\\[a = b \\tag{1}\\]</div>'
+            '<div class="arithmatex">\\[c = d\\]</div>')
+    with _typesetter() as typesetter:
+        out = typeset.typeset_page(page, typesetter)
+        assert out.count('id="eq-1"') == 1 and out.index('id="eq-1"') < out.index("<mjx-container")
+        with pytest.raises(ValueError, match=r"equation \(1\) is tagged twice"):
+            typeset.typeset_page(page.replace("c = d", "c = d \\tag{1}"), typesetter)
+
+
+def test_the_opd_chapters_equation_links_land_on_their_equation(site):
+    page = (pathlib.Path(site) / "opd" / "index.html").read_text()
+    assert page.count('id="eq-1"') == 1
+    assert 'href="#eq-1"' in page
+    # the number MathJax draws is the one the anchor names
+    anchor = page.index('id="eq-1"')
+    assert "(1)" in re.sub(r"<[^>]+>", "", page[anchor:page.index("</mjx-container>", anchor)]) \
+        or "mjx-c31" in page[anchor:page.index("</mjx-container>", anchor)]
+
+
 def test_built_pages_name_no_host(site):
     """No canonical link or sitemap entry names the dev server: the site publishes as is."""
     named = []
