@@ -406,6 +406,21 @@ def _topk():
         _write("topk_bias.svg", svg.read_bytes())
 
 
+def _supports():
+    """The "Which support" study of the large-vocabulary chapter: its table and figure."""
+    from opd_literate.large_vocab.supports import (
+        format_support_table,
+        plot_support_bias,
+        support_study,
+    )
+
+    data = support_study()
+    _write("supports_table.md", format_support_table(data) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        svg = plot_support_bias(pathlib.Path(tmp) / "supports_bias.svg", data)
+        _write("supports_bias.svg", svg.read_bytes())
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -421,6 +436,7 @@ GENERATORS = (
     (_gradient_agreement, ("gradient_agreement.md",)),
     (_handout, ("handout_*",)),
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
+    (_supports, ("supports_table.md", "supports_bias.svg")),
 )
 
 

@@ -455,10 +455,15 @@ def build_support(rule, k, student_logits, teacher_logits, *, tokens=None, chunk
             rows = slice(start, start + chunk_size)
             ids_c, valid_c = _support_ids(rule, k, z[rows], w[rows],
                                           None if x is None else x[rows])
-            # log q_v = w_v - log sum exp(w): the one (chunk, V) buffer of the compute dtype
-            teacher = w[rows].to(dtype)
-            log_q = teacher.gather(-1, ids_c) - torch.logsumexp(teacher, dim=-1, keepdim=True)
-            if bool(((log_q == -math.inf) & (teacher.gather(-1, ids_c) > -math.inf)).any()):
+            # log q_v = w_v - log sum exp(w), in the one (chunk, V) buffer of the compute dtype:
+            # a copy of the chunk, turned in place into exp(w - max w) once w_S is read
+            teacher = w[rows].to(dtype, copy=True)  # (c, V)
+            w_S = teacher.gather(-1, ids_c)  # (c, K)
+            top = teacher.amax(dim=-1, keepdim=True)  # (c, 1), finite (checked above)
+            log_norm = top + teacher.sub_(top).exp_().sum(dim=-1, keepdim=True).log_()
+            log_q = w_S - log_norm
+            del teacher
+            if bool(((log_q == -math.inf) & (w_S > -math.inf)).any()):
                 raise ValueError(f"teacher_logits span more than the range of {dtype} within a "
                                  "position: its log-softmax overflows (shift or rescale them)")
             ids[rows], valid[rows], teacher_logp[rows] = ids_c, valid_c, log_q

@@ -488,6 +488,12 @@ def test_the_tail_cap_and_the_defaults_that_choose_the_support():
     assert (sdft["distillation_mode"], sdft["distillation_topk"], sdft["distillation_alpha"],
             sdft["distillation_add_tail"]) == ("topk_logits", 100, 0.5, False)
     assert sdpo["distillation_mode"] == "sampled_token"
+    # DistillationTrainer: no top-k support, its top_k is a sampling option
+    from trl import DistillationConfig
+
+    fields = {f.name: f for f in dataclasses.fields(DistillationConfig)}
+    assert "sampling" in fields["top_k"].metadata["help"].lower()
+    assert not {"loss_top_k", "distillation_topk", "teacher_top_k"} & set(fields)
     # the server refuses the argmax token and a top-k above 1 with beta > 0
     url = "http://127.0.0.1:1"
     with pytest.raises(ValueError, match="argmax"):

@@ -565,3 +565,172 @@ def test_the_small_study_is_consistent_with_its_definitions():
         assert (r["clamped"] is None) == ("verl" not in label)
     verl = [r for r in data["rows"] if "verl" in r["label"]]
     assert all(0 <= r["clamped"] <= r["p_above_q"] <= 1 for r in verl)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chapter's claims, its figure, the benchmark (the slow tier: the study at its defaults)
+# ---------------------------------------------------------------------------------------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def study():
+    return sp.support_study()
+
+
+def _page():
+    return " ".join((ROOT / "docs" / "large_vocab.md").read_text().split())
+
+
+@pytest.mark.slow
+def test_the_chapters_claims_about_the_study(study):
+    """docs/large_vocab.md, "Which support": what it reads off the generated table."""
+    page = _page()
+    rows = {(r["label"], r["k"]): r for r in study["rows"]}
+    ks = study["ks"]
+    assert (study["V"], study["positions"], study["temperature"], study["noise"]) == \
+        (4096, 16, 1.0, 1.0)
+
+    def row(prefix, k):
+        (label,) = {lb for lb, _ in rows if lb.startswith(prefix)}
+        return rows[label, k]
+    # every tail bucket is a lower bound at every position and k
+    assert all(r["lower_bound"] for r in study["rows"] if "tail (b)" in r["label"])
+    # the reverse KL: the student's top-k beats the teacher's, value and gradient, at every k
+    for k in ks:
+        student, teacher = row("student top-k, reverse, tail", k), row("teacher top-k, "
+                                                                        "reverse, tail", k)
+        assert student["rel_grad_error"] < teacher["rel_grad_error"]
+        assert abs(student["rel_bias"]) < abs(teacher["rel_bias"])
+        assert row("union", k)["rel_grad_error"] < row("student top-k, JSD", k)["rel_grad_error"]
+    # TRL's defaults: the sampled token, and the argmax (= the student's top-1)
+    sampled, argmax = row("sampled token", 1), row("student argmax", 1)
+    def minus(x):  # the page's minus sign
+        return f"{x:.3f}".replace("-", "−")
+    assert (f"bucket has value bias {minus(sampled['rel_bias'])} and gradient error "
+            f"{sampled['rel_grad_error']:.3f} (the argmax: {minus(argmax['rel_bias'])} and "
+            f"{argmax['rel_grad_error']:.3f}, the student's top-1)") in page
+    assert argmax["rel_bias"] == pytest.approx(row("student top-k, reverse, tail", 1)["rel_bias"])
+    below = [k for k in ks if row("student top-k, reverse, tail", k)["rel_grad_error"] < 0.3]
+    assert below == [k for k in ks if k >= 64] and "gets below 0.3 from $k = 64$" in page
+    # renormalising: above 1 from k = 2 to 16, and above the divergence somewhere
+    for prefix in ("teacher top-k, reverse, renormalised", "student top-k, JSD"):
+        assert [k for k in ks if row(prefix, k)["rel_grad_error"] > 1] == [2, 4, 8, 16]
+        assert not all(row(prefix, k)["lower_bound"] for k in ks)
+    assert "from $k = 2$ to 16, and each is above the divergence at some positions" in page
+    # verl: clamps exactly the positions with P > Q at k = 1, none from k = 16 on
+    verl = {k: row("teacher top-k, forward, verl", k) for k in ks}
+    assert verl[1]["clamped"] == verl[1]["p_above_q"] == 7 / 16 and "(7 of the 16)" in page
+    assert [k for k in ks if verl[k]["clamped"] == 0] == [k for k in ks if k >= 16]
+    assert all(verl[k]["rel_grad_error"] > row("teacher top-k, forward, tail", k)[
+        "rel_grad_error"] for k in ks)
+    # the worst tail: the ratios the page quotes
+    bound = {k: row("teacher top-k, forward, worst", k)["rel_bias"] for k in (1, 512)}
+    assert (f"{1 + bound[1]:.1f} times the true forward KL at $k = 1$ and "
+            f"{1 + bound[512]:.1f} times it at $k = 512$") in page
+
+
+@pytest.mark.slow
+def test_the_table_is_the_studys(study):
+    table = sp.format_support_table(study).splitlines()
+    assert table[0] == "| choice | used by | k = 1 | k = 8 | k = 64 | k = 512 |"
+    assert len(table) == 2 + len(CHOICES)
+    verl = next(line for line in table if "verl" in line)
+    assert verl.count("; clamped") == 4
+    sampled = next(line for line in table if line.startswith("| sampled"))
+    assert sampled.endswith("|  |  |  |")  # k = 1 only
+
+
+@pytest.mark.slow
+def test_the_figure_shows_what_its_docstring_and_the_chapter_say(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from opd_literate import _figures
+
+    captured = []
+    monkeypatch.setattr(plt, "close", lambda fig: captured.append(fig))
+    data = sp.support_study(V=64, positions=3, ks=[1, 4, 32])
+    svg = sp.plot_support_bias(tmp_path / "s.svg", data).read_text()
+    assert svg.startswith("<?xml") and f'width="{_figures.COLUMN_INCHES * 72:g}pt"' in svg
+    assert "dc:date" not in svg
+    (fig,) = captured
+    value, gradient, clamped = fig.axes
+    assert value.get_ylabel() == "relative value bias\n(D̂ − D) / D"
+    assert gradient.get_ylabel() == "relative gradient error\n‖ĝ − g‖ / ‖g‖"
+    assert clamped.get_xlabel() == "k (support size; V = 64, 3 positions)"
+    assert value.get_yscale() == "symlog" and gradient.get_yscale() == "log"
+    assert all(axis.get_xscale() == "log" for axis in fig.axes)
+    choices = {c.label: c for c in CHOICES}
+    lines = [line for line in value.get_lines() if line.get_label() in choices]
+    assert [line.get_label() for line in lines] == [c.label for c in CHOICES]
+    for line in lines:
+        choice = choices[line.get_label()]
+        # colour = divergence, style = loss, marker = support (the docstring, the chapter)
+        assert line.get_color() == {0.0: "C0", 1.0: "C1"}.get(choice.beta, "C2")
+        if choice.rule in ("teacher_topk", "student_topk", "union"):
+            assert line.get_linestyle() == {"tail": "--", "renormalize": "-", "reinforce": "-",
+                                            "verl": ":", "upper_bound": "-."}[choice.loss]
+            assert line.get_marker() == {"teacher_topk": "o", "student_topk": "s",
+                                         "union": "D"}[choice.rule]
+            assert list(line.get_xdata()) == [1, 4, 32]
+        else:
+            assert line.get_linestyle() == "None" and list(line.get_xdata()) == [1]
+            assert line.get_marker() == {"sampled": "*", "argmax": "X",
+                                         "teacher_top1_sampled": "*"}[choice.rule]
+        rows = [r for r in data["rows"] if r["label"] == choice.label]
+        assert list(line.get_ydata()) == [r["rel_bias"] for r in rows]
+    # the bound has no gradient: one line fewer in the gradient panel
+    assert len([ln for ln in gradient.get_lines() if ln.get_label() in choices]) == \
+        len(CHOICES) - 1
+    assert [ln.get_label() for ln in clamped.get_lines()] == [
+        "teacher top-k, forward, verl's clamped (c)", "fraction with P > Q (a clamp needs it)"]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [c.label for c in CHOICES]
+    assert all(t.get_fontsize() == _figures.SMALL_PT for t in legend.get_texts())
+    page = _page()
+    for phrase in ("blue forward KL, orange reverse KL, green JSD", "dashed the tail bucket (b)",
+                   "solid renormalised (a)", "dotted verl's clamped (c)",
+                   "dash-dotted the worst-tail upper bound", "circles the teacher's top-$k$",
+                   "squares the student's", "diamonds the union",
+                   "a star the sampled token and a cross the student's argmax"):
+        assert phrase in page, phrase
+    monkeypatch.undo()
+    plt.close(fig)
+
+
+def test_the_chapter_quotes_the_committed_benchmark_output():
+    output = (ROOT / "benchmarks" / "results" / "supports.txt").read_text().strip()
+    page = (ROOT / "docs" / "large_vocab.md").read_text()
+    assert f"```text\n{output}\n```" in page  # verbatim
+    table = [line.split() for line in output.splitlines()[2:8]]
+    assert [(row[0], row[1]) for row in table] == [
+        (d, r) for d in ("bfloat16", "float32") for r in ("teacher_topk", "student_topk",
+                                                            "union")]
+    for row in table:
+        assert row[-1] == "yes"  # chunked and unchunked supports are the same bytes
+        assert float(row[3]) == pytest.approx(1.0, abs=0.1)  # one chunk's float32 buffer
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"),
+                    reason="needs Linux's clear_refs to reset the peak RSS")
+def test_the_peak_memory_is_one_chunk_buffer():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    bench = ROOT / "benchmarks" / "bench_supports.py"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    buffer_mib = 32 * 32_768 * 4 / 2**20  # (chunk, V) float32 at the --small sizes
+    for dtype in ("bfloat16", "float32"):
+        runs = {}
+        for chunk in (32, 256):  # 256 = all the rows
+            out = subprocess.run([sys.executable, str(bench), "--small", "--child", "union",
+                                  dtype, str(chunk)], capture_output=True, text=True, env=env,
+                                 check=True).stdout
+            runs[chunk] = json.loads(out.strip().splitlines()[-1])
+        assert runs[32]["sha256"] == runs[256]["sha256"]
+        # pages of a buffer are counted when touched: +-0.3 buffers of bookkeeping
+        assert runs[32]["added_mib"] / buffer_mib == pytest.approx(1.0, abs=0.3), runs
+        assert runs[256]["added_mib"] / buffer_mib == pytest.approx(8.0, abs=0.3), runs
