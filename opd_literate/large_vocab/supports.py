@@ -73,9 +73,15 @@ $$
    with $\hat p, \hat q, \hat m$ the tails of $p, q, m$ renormalised (at $\beta = 0$ and $1$
    this is the ``topk`` module's $(1 - A)\,\mathrm{KL}(\hat a \,\|\, \hat b)$). TRL caps each
    log-mass at $-10^{-7}$ before the tail (``TAIL_MAX_LOG_MASS``): where $P$ or $Q$ exceeds
-   $e^{-10^{-7}} \approx 1 - 10^{-7}$ its bucket holds $1 - e^{-10^{-7}}$ instead of
-   $1 - P$, the bucketed "distribution" sums to slightly more than 1, and the bound can fail
-   by about that much; elsewhere TRL's (b) is this one.
+   $e^{-10^{-7}}$ its bucket holds $c = 1 - e^{-10^{-7}} \approx 10^{-7}$ instead of
+   $1 - P$ (the bucketed "distribution" then sums to slightly more than 1); elsewhere TRL's
+   (b) is this one. The cap can lift (b) above the KL, but by less than $c$: only the bucket's
+   term $f(\alpha, \gamma) = \alpha \log(\alpha / \gamma)$ changes (first argument's tail
+   $\alpha$, second's $\gamma$). Raising $\gamma$ lowers it. Raising $\alpha < c \le \gamma$
+   to $c$ moves $g(x) = x \log(x / \gamma)$, convex with $g(0) = g(\gamma) = 0$: down if
+   $c \le \gamma / e$, and otherwise up by at most $-\min g = \gamma / e < c$. Raising both to
+   $c$ gives $f = 0$, up from $f(\alpha, \gamma) \ge -\gamma / e > -c$. For the JSD the tests
+   find the same margin on random cases.
 2. *Renormalising is no bound:* (a) is 0 whenever $\tilde p = \tilde q$, however different
    the masses, and can exceed the full divergence (``topk`` module, both directions). With one
    token ($|S| = 1$, as in TRL's top-1 rules with ``loss_add_tail=False``) it is identically 0,
@@ -94,8 +100,8 @@ $$
    $$
 
    the second being what the sampled-token OPD advantage $\log p_x - \log q_x$ gives in
-   expectation. Where $p_x$ is small, $\lambda_x \approx \log(p_x / q_x)$: the bucketed
-   loss weights each token's term by one more factor $p_x$. The TRL loss differentiates
+   expectation. Where $p_x$ and $q_x$ are small, $\lambda_x \approx \log(p_x / q_x)$: the
+   bucketed loss weights each token's term by one more factor $p_x$. The TRL loss differentiates
    through $\log p_x$ only (the sampled $x$ is data), which is what
    :func:`expected_sampled_divergence` averages.
 4. *Tinker's REINFORCE form is renormalising, exactly, in value and gradient:* the surrogate
@@ -220,13 +226,20 @@ class Support(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------
-def _check_logits(name, logits, keep=None):
-    """Floating ``(..., V)``, V >= 1, no NaN or +inf, a finite entry in each row (kept rows)."""
+def _check_logits(name, logits, keep=None, values=True):
+    """Floating ``(..., V)``, V >= 1; with ``values``, no NaN or +inf and a finite entry in each
+    row (of the kept rows)."""
     check_float_tensor(name, logits, None)
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{name} must have a last (vocabulary) dimension of size >= 1, got "
                          f"shape {tuple(logits.shape)}")
-    read = logits if keep is None else logits[keep]
+    if values:
+        _check_values(name, logits if keep is None else logits[keep])
+
+
+def _check_values(name, read):
+    """No NaN or +inf in ``read`` ``(..., V)``, a finite entry in each row. Each test makes a
+    bool tensor of ``read``'s shape: :func:`build_support` calls it one chunk at a time."""
     if bool(read.isnan().any()):
         raise ValueError(f"{name} holds NaN at a position that is read")
     if bool((read == math.inf).any()):
@@ -431,8 +444,10 @@ def build_support(rule, k, student_logits, teacher_logits, *, tokens=None, chunk
     >>> [round(v, 4) for v in s.teacher_logp.exp().tolist()[:3]]
     [0.5, 0.3, 0.1]
     """
-    _check_logits("student_logits", student_logits)
-    _check_logits("teacher_logits", teacher_logits)
+    # the values are checked chunk by chunk below: a check of the whole (N, V) logits would
+    # make an (N, V) bool tensor, a quarter of the float32 tensor this function avoids
+    _check_logits("student_logits", student_logits, values=False)
+    _check_logits("teacher_logits", teacher_logits, values=False)
     if teacher_logits.shape != student_logits.shape:
         raise ValueError(f"teacher_logits must have the shape of student_logits "
                          f"{tuple(student_logits.shape)}, got {tuple(teacher_logits.shape)}")
@@ -453,6 +468,8 @@ def build_support(rule, k, student_logits, teacher_logits, *, tokens=None, chunk
         teacher_logp = torch.zeros((N, K), dtype=dtype, device=device)
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
+            _check_values("student_logits", z[rows])
+            _check_values("teacher_logits", w[rows])
             ids_c, valid_c = _support_ids(rule, k, z[rows], w[rows],
                                           None if x is None else x[rows])
             # log q_v = w_v - log sum exp(w), in the one (chunk, V) buffer of the compute dtype:

@@ -7,6 +7,7 @@ random cases and a counterexample where the docstring says there is none.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -210,6 +211,20 @@ def test_trls_cap_can_lift_the_tail_bucket_above_the_kl_by_less_than_1e_7():
         support_divergence(p.log(), report, beta=1.0, max_log_mass=None).item()
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.8, 1.0])
+def test_trls_cap_stays_within_1e_7_of_the_divergence_on_random_near_full_supports(beta):
+    c = -math.expm1(sp.TAIL_MAX_LOG_MASS)  # the capped tail, 1e-7
+    g = torch.Generator().manual_seed(12)
+    for _ in range(200):
+        # tails of mass 1e-10 to 1e-6 on both sides: the cap binds on one, both or neither
+        tails = 10 ** (-10 + 4 * torch.rand(2, generator=g, dtype=F64))
+        shape = torch.rand(2, 3, generator=g, dtype=F64) + 0.1
+        p = torch.cat([(1 - tails[0]) * torch.softmax(shape[0], -1), tails[:1]])
+        q = torch.cat([(1 - tails[1]) * torch.softmax(shape[1], -1), tails[1:]])
+        value = support_divergence(p.log(), _support([0, 1, 2], q.log()), beta=beta).item()
+        assert value - _full(p.log(), q.log(), beta).item() < c
+
+
 def test_renormalizing_is_no_bound_and_one_token_carries_nothing():
     # above the full JSD: a case found by search (0.68 against 0.019)
     s = torch.tensor([-2.4008925350581634, 3.5279250544191614, 7.859784795723463,
@@ -363,6 +378,16 @@ def test_the_worst_tail_bounds_every_consistent_teacher_and_is_attained():
         # and the tail bucket is below: the forward KL is bracketed
         assert support_divergence(s, Support(ids, torch.ones(k, dtype=torch.bool), report),
                                   beta=0.0, max_log_mass=None).item() <= bound
+
+
+def test_the_worst_tail_is_infinite_where_it_can_reach_a_token_the_student_cannot_emit():
+    student = torch.tensor([0.0, 0.0, 0.0, -math.inf], dtype=F64)
+    report = torch.log(torch.tensor([0.5], dtype=F64))
+    assert forward_kl_upper_bound(student, report, torch.tensor([0])).item() == math.inf
+    # the worst tail takes the smallest p first, and p_3 = 0 is the smallest; with no such
+    # token it is finite
+    student = torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=F64)
+    assert math.isfinite(forward_kl_upper_bound(student, report, torch.tensor([0])).item())
 
 
 def test_the_reverse_kl_has_no_upper_bound_from_the_teachers_top_k():
@@ -709,6 +734,13 @@ def test_the_chapter_quotes_the_committed_benchmark_output():
     for row in table:
         assert row[-1] == "yes"  # chunked and unchunked supports are the same bytes
         assert float(row[3]) == pytest.approx(1.0, abs=0.1)  # one chunk's float32 buffer
+        assert float(row[5]) == pytest.approx(16.0, abs=0.3)  # 2,048 / 128 of them at once
+    chunked = sorted(float(row[3]) for row in table)
+    sizes = re.findall(r"([0-9.]+) MiB \(teacher_topk\) to ([0-9.]+) MiB", output)[0]
+    joined = " ".join(page.split())
+    assert (f"adds one $(128, V)$ float32 buffer ({chunked[0]:.2f} to {chunked[-1]:.2f} of them: "
+            f"the support itself is {sizes[0]} to {sizes[1]} MiB)") in joined
+    assert "all 2,048 rows at once it adds 16 of them" in joined
 
 
 @pytest.mark.slow
