@@ -160,7 +160,7 @@ from .topk import zipf_pair
 
 __all__ = [
     "SUPPORTS",
-    "APPROXIMATIONS",
+    "LOSSES_ON_SUPPORT",
     "TAIL_MAX_LOG_MASS",
     "TINKER_SKIP_FIRST_N_TOKENS",
     "TINKER_TOPK",
@@ -186,7 +186,7 @@ SUPPORTS = ("teacher_topk", "student_topk", "union", "sampled", "argmax", "teach
             "teacher_top1_argmax")
 """The support rules of :func:`build_support` (module docstring)."""
 
-APPROXIMATIONS = ("renormalize", "tail")
+LOSSES_ON_SUPPORT = ("renormalize", "tail")
 """(a) renormalise both sides over $S$; (b) add one bucket for the mass outside $S$."""
 
 TAIL_MAX_LOG_MASS = -1e-7
@@ -276,8 +276,9 @@ def _check_tokens(tokens, rule, lead, V):
 
 def _check_beta_and_approximation(beta, approximation, max_log_mass):
     beta = check_finite_number("beta", beta, low=0.0, high=1.0)
-    if approximation not in APPROXIMATIONS:
-        raise ValueError(f"approximation must be one of {APPROXIMATIONS}, got {approximation!r}")
+    if approximation not in LOSSES_ON_SUPPORT:
+        raise ValueError(f"approximation must be one of {LOSSES_ON_SUPPORT}, got "
+                         f"{approximation!r}")
     if max_log_mass is not None:
         max_log_mass = check_finite_number("max_log_mass", max_log_mass, high=0.0)
     return beta, max_log_mass

@@ -479,7 +479,7 @@ def support_case(draw):
         "sampled", "teacher_top1_sampled") else None
     mask = torch.from_numpy(np.asarray(g.random(lead) < draw(st.sampled_from([1.0, 0.6])))).long()
     return student, teacher, rule, k, tokens, mask, draw(st.sampled_from([0.0, 0.3, 1.0])), \
-        draw(st.sampled_from(supports.APPROXIMATIONS))
+        draw(st.sampled_from(supports.LOSSES_ON_SUPPORT))
 
 
 @given(support_case(), st.integers(1, 5))
