@@ -29,6 +29,9 @@ the package's own modules), so that a reader knows what a lifted module drags al
     their exact bias (imports: torch; its figure through ``_figures``).
   * ``opd_literate.large_vocab.clamps``: verl's top-k forward KL with its clamps, its
     diagnostics, and how often the clamp discards a position's gradient (imports: torch).
+  * ``opd_literate.large_vocab.supports``: which support: the teacher's top-k, the student's,
+    their union, TRL's top-1 paths and Tinker's REINFORCE reverse KL, built chunk by chunk,
+    with their exact bias and bounds (imports: torch; its figure through ``_figures``).
 
 * ``opd_literate.experiment``: the experiment chapter.
 

@@ -551,6 +551,19 @@ def _tinylm_clamps():
               f"their answers to {record['prompts']} test prompts weighted by the student's "
               "probability of reaching it."]
     _write("tinylm_clamps_table.md", "\n".join(lines) + "\n")
+def _supports():
+    """The "Which support" study of the large-vocabulary chapter: its table and figure."""
+    from opd_literate.large_vocab.supports import (
+        format_support_table,
+        plot_support_bias,
+        support_study,
+    )
+
+    data = support_study()
+    _write("supports_table.md", format_support_table(data) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        svg = plot_support_bias(pathlib.Path(tmp) / "supports_bias.svg", data)
+        _write("supports_bias.svg", svg.read_bytes())
 
 
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
@@ -571,6 +584,7 @@ GENERATORS = (
     (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg")),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
+    (_supports, ("supports_table.md", "supports_bias.svg")),
 )
 
 

@@ -139,7 +139,7 @@ _TAG = re.compile(r"\\tag\{(?P<number>\d+)\}")
 
 
 def typeset_page(content: str, typesetter: Typesetter) -> str:
-    """``content`` with each arithmatex formula replaced by MathJax's HTML.
+    r"""``content`` with each arithmatex formula replaced by MathJax's HTML.
 
     A display with ``\tag{N}`` gets the anchor ``eq-N``, which the text's ``(N)`` links to; a
     number tagged twice on one page is an error.

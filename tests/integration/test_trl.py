@@ -260,3 +260,245 @@ def test_the_large_vocab_page_states_trls_tile_sizes():
     chunk_mib = 128 * 151_936 * 4 / 2**20
     assert f"two {tile_mib:.0f} MiB buffers at 2,048 tokens" in page
     assert f"our 128-token chunks of {chunk_mib:.0f} MiB" in page
+
+
+# ---------------------------------------------------------------------------------------------
+# Which support: TRL's top-k and top-1 losses against large_vocab.supports
+# ---------------------------------------------------------------------------------------------
+# TRL's functions and large_vocab.supports compute the same formulas in a different order (TRL
+# masks with nan_to_num and clamps the mixture at the dtype's tiny; supports.py selects with
+# torch.where and forms the mixture with logaddexp). In float64 the two agree to rounding:
+# measured 2e-16 relative in the values and 6e-17 absolute in the gradients (largest entries
+# about 0.1), so both are held to 1e-12. The async trainer's chunk projects in float32.
+def _support_batch(seed=0, B=3, T=6, V=40):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    student = 2 * torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    teacher = 2 * torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    tokens[0, 0] = teacher[0, 0].argmax()  # one sampled token that is the teacher's top-1
+    labels = tokens.clone()
+    labels[1, 4:] = -100  # padding after a short completion
+    return student, teacher, tokens, labels
+
+
+def _trl_stub(trainer_class, **attributes):
+    """The few attributes TRL's loss methods read, and its own methods bound to the stub."""
+    import types
+
+    stub = types.SimpleNamespace(**{"temperature": 1.0, "reverse_kl_top_1_mode": "sampled",
+                                    **attributes})
+    stub._reduce_divergence_loss = trainer_class._reduce_divergence_loss
+    for name in ("_compute_sparse_top_1_divergence_loss", "_get_reverse_kl_top_1_tokens"):
+        setattr(stub, name, getattr(trainer_class, name).__get__(stub))
+    return stub
+
+
+def _ours(student, teacher, tokens, labels, beta, k, tail, mode="sampled"):
+    """supports.py's per-token loss on TRL's support, reduced as TRL's batchmean."""
+    from opd_literate.large_vocab.supports import (
+        build_support,
+        support_divergence,
+        trl_support_rule,
+    )
+
+    rule, k = trl_support_rule(beta, k, mode, vocab_size=student.shape[-1])
+    support = build_support(rule, k, student, teacher,
+                            tokens=tokens if rule.endswith("sampled") else None)
+    mask = labels != -100
+    per_token = support_divergence(student, support, beta=beta, mask=mask,
+                                   approximation="tail" if tail else "renormalize")
+    return per_token.sum() / mask.sum()
+
+
+def _value_and_grad(fn, student):
+    import torch
+
+    z = student.detach().clone().requires_grad_(True)
+    value = fn(z)
+    (grad,) = torch.autograd.grad(value, z)
+    return value.detach(), grad
+
+
+def _assert_same(theirs, ours):
+    import torch
+
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("beta, k, mode", [
+    (0.0, 1, "sampled"), (0.0, 5, "sampled"), (0.5, 5, "sampled"), (1.0, 5, "sampled"),
+    (0.5, 1, "sampled"), (1.0, 1, "sampled"), (0.5, 1, "argmax"), (1.0, 1, "argmax")])
+def test_iw_opd_losses_are_supports_on_trls_support(beta, k, mode, tail):
+    """``IWOPDTrainer.compute_loss``'s two local-teacher paths (``distillation_objective="jsd"``):
+    the top-1 one for beta > 0 and loss_top_k = 1, ``generalized_jsd_loss`` otherwise."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    from trl.experimental.iw_opd.iw_opd_trainer import IWOPDTrainer
+
+    student, teacher, tokens, labels = _support_batch()
+    if beta > 0 and k == 1:
+        stub = _trl_stub(IWOPDTrainer, beta=beta, loss_add_tail=tail, reverse_kl_top_1_mode=mode)
+
+        def trl(z):
+            return IWOPDTrainer._compute_local_sparse_top_1_divergence_loss(
+                stub, z, teacher, tokens, labels)
+    else:  # reverse_kl_top_1_mode is read by the top-1 path only
+        def trl(z):
+            return IWOPDTrainer.generalized_jsd_loss(z, teacher, labels=labels, beta=beta,
+                                                     top_k=k, add_tail=tail)
+    _assert_same(_value_and_grad(trl, student),
+                 _value_and_grad(lambda z: _ours(z, teacher, tokens, labels, beta, k, tail, mode),
+                                 student))
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("beta, k", [(0.0, 1), (0.0, 4), (0.5, 1), (1.0, 1)])
+def test_server_distillation_losses_are_supports_on_trls_support(beta, k, tail):
+    """``ServerDistillationTrainer``: ``_compute_server_forward_kl_loss`` (beta = 0, the served
+    teacher's top-k) and ``_compute_server_sparse_top_1_divergence_loss`` (beta > 0, k = 1),
+    on what a server returns, computed here from the teacher's full logits."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    import torch
+    from trl.experimental.server_distillation.server_distillation_trainer import (
+        ServerDistillationTrainer,
+    )
+
+    student, teacher, tokens, labels = _support_batch(seed=1)
+    log_q = torch.log_softmax(teacher, -1)
+    top, ids = log_q.topk(k, dim=-1)
+    result = {"actual_logprobs": log_q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1),
+              "topk_logprobs": top, "topk_token_ids": ids}
+    stub = _trl_stub(ServerDistillationTrainer, beta=beta, loss_add_tail=tail)
+    method = (ServerDistillationTrainer._compute_server_forward_kl_loss if beta == 0 else
+              ServerDistillationTrainer._compute_server_sparse_top_1_divergence_loss)
+    kwargs = {} if beta == 0 else {"completion_tokens": tokens}
+
+    def trl(z):
+        return method(stub, teacher_result=result, student_log_probs=torch.log_softmax(z, -1),
+                      labels=labels, **kwargs)
+    _assert_same(_value_and_grad(trl, student),
+                 _value_and_grad(lambda z: _ours(z, teacher, tokens, labels, beta, k, tail),
+                                 student))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_async_distillation_chunk_is_supports_on_its_support(beta):
+    """``AsyncDistillationTrainer``: ``_narrow_top1_actual_support`` (beta != 0) and
+    ``_jsd_loss_chunk`` on the served teacher's top-8 (which holds the sampled token, as vLLM's
+    ``prompt_logprobs`` does), against supports.py on the same float32 logits: 1e-5 relative,
+    float32 rounding of TRL's log-softmax over V = 40."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    import torch
+    from trl.experimental.async_distillation import async_distillation_trainer as adt
+
+    from opd_literate.large_vocab.supports import Support, support_divergence
+
+    g = torch.Generator().manual_seed(2)
+    n, H, V, K = 10, 6, 40, 8
+    hidden = torch.randn(n, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    log_q = torch.log_softmax(2 * torch.randn(n, V, generator=g), -1)
+    teacher_lp, teacher_ids = log_q.topk(K, dim=-1)
+    actual = teacher_ids[torch.arange(n), torch.randint(0, K, (n,), generator=g)]
+    mask = torch.ones(n, K, dtype=torch.bool)
+    if beta == 0.0:
+        target, target_lp, valid = teacher_ids, teacher_lp, mask
+    else:
+        target, target_lp, valid = adt._narrow_top1_actual_support(teacher_ids, teacher_lp,
+                                                                    actual, mask, beta)
+
+    def trl(h):
+        return adt._jsd_loss_chunk(h, weight, None, 1.0, None, target, target_lp, valid, beta,
+                                   1.0, True, None, 1)[0]
+
+    def ours(h):
+        logits = (h @ weight.t()).double()
+        support = Support(target, valid, target_lp.double())
+        return support_divergence(logits, support, beta=beta).sum()
+    theirs, mine = _value_and_grad(trl, hidden), _value_and_grad(ours, hidden)
+    torch.testing.assert_close(mine[0].float(), theirs[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(mine[1].float(), theirs[1], rtol=1e-4,
+                               atol=1e-5 * float(theirs[1].abs().max()))
+
+
+def test_sdft_top_k_loss_is_supports_student_top_k():
+    """TRL's SDFT (``compute_topk_self_distillation_loss``): the student's top-k, the JSD of
+    ``distillation_alpha``, renormalised (``distillation_add_tail=False``) or bucketed."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    from trl.experimental.sdft.loss_utils import compute_topk_self_distillation_loss
+
+    from opd_literate.large_vocab.supports import build_support, support_divergence
+
+    student, teacher, _, _ = _support_batch(seed=3)
+    for alpha in (0.0, 0.5, 1.0):
+        for tail in (False, True):
+            support = build_support("student_topk", 6, student, teacher)
+
+            def trl(z, a=alpha, t=tail):
+                return compute_topk_self_distillation_loss(
+                    z, teacher, distillation_topk=6, distillation_alpha=a,
+                    distillation_add_tail=t).sum()
+
+            def ours(z, a=alpha, t=tail, s=support):
+                return support_divergence(z, s, beta=a, approximation="tail" if t
+                                          else "renormalize").sum()
+            _assert_same(_value_and_grad(trl, student), _value_and_grad(ours, student))
+
+
+def test_the_tail_cap_and_the_defaults_that_choose_the_support():
+    """TAIL_MAX_LOG_MASS is TRL's cap; the configs' defaults and refusals the docs state."""
+    pytest.importorskip("trl", reason="trl is not installed: pip install -e '.[trl]'")
+    import dataclasses
+    import math
+
+    import torch
+    import trl
+    from trl.experimental.async_distillation.async_distillation_config import (
+        AsyncDistillationConfig,
+    )
+    from trl.experimental.iw_opd.iw_opd_config import IWOPDConfig
+    from trl.experimental.iw_opd.iw_opd_trainer import _add_tail_bucket
+    from trl.experimental.sdft.sdft_config import SDFTConfig
+    from trl.experimental.sdpo.sdpo_config import SDPOConfig
+    from trl.experimental.server_distillation.server_distillation_config import (
+        ServerDistillationConfig,
+    )
+
+    from opd_literate.large_vocab import supports
+
+    assert trl.__version__ == supports.TRL_VERSION
+    above = torch.tensor([[-1e-9]], dtype=torch.float64)
+    tail = _add_tail_bucket(above, torch.ones(1, 1, dtype=torch.bool))[0][0, 1].item()
+    assert tail == pytest.approx(math.log(-math.expm1(supports.TAIL_MAX_LOG_MASS)), rel=1e-15)
+
+    def defaults(config):
+        return {f.name: f.default for f in dataclasses.fields(config)}
+    iw = defaults(IWOPDConfig)
+    assert (iw["distillation_objective"], iw["beta"], iw["loss_top_k"], iw["loss_add_tail"],
+            iw["reverse_kl_top_1_mode"]) == ("iw_opd", 1.0, 1, True, "sampled")
+    server = defaults(ServerDistillationConfig)
+    assert (server["loss_top_k"], server["loss_add_tail"], server["reverse_kl_top_1_mode"]) == \
+        (1, True, "sampled")
+    async_ = defaults(AsyncDistillationConfig)
+    assert (async_["beta"], async_["teacher_top_k"], async_["add_tail_bucket"]) == (0.0, 8, True)
+    sdft, sdpo = defaults(SDFTConfig), defaults(SDPOConfig)
+    assert (sdft["distillation_mode"], sdft["distillation_topk"], sdft["distillation_alpha"],
+            sdft["distillation_add_tail"]) == ("topk_logits", 100, 0.5, False)
+    assert sdpo["distillation_mode"] == "sampled_token"
+    # DistillationTrainer: no top-k support, its top_k is a sampling option
+    from trl import DistillationConfig
+
+    fields = {f.name: f for f in dataclasses.fields(DistillationConfig)}
+    assert "sampling" in fields["top_k"].metadata["help"].lower()
+    assert not {"loss_top_k", "distillation_topk", "teacher_top_k"} & set(fields)
+    # the server refuses the argmax token and a top-k above 1 with beta > 0
+    url = "http://127.0.0.1:1"
+    with pytest.raises(ValueError, match="argmax"):
+        ServerDistillationConfig(output_dir="/tmp/opd-trl-config", teacher_model_server_url=url,
+                                 reverse_kl_top_1_mode="argmax", report_to="none", bf16=False)
+    with pytest.raises(ValueError, match="loss_top_k must be 1 with beta>0"):
+        ServerDistillationConfig(output_dir="/tmp/opd-trl-config", teacher_model_server_url=url,
+                                 beta=0.5, loss_top_k=4, report_to="none", bf16=False)

@@ -1,4 +1,5 @@
-"""Property tests of ``large_vocab.chunked`` and ``large_vocab.topk`` (Hypothesis).
+"""Property tests of ``large_vocab.chunked``, ``large_vocab.topk`` and ``large_vocab.supports``
+(Hypothesis).
 
 Cases: B or T = 0 (N = 0 rows), V = 1, H = 0, k from 1 to V, every dtype (fp16, bf16, fp32,
 fp64, and mixed), ragged, empty and full masks, chunk sizes that do not divide N, ``-inf`` in
@@ -28,6 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opd_literate import opd
+from opd_literate.large_vocab import supports
 from opd_literate.large_vocab.chunked import DIVERGENCES, chunked_divergence
 from opd_literate.large_vocab.topk import (
     APPROXIMATIONS,
@@ -429,3 +431,138 @@ def test_bias_table_is_finite_or_a_named_error(V, exponent, temperature, noise, 
              "rows": {float(temperature): rows}}
     table = format_topk_bias_table(data_, ks=ks)
     assert len(table.splitlines()) == 2 + len(ks) and "nan" not in table
+
+
+# ---------------------------------------------------------------------------------------------
+# supports: the builders and the loss on a support
+# ---------------------------------------------------------------------------------------------
+def reference_support(log_p, t, ids, valid, beta, approximation):
+    """The support's D_beta at one position in float64 numpy, with TRL's cap on the masses."""
+    s, t = np.where(valid, log_p[ids], -np.inf), np.where(valid, t, -np.inf)
+
+    def lse(x):
+        return np.logaddexp.reduce(x) if np.any(x > -np.inf) else -np.inf
+
+    if approximation == "renormalize":
+        s = s - (lse(s) if lse(s) > -np.inf else 0.0)
+        t = t - (lse(t) if lse(t) > -np.inf else 0.0)
+    else:
+        cap = supports.TAIL_MAX_LOG_MASS
+        s = np.append(s, math.log(-math.expm1(min(lse(s), cap))))
+        t = np.append(t, math.log(-math.expm1(min(lse(t), cap))))
+
+    def kl(la, lb):
+        support = la > -np.inf
+        if np.any(support & (lb == -np.inf)):
+            return np.inf
+        return float(np.sum(np.exp(la[support]) * (la[support] - lb[support])))
+
+    if beta == 0:
+        return kl(t, s)
+    if beta == 1:
+        return kl(s, t)
+    log_m = np.logaddexp(math.log(beta) + t, math.log1p(-beta) + s)  # never underflows
+    return beta * kl(t, log_m) + (1 - beta) * kl(s, log_m)
+
+
+@st.composite
+def support_case(draw):
+    lead = tuple(draw(st.lists(st.integers(0, 3), min_size=0, max_size=2)))
+    V = draw(st.integers(1, 6))
+    k = draw(st.integers(1, V))
+    rule = draw(st.sampled_from(supports.SUPPORTS))
+    dtype, teacher_dtype = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DTYPES))
+    g = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(draw, g, lead + (V,), dtype)
+    teacher = draw_logits(draw, g, lead + (V,), teacher_dtype)
+    tokens = torch.from_numpy(np.asarray(g.integers(0, V, size=lead))) if rule in (
+        "sampled", "teacher_top1_sampled") else None
+    mask = torch.from_numpy(np.asarray(g.random(lead) < draw(st.sampled_from([1.0, 0.6])))).long()
+    return student, teacher, rule, k, tokens, mask, draw(st.sampled_from([0.0, 0.3, 1.0])), \
+        draw(st.sampled_from(supports.LOSSES_ON_SUPPORT))
+
+
+@given(support_case(), st.integers(1, 5))
+def test_supports_finite_in_finite_out_close_to_the_reference(case, chunk_size):
+    student, teacher, rule, k, tokens, mask, beta, approximation = case
+    try:
+        support = supports.build_support(rule, k, student, teacher, tokens=tokens,
+                                         chunk_size=chunk_size)
+    except ValueError as error:
+        assert "teacher_logits span more than the range" in str(error)
+        return
+    # any chunk size builds the same support, bit for bit
+    whole = supports.build_support(rule, k, student, teacher, tokens=tokens, chunk_size=10**6)
+    assert all(torch.equal(a, b) for a, b in zip(support, whole))
+    assert support.ids.device == student.device
+    keep = mask.bool()
+    z = torch.where(keep.unsqueeze(-1), student, torch.full_like(student, math.nan))
+    z.requires_grad_(True)
+    try:
+        got = supports.support_divergence(z, support, beta=beta, approximation=approximation,
+                                          mask=mask)
+    except ValueError as error:
+        assert "student_logits span more than the range" in str(error)
+        return
+    dtype = compute_dtype(student.dtype, teacher.dtype)
+    assert got.shape == student.shape[:-1] and got.dtype == dtype
+    assert not bool(got.isnan().any()) and bool((got[~keep] == 0).all())
+    log_p = torch.log_softmax(student.to(dtype).double(), -1).numpy()
+    t = support.teacher_logp.to(dtype).double().numpy()
+    flat, V = got.detach().double().reshape(-1).numpy(), student.shape[-1]
+    lp, tt = log_p.reshape(-1, V), t.reshape(-1, t.shape[-1])
+    ii = support.ids.reshape(-1, t.shape[-1]).numpy()
+    vv = support.valid.reshape(-1, t.shape[-1]).numpy()
+    for i in np.flatnonzero(keep.reshape(-1).numpy()):
+        want = reference_support(lp[i], tt[i], ii[i], vv[i], beta, approximation)
+        if math.isinf(want):
+            assert flat[i] == math.inf
+            continue
+        terms = np.concatenate([lp[i], tt[i]])
+        magnitude = 1.0 + np.abs(terms[np.isfinite(terms)]).max(initial=0.0)
+        assert abs(flat[i] - want) <= 64 * eps(dtype) * magnitude * (ii.shape[-1] + 2), \
+            (flat[i], want)
+    # gradients: no NaN, exactly 0 in the masked rows (which held NaN)
+    finite = torch.isfinite(got)
+    torch.where(finite, got, torch.zeros_like(got)).sum().backward()
+    assert z.grad.dtype == student.dtype and not bool(z.grad.isnan().any())
+    assert bool((z.grad[~keep] == 0).all())
+
+
+@given(support_case(), st.sampled_from(["student", "teacher"]), st.data())
+def test_supports_nan_input_is_a_named_error(case, where, data):
+    student, teacher, rule, k, tokens, _, beta, _ = case
+    if student.numel() == 0:
+        return
+    target = (student if where == "student" else teacher).clone()
+    flat = target.view(-1)
+    flat[data.draw(st.integers(0, flat.numel() - 1))] = math.nan
+    args = (target, teacher) if where == "student" else (student, target)
+    with pytest.raises(ValueError, match=f"{where}_logits holds NaN"):
+        supports.build_support(rule, k, *args, tokens=tokens)
+    if where == "student":
+        try:
+            support = supports.build_support(rule, k, student, teacher, tokens=tokens)
+        except ValueError as error:  # the one refusal of finite logits
+            assert "teacher_logits span more than the range" in str(error)
+            return
+        with pytest.raises(ValueError, match="student_logits holds NaN"):
+            supports.support_divergence(target, support, beta=beta)
+
+
+@given(st.integers(2, 8), st.floats(0.0, 3.0), st.floats(0.05, 5.0), st.floats(0.05, 3.0),
+       st.integers(0, 2**31 - 1), st.sampled_from([0.4, 1.0]))
+def test_the_expected_sampled_loss_is_a_finite_lower_bound(V, exponent, temperature, noise,
+                                                          seed, beta):
+    student, teacher = zipf_pair(V, exponent, temperature, noise, seed)
+    z = student.clone().requires_grad_(True)
+    value = supports.expected_sampled_divergence(z, teacher, beta=beta, max_log_mass=None)
+    full = opd.generalized_jsd_per_position(student[None, None], teacher[None, None],
+                                            beta=beta)[0, 0]
+    # a log-probability near 0 is rounded to about eps absolutely, so a mass 1 - q_x is known
+    # to eps / (1 - q_x) relatively: the bucket of a token of probability near 1 carries that
+    p, q = torch.softmax(student, -1), torch.softmax(teacher, -1)
+    slack = 16 * torch.finfo(torch.float64).eps * float((p / torch.minimum(1 - p, 1 - q)).sum())
+    assert math.isfinite(value.item()) and value.item() <= full.item() + 1e-12 + slack
+    value.backward()
+    assert bool(torch.isfinite(z.grad).all())

@@ -33,6 +33,7 @@ THIRD_PARTY = {
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
     "large_vocab.clamps": {"torch"},
+    "large_vocab.supports": {"torch"},  # its figure through _figures
     "experiment.tinylm": {"torch"},
     "experiment.exact": {"torch"},
     "experiment.config": set(),
