@@ -59,71 +59,75 @@ $$
 **Bounds, proved.**
 
 1. *The tail bucket is a lower bound, on every support and for every $\beta$:*
-   $D_\beta(Tp, Tq) \le D_\beta(p, q)$. $T$ is a deterministic map of outcomes and is linear
-   in the distribution, so $Tm = \beta\, Tq + (1 - \beta)\, Tp$: the bucketed JSD is the JSD
-   of the bucketed pair, and each of its two KLs decreases under $T$ (data processing, or the
-   log-sum inequality on the bucket). Exactly, by the chain rule of KL over $\{S, \bar S\}$
-   applied to both terms,
+    $D_\beta(Tp, Tq) \le D_\beta(p, q)$. $T$ is a deterministic map of outcomes and is linear
+    in the distribution, so $Tm = \beta\, Tq + (1 - \beta)\, Tp$: the bucketed JSD is the JSD
+    of the bucketed pair, and each of its two KLs decreases under $T$ (data processing, or the
+    log-sum inequality on the bucket). Exactly, by the chain rule of KL over $\{S, \bar S\}$
+    applied to both terms,
 
-   $$
-   D_\beta(p, q) - D_\beta(Tp, Tq) = \beta\,(1 - Q)\, \mathrm{KL}(\hat q \,\|\, \hat m)
-   + (1 - \beta)\,(1 - P)\, \mathrm{KL}(\hat p \,\|\, \hat m) \ \ge\ 0,
-   $$
+    $$
+    D_\beta(p, q) - D_\beta(Tp, Tq) = \beta\,(1 - Q)\, \mathrm{KL}(\hat q \,\|\, \hat m)
+    + (1 - \beta)\,(1 - P)\, \mathrm{KL}(\hat p \,\|\, \hat m) \ \ge\ 0,
+    $$
 
-   with $\hat p, \hat q, \hat m$ the tails of $p, q, m$ renormalised (at $\beta = 0$ and $1$
-   this is the ``topk`` module's $(1 - A)\,\mathrm{KL}(\hat a \,\|\, \hat b)$). TRL caps each
-   log-mass at $-10^{-7}$ before the tail (``TAIL_MAX_LOG_MASS``): where $P$ or $Q$ exceeds
-   $e^{-10^{-7}}$ its bucket holds $c = 1 - e^{-10^{-7}} \approx 10^{-7}$ instead of
-   $1 - P$ (the bucketed "distribution" then sums to slightly more than 1); elsewhere TRL's
-   (b) is this one. The cap can lift (b) above the KL, but by less than $c$: only the bucket's
-   term $f(\alpha, \gamma) = \alpha \log(\alpha / \gamma)$ changes (first argument's tail
-   $\alpha$, second's $\gamma$). Raising $\gamma$ lowers it. Raising $\alpha < c \le \gamma$
-   to $c$ moves $g(x) = x \log(x / \gamma)$, convex with $g(0) = g(\gamma) = 0$: down if
-   $c \le \gamma / e$, and otherwise up by at most $-\min g = \gamma / e < c$. Raising both to
-   $c$ gives $f = 0$, up from $f(\alpha, \gamma) \ge -\gamma / e > -c$. For the JSD the tests
-   find the same margin on random cases.
+    with $\hat p, \hat q, \hat m$ the tails of $p, q, m$ renormalised (at $\beta = 0$ and $1$
+    this is the ``topk`` module's $(1 - A)\,\mathrm{KL}(\hat a \,\|\, \hat b)$). TRL caps each
+    log-mass at $-10^{-7}$ before the tail (``TAIL_MAX_LOG_MASS``): where $P$ or $Q$ exceeds
+    $e^{-10^{-7}}$ its bucket holds $c = 1 - e^{-10^{-7}} \approx 10^{-7}$ instead of
+    $1 - P$ (the bucketed "distribution" then sums to slightly more than 1); elsewhere TRL's
+    (b) is this one. The cap can lift (b) above the KL, but by less than $c$: only the bucket's
+    term $f(\alpha, \gamma) = \alpha \log(\alpha / \gamma)$ changes (first argument's tail
+    $\alpha$, second's $\gamma$). Raising $\gamma$ lowers it. Raising $\alpha < c \le \gamma$
+    to $c$ moves $g(x) = x \log(x / \gamma)$, convex with $g(0) = g(\gamma) = 0$: down if
+    $c \le \gamma / e$, and otherwise up by at most $-\min g = \gamma / e < c$. Raising both to
+    $c$ gives $f = 0$, up from $f(\alpha, \gamma) \ge -\gamma / e > -c$. For the JSD the tests
+    find the same margin on random cases.
 2. *Renormalising is no bound:* (a) is 0 whenever $\tilde p = \tilde q$, however different
-   the masses, and can exceed the full divergence (``topk`` module, both directions). With one
-   token ($|S| = 1$, as in TRL's top-1 rules with ``loss_add_tail=False``) it is identically 0,
-   value and gradient.
+    the masses, and can exceed the full divergence (``topk`` module, both directions). With one
+    token ($|S| = 1$, as in TRL's top-1 rules with ``loss_add_tail=False``) it is identically 0,
+    value and gradient.
 3. *TRL's sampled top-1 with the tail is a lower bound for every sampled token:* at
-   $\beta = 1$, $S = \{x\}$ and (b) is the binary KL
-   $\mathrm{kl}_2(p_x, q_x) = p_x \log\frac{p_x}{q_x} + (1 - p_x) \log\frac{1 - p_x}{1 - q_x}
-   \le \mathrm{KL}(p \,\|\, q)$ by 1., so its mean over $x \sim p$ is one too. Its gradient is
-   not the reverse KL's in expectation: with $\lambda_x = \mathrm{logit}\, p_x -
-   \mathrm{logit}\, q_x$ and $\nabla_z p_x = p_x (e_x - p)$,
+    $\beta = 1$, $S = \{x\}$ and (b) is the binary KL
+    $\mathrm{kl}_2(p_x, q_x) = p_x \log\frac{p_x}{q_x} + (1 - p_x) \log\frac{1 - p_x}{1 - q_x}
+    \le \mathrm{KL}(p \,\|\, q)$ by 1., so its mean over $x \sim p$ is one too. Its gradient is
+    not the reverse KL's in expectation: with $\lambda_x = \mathrm{logit}\, p_x -
+    \mathrm{logit}\, q_x$ and $\nabla_z p_x = p_x (e_x - p)$,
 
-   $$
-   \mathbb{E}_{x \sim p}\, \nabla_z \mathrm{kl}_2(p_x, q_x) = \sum_x p_x^2 \lambda_x (e_x - p),
-   \qquad
-   \nabla_z \mathrm{KL}(p \,\|\, q) = \sum_x p_x \log\frac{p_x}{q_x}\, (e_x - p),
-   $$
+    $$
+    \mathbb{E}_{x \sim p}\, \nabla_z \mathrm{kl}_2(p_x, q_x) = \sum_x p_x^2 \lambda_x (e_x - p),
+    \qquad
+    \nabla_z \mathrm{KL}(p \,\|\, q) = \sum_x p_x \log\frac{p_x}{q_x}\, (e_x - p),
+    $$
 
-   the second being what the sampled-token OPD advantage $\log p_x - \log q_x$ gives in
-   expectation. Where $p_x$ and $q_x$ are small, $\lambda_x \approx \log(p_x / q_x)$: the
-   bucketed loss weights each token's term by one more factor $p_x$. The TRL loss differentiates
-   through $\log p_x$ only (the sampled $x$ is data), which is what
-   :func:`expected_sampled_divergence` averages.
+    the second being what the sampled-token OPD advantage $\log p_x - \log q_x$ gives in
+    expectation. Where $p_x$ and $q_x$ are small, $\lambda_x \approx \log(p_x / q_x)$: the
+    bucketed loss weights each token's term by one more factor $p_x$. The TRL loss differentiates
+    through $\log p_x$ only (the sampled $x$ is data), which is what
+    :func:`expected_sampled_divergence` averages.
 4. *Tinker's REINFORCE form is renormalising, exactly, in value and gradient:* the surrogate
-   $\sum_{v \in S} \tilde p_v\, \mathrm{sg}[\log \tilde p_v - \log \tilde q_v]$ has the value
-   $\mathrm{KL}(\tilde p \,\|\, \tilde q)$, and its gradient differs from that of
-   $\mathrm{KL}(\tilde p \,\|\, \tilde q)$ by $\sum_v \tilde p_v \nabla \log \tilde p_v =
-   \nabla \sum_v \tilde p_v = 0$. So it inherits 2.: no bound; by the chain rule
-   $\mathrm{KL}(\tilde p \,\|\, \tilde q) = \bigl(\mathrm{KL}(p \,\|\, q) -
-   \mathrm{kl}_2(P, Q) - (1 - P)\, \mathrm{KL}(\hat p \,\|\, \hat q)\bigr) / P$.
+    $\sum_{v \in S} \tilde p_v\, \mathrm{sg}[\log \tilde p_v - \log \tilde q_v]$ has the value
+    $\mathrm{KL}(\tilde p \,\|\, \tilde q)$, and its gradient differs from that of
+    $\mathrm{KL}(\tilde p \,\|\, \tilde q)$ by $\sum_v \tilde p_v \nabla \log \tilde p_v =
+    \nabla \sum_v \tilde p_v = 0$. So it inherits 2.: no bound; by the chain rule
+
+    $$
+    \mathrm{KL}(\tilde p \,\|\, \tilde q) = \frac{\mathrm{KL}(p \,\|\, q) - \mathrm{kl}_2(P, Q)
+    - (1 - P)\, \mathrm{KL}(\hat p \,\|\, \hat q)}{P}.
+    $$
+
 5. *An upper bound exists for the forward KL on the teacher's top-$k$, and for nothing else
-   here.* The report says more than the masses: every unreported token has
-   $q_v \le \mu = \min_{v \in S} q_v$. Over the teacher tails consistent with the report,
-   $\{0 \le q_v \le \mu,\ \sum_{v \notin S} q_v = 1 - Q\}$, the tail sum
-   $\sum_{v \notin S} q_v \log(q_v / p_v)$ is convex, so its maximum is at a vertex: $n =
-   \lfloor (1 - Q)/\mu \rfloor$ tokens at $\mu$ and one at the remainder. Every vertex has the
-   same $\sum q_v \log q_v$, and $-\sum q_v \log p_v$ is largest (rearrangement inequality)
-   when the largest $q_v$ sit on the smallest $p_v$. That vertex is a teacher consistent with
-   the report, so :func:`forward_kl_upper_bound` is the least upper bound:
-   (b) $\le \mathrm{KL}(q \,\|\, p) \le$ it. The reverse KL has none: a consistent teacher can
-   put $q_v = 0$ on a tail token the student gives mass to (whenever the other $V - k - 1$
-   tail tokens can hold $1 - Q$), and the reverse KL is then $+\infty$. With a local teacher
-   every divergence is computable exactly, so a bound only matters for a served one.
+    here.* The report says more than the masses: every unreported token has
+    $q_v \le \mu = \min_{v \in S} q_v$. Over the teacher tails consistent with the report,
+    $\{0 \le q_v \le \mu,\ \sum_{v \notin S} q_v = 1 - Q\}$, the tail sum
+    $\sum_{v \notin S} q_v \log(q_v / p_v)$ is convex, so its maximum is at a vertex: $n =
+    \lfloor (1 - Q)/\mu \rfloor$ tokens at $\mu$ and one at the remainder. Every vertex has the
+    same $\sum q_v \log q_v$, and $-\sum q_v \log p_v$ is largest (rearrangement inequality)
+    when the largest $q_v$ sit on the smallest $p_v$. That vertex is a teacher consistent with
+    the report, so :func:`forward_kl_upper_bound` is the least upper bound:
+    (b) $\le \mathrm{KL}(q \,\|\, p) \le$ it. The reverse KL has none: a consistent teacher can
+    put $q_v = 0$ on a tail token the student gives mass to (whenever the other $V - k - 1$
+    tail tokens can hold $1 - Q$), and the reverse KL is then $+\infty$. With a local teacher
+    every divergence is computable exactly, so a bound only matters for a served one.
 
 **Memory.** :func:`build_support` selects the ids chunk by chunk of rows under
 ``torch.no_grad``: ``torch.topk`` runs on the logits as given (any dtype, no copy), and the
