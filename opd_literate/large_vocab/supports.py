@@ -88,8 +88,13 @@ $$
     value and gradient.
 3. *TRL's sampled top-1 with the tail is a lower bound for every sampled token:* at
     $\beta = 1$, $S = \{x\}$ and (b) is the binary KL
-    $\mathrm{kl}_2(p_x, q_x) = p_x \log\frac{p_x}{q_x} + (1 - p_x) \log\frac{1 - p_x}{1 - q_x}
-    \le \mathrm{KL}(p \,\|\, q)$ by 1., so its mean over $x \sim p$ is one too. Its gradient is
+
+    $$
+    \mathrm{kl}_2(p_x, q_x) = p_x \log\frac{p_x}{q_x} + (1 - p_x) \log\frac{1 - p_x}{1 - q_x}
+    \le \mathrm{KL}(p \,\|\, q)
+    $$
+
+    by 1., so its mean over $x \sim p$ is one too. Its gradient is
     not the reverse KL's in expectation: with $\lambda_x = \mathrm{logit}\, p_x -
     \mathrm{logit}\, q_x$ and $\nabla_z p_x = p_x (e_x - p)$,
 
