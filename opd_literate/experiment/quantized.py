@@ -63,8 +63,8 @@ from .tinylm import EOS, PAD, answer_tokens, make_prompts
 
 __all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "engine_logits",
            "token_mismatch", "answer_toy", "sampler_states", "tinylm_answer_toy",
-           "toy_token_mismatch", "matched_toy_mismatch", "rank_correlation", "mismatch_study",
-           "mismatch_study_record"]
+           "toy_token_mismatch", "matched_toy_mismatch", "average_ranks", "rank_correlation",
+           "mismatch_study", "mismatch_study_record"]
 
 SAMPLERS = {
     "fp32": "forward pass in float32",
@@ -233,7 +233,7 @@ def token_mismatch(log_pi, log_mu, visits):
     $\log 0.625$ (weight 0.8) and $\log 2.5$ (weight 0.2):
 
     >>> out = token_mismatch(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]), np.ones(1))
-    >>> round(out["kl"], 6), round(0.8 * np.log(1.6) + 0.2 * np.log(0.4), 6)
+    >>> round(out["kl"], 6), round(float(0.8 * np.log(1.6) + 0.2 * np.log(0.4)), 6)
     (0.192745, 0.192745)
     >>> round(out["quantiles"]["0.5"], 6), round(out["max_abs_log_ratio"], 6)
     (-0.470004, 0.916291)
@@ -537,8 +537,14 @@ def matched_toy_mismatch(target_kl, kl_of, low=1e-6, high=10.0, iterations=80):
     return float(np.exp(0.5 * (lo + hi)))
 
 
-def _ranks(values):
-    """Average ranks (1 = smallest), ties (equal to 10 significant digits) sharing their mean."""
+def average_ranks(values):
+    """Ranks from 1 (the smallest), values equal to 10 significant digits sharing their mean rank.
+
+    Examples
+    --------
+    >>> average_ranks([0.3, 0.1, 0.3]).tolist()
+    [2.5, 1.0, 2.5]
+    """
     keys = np.array([float(f"{v:.10g}") for v in values])
     order = np.argsort(keys, kind="stable")
     ranks = np.empty(len(keys))
@@ -560,7 +566,7 @@ def rank_correlation(a, b):
     >>> rank_correlation([0.1, 0.2, 0.3], [1.0, 5.0, 9.0]), rank_correlation([1, 2, 3], [3, 2, 1])
     (1.0, -1.0)
     """
-    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
     denominator = float(np.sqrt((ra @ ra) * (rb @ rb)))
     return float(ra @ rb) / denominator if denominator > 0 else 0.0
