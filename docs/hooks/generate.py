@@ -620,7 +620,8 @@ def _tinylm_mismatch():
         spearman = [f"`{s}` {est[s]['ar_toy_spearman_' + key]:.2f}" for s in shown]
         lines += ["", f"Each cell: the {label} (its rank, 1 = smallest; equal values share a "
                   "rank). The toys' $\\epsilon$ gives them the mean per-token KL of tinylm's "
-                  "`int4` sampler. Spearman's rank correlation of each tinylm column with the "
+                  "`int4` sampler on the first student, whose answers these columns sum over. "
+                  "Spearman's rank correlation of each tinylm column with the "
                   "autoregressive toy at that sampler's KL: " + ", ".join(spearman) + "."]
         _write(file, "\n".join(lines) + "\n")
 
