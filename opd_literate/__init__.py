@@ -38,6 +38,9 @@ the package's own modules), so that a reader knows what a lifted module drags al
   * ``opd_literate.experiment.tinylm``: a tiny LM for two-digit addition (imports: torch).
   * ``opd_literate.experiment.exact``: every answer of tinylm enumerated, and exact sums over a
     model's own answers (imports: torch).
+  * ``opd_literate.experiment.quantized``: the students run as quantized (int8, int4) and
+    low-precision (bf16, fp16) samplers, the mismatch they create, and every estimator's exact
+    bias and variance on tinylm's enumerated answers (imports: numpy, torch).
   * ``opd_literate.experiment.config``: the frozen configuration dataclass, ``DEFAULT``,
     ``QUICK`` and ``LONG`` (imports: nothing).
   * ``opd_literate.experiment.ensemble``: many students trained as one: the summed loss and

@@ -38,6 +38,7 @@ EXPERIMENT_LONG = DOCS / "data" / "experiment" / "long" / "results.json"
 # results.json (default run), long/results.json (--long) and gradient_agreement.json.
 EXPERIMENT_RERUNS = DOCS / "data" / "experiment" / "reruns"
 COMMITTED_MACHINE = "committed: 2 cores, AVX-512"
+TINYLM_MISMATCH = DOCS / "data" / "experiment" / "tinylm_mismatch.json"
 
 
 def _write(name: str, data) -> None:
@@ -566,6 +567,97 @@ def _supports():
         _write("supports_bias.svg", svg.read_bytes())
 
 
+def _rank_cells(values):
+    """'0.1234 (3)': each value with its rank among the column (1 = smallest, ties shared)."""
+    from opd_literate.experiment.quantized import average_ranks
+
+    return [f"{v:.4f} ({r:g})" for v, r in zip(values, average_ranks(values))]
+
+
+def _tinylm_mismatch():
+    """The mismatch chapter's section on tinylm, from docs/data/experiment/tinylm_mismatch.json
+    (``--tinylm-mismatch``: minutes, too long here)."""
+    record = json.loads(TINYLM_MISMATCH.read_text())
+    samplers = list(record["samplers"])
+    lines = ["| sampler | per-token KL | median $\\lvert\\log\\rho\\rvert$ | 99% | 99.9% | max "
+             "| kurtosis |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def row(name, stats):
+        kls = [s["kl"] for s in stats]
+        first = stats[0]
+        return (f"| {name} | {np.mean(kls):.2e} ({min(kls):.1e} to {max(kls):.1e}) | "
+                + " | ".join(f"{first['abs_quantiles'][q]:.2e}" for q in ("0.5", "0.99", "0.999"))
+                + f" | {first['max_abs_log_ratio']:.3g} | {first['kurtosis']:.1f} |")
+
+    for sampler in samplers:
+        lines.append(row(f"`{sampler}`", record["mismatch"][sampler]))
+    lines.append(row("independent toy, $\\epsilon = 0.3$", [record["toy_b"]["toy"]]))
+    lines.append(row("autoregressive toy, $\\epsilon = 0.3$", [record["toy_b"]["ar_toy"]]))
+    lines += ["", f"Per-token KL: the mean over the {len(record['seeds'])} weak students "
+              "(smallest to largest); the quantiles of $\\lvert\\log\\rho\\rvert$, its largest "
+              "value over every token of every state, and the kurtosis of $\\log\\rho$: the "
+              f"first student. {record['prompts']} test prompts, every state weighted by the "
+              "sampler's probability of reaching it."]
+    _write("tinylm_mismatch_table.md", "\n".join(lines) + "\n")
+
+    shown = [s for s in samplers if s != "fp32"]
+    est = record["estimators"]
+    names = [r["name"] for r in est[samplers[0]]["tinylm"]]
+    for key, file, label in (("rel_bias", "tinylm_estimators_bias.md", "relative bias"),
+                             ("rel_rmse", "tinylm_estimators_rmse.md",
+                              f"relative RMSE at N = {record['batch_size']}")):
+        columns = [_rank_cells([r[key] for r in est[s]["tinylm"]]) for s in shown]
+        columns += [_rank_cells([r[key] for r in est["int4"][kind]])
+                    for kind in ("toy", "ar_toy")]
+        header = ([f"tinylm `{s}`" for s in shown]
+                  + [f"toy, $\\epsilon = {est['int4']['toy_eps']:.3f}$",
+                     f"AR toy, $\\epsilon = {est['int4']['ar_toy_eps']:.3f}$"])
+        lines = ["| estimator | " + " | ".join(header) + " |",
+                 "| --- |" + " ---: |" * len(header)]
+        for i, name in enumerate(names):
+            lines.append(f"| `{name}` | " + " | ".join(c[i] for c in columns) + " |")
+        spearman = [f"`{s}` {est[s]['ar_toy_spearman_' + key]:.2f}" for s in shown]
+        lines += ["", f"Each cell: the {label} (its rank, 1 = smallest; equal values share a "
+                  "rank). The toys' $\\epsilon$ gives them the mean per-token KL of tinylm's "
+                  "`int4` sampler on the first student, whose answers these columns sum over. "
+                  "Spearman's rank correlation of each tinylm column with the "
+                  "autoregressive toy at that sampler's KL: " + ", ".join(spearman) + "."]
+        _write(file, "\n".join(lines) + "\n")
+
+    lines = ["| student log-prob | weight | " + " | ".join(f"tinylm `{s}`" for s in shown)
+             + " | AR toy (`int4`'s KL) |",
+             "| --- | --- |" + " ---: |" * (len(shown) + 1)]
+    for i, r in enumerate(record["opd"][shown[0]]):
+        cells = [f"{record['opd'][s][i]['rel_bias']:.4f}" for s in shown]
+        cells.append(f"{record['opd']['int4'][i]['ar_toy_rel_bias']:.4f}")
+        lines.append(f"| `{r['logp']}` | `{r['weight']}` | " + " | ".join(cells) + " |")
+    _write("tinylm_opd_table.md", "\n".join(lines) + "\n")
+
+    fig, axes = new_figure(1, 2, height=3.6)
+    kls = [[s["kl"] for s in record["mismatch"][name]] for name in samplers]
+    axes[0].bar(range(len(samplers)), [np.mean(k) for k in kls], color="C0")
+    for i, k in enumerate(kls):
+        axes[0].plot([i] * len(k), k, "k.", markersize=4)
+    for kind, style in (("toy", "--"), ("ar_toy", ":")):
+        axes[0].axhline(record["toy_b"][kind]["kl"], color="C3", linestyle=style,
+                        label=("independent" if kind == "toy" else "autoregressive")
+                        + " toy, $\\epsilon$ = 0.3")
+    axes[0].set(xticks=range(len(samplers)), xticklabels=samplers, yscale="log",
+                ylabel="per-token KL(sampler || trainer)", title="the mismatch, per sampler")
+    axes[0].legend(fontsize=8, loc="upper left")
+    for sampler, marker in (("int8", "o"), ("int4", "s")):
+        x = [max(r["rel_bias"], 1e-17) for r in est[sampler]["tinylm"]]
+        y = [max(r["rel_bias"], 1e-17) for r in est[sampler]["ar_toy"]]
+        axes[1].scatter(x, y, marker=marker, label=f"{sampler} (AR toy at its KL)", alpha=0.8)
+    axes[1].plot([1e-17, 2], [1e-17, 2], color="0.6", linewidth=0.8)
+    axes[1].set(xscale="log", yscale="log", xlabel="relative bias on tinylm",
+                ylabel="relative bias, autoregressive toy", title="every estimator, exactly")
+    axes[1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    _write("tinylm_mismatch.svg", svg_bytes(fig))
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -585,6 +677,9 @@ GENERATORS = (
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
     (_supports, ("supports_table.md", "supports_bias.svg")),
+    (_tinylm_mismatch, ("tinylm_mismatch_table.md", "tinylm_estimators_bias.md",
+                        "tinylm_estimators_rmse.md", "tinylm_opd_table.md",
+                        "tinylm_mismatch.svg")),
 )
 
 

@@ -83,6 +83,11 @@ def build_parser():
                         help="instead of training, write clamp_study.json (verl's clamped top-k "
                              "forward KL on the teacher against the weak students, exactly; the "
                              "large-vocabulary chapter's table) to --out")
+    parser.add_argument("--tinylm-mismatch", action="store_true",
+                        help="instead of training, write tinylm_mismatch.json (the weak students "
+                             "run as int8/int4/bf16/fp16 samplers: their mismatch, and every "
+                             "estimator's exact bias on tinylm; the mismatch chapter's tables) "
+                             "to --out")
     parser.add_argument("--no-cache", action="store_true",
                         help="retrain the teacher instead of loading it, and rewrite its cache "
                              "file (which also repairs a corrupt one)")
@@ -135,8 +140,17 @@ def main(argv=None):
                  if value is not None}
     config = dataclasses.replace(QUICK if args.quick else LONG if args.long else DEFAULT,
                                  **overrides)
-    if args.gradient_agreement and args.clamp_study:
-        parser.error("--gradient-agreement and --clamp-study write different files; choose one")
+    if args.gradient_agreement + args.clamp_study + args.tinylm_mismatch > 1:
+        parser.error("--gradient-agreement, --clamp-study and --tinylm-mismatch write different "
+                     "files; choose one")
+    if args.tinylm_mismatch:
+        from .quantized import mismatch_study_record
+
+        path = out_dir / "tinylm_mismatch.json"
+        record = mismatch_study_record(config, cache="refresh" if args.no_cache else "read")
+        replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
+        print(f"wrote {path}")
+        return 0
     if args.clamp_study:
         from .exact import clamp_study_record
 

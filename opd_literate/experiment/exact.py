@@ -31,7 +31,7 @@ __all__ = ["answer_states", "state_logits", "reach_log_probs", "clamp_study_on_t
            "CLAMP_STUDY_KEYS", "clamp_study_record"]
 
 
-def answer_states(prompts, max_answer=4):
+def answer_states(prompts, max_answer=4, vocab=V, eos=EOS):
     r"""Every state of the answers to ``prompts``, level by level.
 
     Parameters
@@ -40,6 +40,11 @@ def answer_states(prompts, max_answer=4):
         ``(B, L)`` long, from [opd_literate.experiment.tinylm.make_prompts][].
     max_answer : int
         The answer positions (a model's ``max_answer``).
+    vocab, eos : int
+        The vocabulary size and the token that ends an answer: tinylm's $V = 14$ and
+        ``<eos>`` by default (another enumerable model, such as the autoregressive toy of
+        [opd_literate.mismatch.toy.make_ar_toy][], has its own). A state's children are the
+        ``vocab - 1`` tokens other than ``eos``.
 
     Returns
     -------
@@ -63,9 +68,13 @@ def answer_states(prompts, max_answer=4):
                         f"{tuple(getattr(prompts, 'shape', ()))}")
     if isinstance(max_answer, bool) or not isinstance(max_answer, int) or max_answer < 1:
         raise ValueError(f"max_answer must be an integer >= 1, got {max_answer!r}")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+        raise ValueError(f"vocab must be an integer >= 2, got {vocab!r}")
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab:
+        raise ValueError(f"eos must be a token id in [0, {vocab}), got {eos!r}")
     device = prompts.device
     B = prompts.shape[0]
-    continuing = torch.tensor([v for v in range(V) if v != EOS], device=device)  # 13 tokens
+    continuing = torch.tensor([v for v in range(vocab) if v != eos], device=device)  # 13 for tinylm
     prompt = torch.arange(B, device=device)
     prefix = torch.full((B, max_answer), PAD, dtype=torch.long, device=device)
     parent = torch.full((B,), -1, dtype=torch.long, device=device)

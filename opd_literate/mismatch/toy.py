@@ -384,12 +384,20 @@ def estimator_moments(toy, per_seq_estimate):
     = \sqrt{\text{bias}^2 + \text{var} / N} \,/\, \lVert \nabla J \rVert .
     $$
 
+    **Parameters shared by the positions.** In the toys each position has its own parameters,
+    so row $t$ of an estimate is token $t$'s part and the rows together are the gradient. In a
+    language model every token's score is a gradient with respect to the same weights (tinylm's
+    LM head, [opd_literate.experiment.quantized.answer_toy][]): such a toy sets
+    ``toy["shared_parameters"] = True``, its ``true_grad`` has the shape of one row, and an
+    estimate ``(M, T, ...)`` is summed over its positions first,
+    $\hat g_m = \sum_t \hat g_{m,t}$. Nothing else changes.
+
     Parameters
     ----------
     toy : dict
         From ``make_toy`` (needs ``p_sampler``, ``true_grad``).
     per_seq_estimate : numpy.ndarray
-        ``(M, T, V)``.
+        ``(M, T, V)`` (``(M, T) + true_grad.shape`` with shared parameters).
 
     Returns
     -------
@@ -413,6 +421,10 @@ def estimator_moments(toy, per_seq_estimate):
     if toy["p_sampler"].ndim != 1 or toy["p_sampler"].shape[0] == 0:
         raise ValueError("toy['p_sampler'] must be a non-empty (M,) array of probabilities, got "
                          f"shape {toy['p_sampler'].shape}")
+    if toy.get("shared_parameters", False):
+        # every position's row is a gradient of the same parameters: g_m = sum_t g_{m,t}
+        if estimate.ndim == target.ndim + 2 and estimate.shape[2:] == target.shape:
+            estimate = estimate.sum(axis=1)
     expected_shape = (toy["p_sampler"].shape[0],) + target.shape
     if estimate.shape != expected_shape:
         raise ValueError(

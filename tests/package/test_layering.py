@@ -36,6 +36,7 @@ THIRD_PARTY = {
     "large_vocab.supports": {"torch"},  # its figure through _figures
     "experiment.tinylm": {"torch"},
     "experiment.exact": {"torch"},
+    "experiment.quantized": {"numpy", "torch"},
     "experiment.config": set(),
     "experiment.ensemble": {"torch"},
     "experiment.train": {"torch"},

@@ -661,3 +661,105 @@ def test_every_display_is_a_paragraph_of_its_own():
             if not inside and number < len(lines):
                 following = lines[number]  # the line after the closing $$
                 assert following.strip() == "", f"{page.name}:{number + 1}: text after a display"
+
+
+TINYLM_MISMATCH = ROOT / "docs/data/experiment/tinylm_mismatch.json"
+
+
+def _tinylm_mismatch_claims(record):
+    """The sentences of the mismatch chapter's section "The mismatch on a trained model"."""
+    m, est, opd = record["mismatch"], record["estimators"], record["opd"]
+    order = ["fp32", "fp16", "bf16", "int8", "int4"]
+    for student in range(len(record["seeds"])):  # every student ranks the samplers alike
+        kls = [m[s][student]["kl"] for s in order]
+        assert kls == sorted(kls)
+        for toy in ("toy", "ar_toy"):  # int4 within a factor of 4 of the toys; bf16 500x below
+            assert 1 / 4 < m["int4"][student]["kl"] / record["toy_b"][toy]["kl"] < 4
+            assert m["bf16"][student]["kl"] * 500 < record["toy_b"][toy]["kl"]
+    assert min(x["kurtosis"] for s in m for x in m[s]) > 7
+    assert max(record["toy_b"][toy]["kurtosis"] for toy in ("toy", "ar_toy")) <= 3
+    assert m["int4"][0]["abs_quantiles"]["0.999"] > 2 > m["int4"][0]["abs_quantiles"]["0.99"]
+
+    def by_name(sampler, kind="tinylm"):
+        return {r["name"]: r for r in est[sampler][kind]}
+
+    for sampler in order:
+        assert by_name(sampler)["seq_is"]["rel_bias"] < 1e-12
+    for kind in ("tinylm", "toy", "ar_toy"):  # seq_is's RMSE above naive's at int4
+        rows = by_name("int4", kind)
+        assert rows["seq_is"]["rel_rmse"] > rows["naive"]["rel_rmse"]
+        assert rows["ppo_clip_bypass"]["rel_bias"] > rows["naive"]["rel_bias"]
+    for sampler in ("bf16", "int8"):
+        rows = by_name(sampler)
+        assert abs(rows["seq_is"]["rel_rmse"] / rows["naive"]["rel_rmse"] - 1) < 0.01
+        bands = ("geo_rs", "geo_rs_token_tis", "gspo")
+        assert all(0.89 < r["rel_rmse"] < 0.91 for name, r in rows.items() if name not in bands)
+    assert 0.6 < by_name("bf16")["geo_rs"]["seq_frac"] < 0.7
+    assert all(by_name(s)["geo_rs"]["seq_frac"] > 0.95 for s in ("int8", "int4"))
+    assert all(by_name(s)["geo_rs"]["rel_bias"] > 0.87 for s in ("bf16", "int8", "int4"))
+    assert by_name("fp16")["geo_rs"]["seq_frac"] < 0.1
+    # int4: the token ratio halves naive's bias on both toys, not on tinylm
+    for kind in ("toy", "ar_toy"):
+        rows = by_name("int4", kind)
+        assert rows["token_is"]["rel_bias"] < rows["naive"]["rel_bias"] / 2
+    rows = by_name("int4")
+    assert rows["cispo"]["rel_bias"] == rows["token_is"]["rel_bias"] > rows["naive"]["rel_bias"]
+    assert max(rows["token_tis"]["rel_bias"], rows["token_clamp"]["rel_bias"]) < \
+        rows["token_is"]["rel_bias"]
+    biased = [r["rel_bias"] for r in rows.values() if r["rel_bias"] > 1e-12]
+    assert rows["seq_tis"]["rel_bias"] == min(biased)
+    assert est["int8"]["ar_toy_spearman_rel_bias"] > 0.985
+    assert est["int8"]["toy_spearman_rel_bias"] > 0.985
+    assert by_name("int8")["gspo"]["rel_bias"] > 1
+    assert by_name("int8", "toy")["gspo"]["rel_bias"] < 1
+    assert by_name("int8", "ar_toy")["gspo"]["rel_bias"] < 1
+    for sampler in ("bf16", "fp16", "int8", "int4"):  # OPD
+        recipe = {(r["logp"], r["weight"]): r["rel_bias"] for r in opd[sampler]}
+        assert recipe[("sampler", "none")] > recipe[("trainer", "none")]
+        assert recipe[("sampler", "token_tis")] > recipe[("trainer", "token_tis")]
+        assert recipe[("trainer", "token_is")] > 1e-4
+        assert recipe[("trainer", "prefix_is")] < 1e-12 and recipe[("trainer", "seq_is")] < 1e-12
+
+
+def test_committed_tinylm_mismatch_uses_the_current_defaults_and_backs_the_chapter():
+    from opd_literate.experiment.exact import CLAMP_STUDY_KEYS
+    from opd_literate.experiment.quantized import SAMPLERS
+
+    record = json.loads(TINYLM_MISMATCH.read_text())
+    expected = {k: getattr(DEFAULT_CONFIG, k) for k in CLAMP_STUDY_KEYS}
+    assert record["config"] == json.loads(json.dumps(expected))
+    assert record["samplers"] == SAMPLERS and record["prompts"] == 20
+    assert record["batch_size"] == DEFAULT_CONFIG.batch_size
+    assert record["seeds"] == list(range(DEFAULT_CONFIG.seeds))
+    _tinylm_mismatch_claims(record)
+    page = (ROOT / "docs/mismatch.md").read_text()
+    assert "the first 20 test prompts" in page and "(30,941 a prompt)" in page
+
+
+def test_a_sample_of_the_committed_tinylm_mismatch_recomputed_from_its_toys():
+    """The toys' columns depend on numpy only: recomputed here, they equal the committed ones."""
+    from opd_literate.experiment.quantized import toy_token_mismatch
+    from opd_literate.mismatch.toy import make_ar_toy
+
+    record = json.loads(TINYLM_MISMATCH.read_text())
+    assert toy_token_mismatch(make_ar_toy(mismatch=0.3)) == record["toy_b"]["ar_toy"]
+    eps = record["estimators"]["int4"]["ar_toy_eps"]
+    assert toy_token_mismatch(make_ar_toy(mismatch=eps))["kl"] == pytest.approx(
+        record["mismatch"]["int4"][0]["kl"], rel=1e-9)
+    rows = E.comparison_table(make_ar_toy(mismatch=eps), names=["naive", "token_is", "seq_tis"])
+    committed = {r["name"]: r for r in record["estimators"]["int4"]["ar_toy"]}
+    for row in rows:
+        assert row["rel_bias"] == pytest.approx(committed[row["name"]]["rel_bias"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
+    """Recomputed on this machine (the students' weights differ across CPUs by rounding): the
+    same claims, and on the machine that wrote the file the same numbers."""
+    from opd_literate.experiment.quantized import mismatch_study_record
+
+    record = mismatch_study_record(DEFAULT_CONFIG)
+    _tinylm_mismatch_claims(record)
+    committed = json.loads(TINYLM_MISMATCH.read_text())
+    assert record["estimators"]["int4"]["tinylm"][0]["rel_bias"] == pytest.approx(
+        committed["estimators"]["int4"]["tinylm"][0]["rel_bias"], rel=0.2)

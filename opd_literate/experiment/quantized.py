@@ -1,0 +1,662 @@
+r"""The mismatch on a trained model: tinylm's students run as an inference engine would.
+
+The mismatch chapter measures every rollout correction on toys whose sampler error is a random
+table $b$. Here the sampler is real: the experiment's trained student, run the way an inference
+engine runs a model, and the trainer is the same weights in float64. Because tinylm's answers
+are enumerable ([opd_literate.experiment.exact][]: 2,380 prefixes a prompt), everything is exact.
+
+**The samplers** (``SAMPLERS``). The trainer $\pi$ is the student in float64. The sampler $\mu$
+is one of
+
+* ``fp32``: the same weights, forward pass in float32 (another kernel's rounding, the floor);
+* ``bf16``, ``fp16``: weights and every activation cast to bfloat16 or float16, the LM head's
+  logits rounded to that type (then the softmax in float64: an engine's sampler computes it in
+  float32 from the rounded logits);
+* ``int8``, ``int4``: **weight-only, symmetric, per output channel, round to nearest**
+  ([opd_literate.experiment.quantized.quantize_per_channel][]) for the weight of every
+  ``nn.Linear`` (the LM head included); embeddings and biases stay as they are, and the
+  forward pass runs in float32 on the dequantized weights, as a weight-only kernel computes
+  (the integers are multiplied by their scale before the product).
+
+**The mismatch it creates** ([opd_literate.experiment.quantized.token_mismatch][]): at every
+state $s$ the sampler reaches, the per-token $\mathrm{KL}(\mu_s \,\|\, \pi_s)$ and the
+distribution of the log-ratio $\log \rho = \log \pi(v \mid s) - \log \mu(v \mid s)$ of the
+token $v$ it writes, each state weighted by the **sampler's** probability of reaching it (the
+sampler writes the answers). The toys' $b$ is measured by the same function.
+
+**Every estimator, exactly** ([opd_literate.experiment.quantized.answer_toy][]). The complete
+answers of a set of prompts (a state followed by ``<eos>``, or by any token at the last
+position: 30,941 a prompt) with their trainer and sampler log-probabilities, the 0/1 reward and
+a score, form a dictionary with the keys of the toys, so that the numpy catalogue
+([opd_literate.mismatch.estimators.comparison_table][],
+[opd_literate.mismatch.opd_mismatch.opd_estimate][]) computes every estimator's exact mean, bias
+and variance under the sampler with the same definitions. The prompts are drawn uniformly, one
+answer a prompt, as the experiment's batch is: the dictionary's distribution is the mixture
+$\frac1B \sum_x \mu(y \mid x)$.
+
+**The score, on a stated subset of the parameters.** The score of token $t$ is the gradient of
+$\log \pi(y_t \mid s_t)$ with respect to the LM head (the last ``nn.Linear``, logits
+$z = W h + c$), which is, in closed form,
+
+$$
+\frac{\partial \log \pi(y_t \mid s_t)}{\partial c} = e_{y_t} - \pi(\cdot \mid s_t), \qquad
+\frac{\partial \log \pi(y_t \mid s_t)}{\partial W} = \bigl(e_{y_t} - \pi(\cdot \mid s_t)\bigr)
+\, h(s_t)^\top .
+$$
+
+``features="bias"`` keeps the bias $c$ ($V = 14$ parameters: the gradient in logit space, what
+the studies use, because the full head's score, 1,806 numbers a token, would take 900 MB a
+prompt); ``features="head"`` the whole head $[W, c]$ (for small models and tests).
+``tests/experiment/test_quantized.py`` checks both against torch autograd.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from torch import nn
+
+from .exact import answer_states, reach_log_probs, state_logits
+from .tinylm import EOS, PAD, answer_tokens, make_prompts
+
+__all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "engine_logits",
+           "token_mismatch", "answer_toy", "sampler_states", "tinylm_answer_toy",
+           "toy_token_mismatch", "matched_toy_mismatch", "average_ranks", "rank_correlation",
+           "mismatch_study", "mismatch_study_record"]
+
+SAMPLERS = {
+    "fp32": "forward pass in float32",
+    "bf16": "weights, activations and logits in bfloat16",
+    "fp16": "weights, activations and logits in float16",
+    "int8": "int8 weights (symmetric, per output channel, round to nearest), float32 compute",
+    "int4": "int4 weights (symmetric, per output channel, round to nearest), float32 compute",
+}
+"""The samplers of this module, each against the float64 trainer."""
+
+QUANTILES = (0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999)
+"""The quantiles of the log-ratio that [opd_literate.experiment.quantized.token_mismatch][]
+reports."""
+
+_BITS = {"int8": 8, "int4": 4}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def quantize_per_channel(weight, bits):
+    r"""Symmetric per-output-channel round-to-nearest quantization, returned dequantized.
+
+    For the weight $W$ of an ``nn.Linear`` (``(out, in)``: row $o$ is output channel $o$), with
+    $q_{\max} = 2^{\text{bits} - 1} - 1$ (127 for int8, 7 for int4; the code $-2^{\text{bits}-1}$
+    is not used, so the grid is symmetric),
+
+    $$
+    s_o = \frac{\max_i |W_{oi}|}{q_{\max}}, \qquad
+    q_{oi} = \mathrm{round}\bigl(W_{oi} / s_o\bigr) \in [-q_{\max}, q_{\max}], \qquad
+    \hat W_{oi} = s_o\, q_{oi},
+    $$
+
+    with ``torch.round`` (half to even). A row of zeros stays zeros. The error of an entry is
+    at most $s_o / 2$.
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        ``(out, in)`` floating, finite.
+    bits : int
+        2 to 8.
+
+    Returns
+    -------
+    torch.Tensor
+        $\hat W$, the shape, dtype and device of ``weight``.
+
+    Examples
+    --------
+    One channel with largest entry 1.4 at 4 bits: the step is $1.4 / 7 = 0.2$, so 0.5 is
+    2.5 steps and rounds (half to even) to 2 steps, 0.4:
+
+    >>> w = torch.tensor([[1.4, 0.5, -0.31], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    >>> [round(x, 6) for x in quantize_per_channel(w, 4)[0].tolist()]
+    [1.4, 0.4, -0.4]
+    >>> quantize_per_channel(w, 4)[1].tolist()
+    [0.0, 0.0, 0.0]
+    """
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.ndim != 2:
+        raise TypeError(f"weight must be a 2-D floating tensor (out, in), got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)} of shape "
+                        f"{tuple(getattr(weight, 'shape', ()))}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"bits must be an integer from 2 to 8, got {bits!r}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight must be finite: a NaN or inf has no quantization scale")
+    q_max = 2 ** (bits - 1) - 1
+    # s_o = max_i |W_oi| / q_max, one scale per output channel (row): (out, 1)
+    scale = weight.abs().amax(dim=1, keepdim=True) / q_max
+    # a row of zeros has scale 0: divide by 1 instead (its codes are 0 either way)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # q = round(W / s), clamped to the symmetric grid [-q_max, q_max]
+    codes = torch.clamp(torch.round(weight / safe), -q_max, q_max)
+    # W_hat = s q: the dequantized weight the kernel multiplies by
+    return codes * scale
+
+
+def sampler_copy(model, sampler):
+    r"""A copy of a [opd_literate.experiment.tinylm.TinyLM][] run as the sampler ``sampler``.
+
+    ``"float64"`` is the trainer; the others are the keys of ``SAMPLERS``. The model itself is
+    not changed.
+
+    Examples
+    --------
+    >>> from opd_literate.experiment.tinylm import TinyLM
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(hidden=8, layers=1)
+    >>> int4 = sampler_copy(model, "int4")
+    >>> head = int4.mlp[-1].weight
+    >>> int(torch.unique(head[0] / (head[0].abs().max() / 7)).round().numel()) <= 15
+    True
+    >>> sampler_copy(model, "bf16").mlp[-1].weight.dtype
+    torch.bfloat16
+    """
+    if sampler != "float64" and sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be 'float64' or one of {sorted(SAMPLERS)}, got "
+                         f"{sampler!r}")
+    if not isinstance(model, nn.Module) or not hasattr(model, "mlp"):
+        raise TypeError(f"model must be a TinyLM, got {type(model).__name__}")
+    engine = copy.deepcopy(model).eval()
+    if sampler == "float64":
+        return engine.double()
+    if sampler in _DTYPES:
+        return engine.to(_DTYPES[sampler])
+    engine = engine.float()
+    with torch.no_grad():
+        for layer in engine.modules():
+            if isinstance(layer, nn.Linear):
+                layer.weight.copy_(quantize_per_channel(layer.weight, _BITS[sampler]))
+    return engine
+
+
+@torch.no_grad()
+def engine_logits(model, sampler, prompts, states):
+    r"""The logits ``(N, V)`` at every state, computed by ``sampler``, returned in float64.
+
+    Low-precision logits are rounded to their type first (the engine's LM head), then widened
+    exactly to float64.
+    """
+    return state_logits(sampler_copy(model, sampler), prompts, states).double()
+
+
+def _weighted_quantiles(values, weights, qs):
+    """The smallest value whose cumulative weight reaches q, for each q (weights sum to 1)."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[order])
+    cumulative /= cumulative[-1]
+    index = np.minimum(np.searchsorted(cumulative, qs, side="left"), len(values) - 1)
+    return values[order][index]
+
+
+def token_mismatch(log_pi, log_mu, visits):
+    r"""The per-token mismatch between a sampler and a trainer, exactly, on given states.
+
+    For states $s$ (rows) with expected visits $n_s$ under the sampler (a probability of
+    reaching $s$, or 1 for a position of the independent toy),
+
+    $$
+    \overline{\mathrm{KL}} = \frac{\sum_s n_s\, \mathrm{KL}(\mu_s \,\|\, \pi_s)}{\sum_s n_s},
+    \qquad
+    \log \rho(s, v) = \log \pi(v \mid s) - \log \mu(v \mid s)
+    \ \text{ with weight } \ \frac{n_s\, \mu(v \mid s)}{\sum_s n_s},
+    $$
+
+    the mean KL of a sampled token and the distribution of the log-ratio of the token the
+    sampler writes.
+
+    Parameters
+    ----------
+    log_pi, log_mu : numpy.ndarray
+        ``(N, V)`` log-probabilities of the trainer and the sampler, finite.
+    visits : numpy.ndarray
+        ``(N,)`` non-negative, not all 0.
+
+    Returns
+    -------
+    dict
+        ``kl`` (the mean per-token KL), ``mean_abs_log_ratio``, ``quantiles`` (of $\log\rho$
+        at ``QUANTILES``), ``abs_quantiles`` (of $|\log\rho|$ at 0.5, 0.99, 0.999),
+        ``max_abs_log_ratio`` (over every token of every state, whatever its weight) and
+        ``kurtosis`` of $\log \rho$ (3 for a normal distribution: above it, a heavy tail).
+
+    Examples
+    --------
+    One state, two tokens: $\mu = (0.8, 0.2)$, $\pi = (0.5, 0.5)$; the log-ratios are
+    $\log 0.625$ (weight 0.8) and $\log 2.5$ (weight 0.2):
+
+    >>> out = token_mismatch(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]), np.ones(1))
+    >>> round(out["kl"], 6), round(float(0.8 * np.log(1.6) + 0.2 * np.log(0.4)), 6)
+    (0.192745, 0.192745)
+    >>> round(out["quantiles"]["0.5"], 6), round(out["max_abs_log_ratio"], 6)
+    (-0.470004, 0.916291)
+    """
+    log_pi, log_mu = np.asarray(log_pi, dtype=float), np.asarray(log_mu, dtype=float)
+    visits = np.asarray(visits, dtype=float)
+    if log_pi.ndim != 2 or log_pi.shape != log_mu.shape or log_pi.shape[0] == 0:
+        raise ValueError(f"log_pi and log_mu must be (N, V) of one shape with N >= 1, got "
+                         f"{log_pi.shape} and {log_mu.shape}")
+    if visits.shape != log_pi.shape[:1]:
+        raise ValueError(f"visits must have shape ({log_pi.shape[0]},), got {visits.shape}")
+    if not (np.isfinite(log_pi).all() and np.isfinite(log_mu).all()):
+        raise ValueError("log_pi and log_mu must be finite (a token of probability 0 has no "
+                         "log-ratio)")
+    if not np.isfinite(visits).all() or (visits < 0).any() or visits.sum() <= 0:
+        raise ValueError("visits must be finite, non-negative and not all 0")
+    mu = np.exp(log_mu)
+    log_rho = log_pi - log_mu  # (N, V): log pi(v|s) - log mu(v|s)
+    share = visits / visits.sum()  # (N,): the share of the sampled tokens written at s
+    # KL(mu_s || pi_s) = sum_v mu(v|s) (log mu - log pi), then the visit-weighted mean
+    kl = float(share @ (mu * -log_rho).sum(axis=1))
+    weights = (share[:, None] * mu).ravel()  # the probability of the atom (s, v)
+    values = log_rho.ravel()
+    mean = weights @ values / weights.sum()
+    variance = weights @ (values - mean) ** 2 / weights.sum()
+    fourth = weights @ (values - mean) ** 4 / weights.sum()
+    quantiles = _weighted_quantiles(values, weights, np.array(QUANTILES))
+    abs_q = _weighted_quantiles(np.abs(values), weights, np.array([0.5, 0.99, 0.999]))
+    return dict(
+        kl=max(kl, 0.0),  # >= 0 exactly; a rounding of -1e-20 is 0
+        mean_abs_log_ratio=float(weights @ np.abs(values) / weights.sum()),
+        quantiles={str(q): float(v) for q, v in zip(QUANTILES, quantiles)},
+        abs_quantiles={str(q): float(v) for q, v in zip((0.5, 0.99, 0.999), abs_q)},
+        max_abs_log_ratio=float(np.abs(values).max()),
+        kurtosis=float(fourth / variance**2) if variance > 0 else 0.0,
+    )
+
+
+def _level_ancestors(states, T):
+    """(N, T): the ancestor of each state at each position k <= its own (itself at its own),
+    -1 after."""
+    position, parent = states["position"], states["parent"]
+    ancestors = np.full((len(position), T), -1, dtype=np.int64)
+    for t in range(T):  # the states are in order of position: every parent is done first
+        rows = np.nonzero(position == t)[0]
+        if t > 0:
+            ancestors[rows] = ancestors[parent[rows]]
+        ancestors[rows, t] = rows
+    return ancestors
+
+
+def answer_toy(states, log_pi, log_mu, reward, *, eos, pad, features=None, log_teacher=None):
+    r"""Every complete answer of an enumerated model, as a toy of the mismatch chapter.
+
+    A complete answer is a state $s$ at position $t$ followed by a token $v$ that ends it:
+    ``eos``, or any token at the last position $T - 1$. Its tokens are $y = (s, v)$, padded
+    with ``pad``; token $k$ was written at the ancestor state $s_k$ of $s$. With prompts drawn
+    uniformly (``states["prompt"]`` numbers them), the dictionary's probabilities are those of
+    one (prompt, answer) pair: $\pi(x, y) = \frac1B \prod_k \pi(y_k \mid s_k)$, the same for
+    $\mu$, so the importance ratios are those of the answer.
+
+    Parameters
+    ----------
+    states : dict
+        From [opd_literate.experiment.exact.answer_states][] (tensors or arrays).
+    log_pi, log_mu : numpy.ndarray
+        ``(N, V)`` the trainer's and the sampler's log-probabilities at every state, finite.
+    reward : callable
+        ``reward(Y, mask, prompt) -> (M,)``: the reward of each answer, from its tokens
+        ``(M, T)`` (padded), its ``(M, T)`` mask and its prompt index ``(M,)``.
+    eos, pad : int
+        The token that ends an answer; the token written into ``Y`` after it.
+    features : numpy.ndarray, optional
+        ``(N, F)``: the score of token $k$ is $(e_{y_k} - \pi(\cdot \mid s_k)) \otimes
+        \phi(s_k)$, an ``(V, F)`` array: the gradient of $\log \pi(y_k \mid s_k)$ with respect
+        to a layer $z = W \phi + c$ whose output is the logits. Default: ones, ``F = 1`` (the
+        bias $c$ of that layer).
+    log_teacher : numpy.ndarray, optional
+        ``(N, V)``: adds ``logp_teacher`` and, as
+        [opd_literate.mismatch.opd_mismatch.add_teacher][] defines them for the autoregressive
+        toy, ``kl``, ``kl_grad`` and ``kl_grad_per_state``.
+
+    Returns
+    -------
+    dict
+        ``Y``, ``mask``, ``logp_train``, ``logp_sampler`` ``(M, T)`` (0 on the padding),
+        ``p_train``, ``p_sampler``, ``R``, ``prompt`` ``(M,)``, ``score`` ``(M, T, V, F)``,
+        ``true_grad`` ``(V, F)`` $= \sum_{x, y} \pi(x, y) R \sum_k s_k$, ``state`` ``(M, T)``
+        (the state of each token, -1 on the padding), ``T``, ``V``, ``eos``.
+
+    Examples
+    --------
+    Two tokens, token 1 ends the answer, at most 2 positions; the trainer is uniform, the
+    sampler writes token 0 with probability 0.8 at the root. The answers are $(0, 0)$,
+    $(0, \text{eos})$ and $(\text{eos})$:
+
+    >>> import torch
+    >>> states = answer_states(torch.zeros((1, 1), dtype=torch.long), 2, vocab=2, eos=1)
+    >>> half, skew = np.log([0.5, 0.5]), np.log([0.8, 0.2])
+    >>> toy = answer_toy(states, np.stack([half, half]), np.stack([skew, half]),
+    ...                  lambda Y, mask, prompt: (Y[:, 0] == 0).astype(float), eos=1, pad=1)
+    >>> sorted(map(tuple, toy["Y"].tolist()))
+    [(0, 0), (0, 1), (1, 1)]
+    >>> sorted(toy["p_sampler"].round(12).tolist()), sorted(toy["p_train"].tolist())
+    ([0.2, 0.4, 0.4], [0.25, 0.25, 0.5])
+    """
+    states = {k: np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v)
+              for k, v in states.items()}
+    log_pi = np.asarray(log_pi, dtype=float)
+    log_mu = np.asarray(log_mu, dtype=float)
+    N, T = states["prefix"].shape
+    if log_pi.shape != log_mu.shape or log_pi.ndim != 2 or log_pi.shape[0] != N:
+        raise ValueError(f"log_pi and log_mu must be (N, V) with N = {N} states, got "
+                         f"{log_pi.shape} and {log_mu.shape}")
+    V = log_pi.shape[1]
+    if not (np.isfinite(log_pi).all() and np.isfinite(log_mu).all()):
+        raise ValueError("log_pi and log_mu must be finite: a token of probability 0 has no "
+                         "importance ratio")
+    if not (0 <= eos < V and 0 <= pad < V):
+        raise ValueError(f"eos and pad must be token ids in [0, {V}), got {eos!r}, {pad!r}")
+    features = np.ones((N, 1)) if features is None else np.asarray(features, dtype=float)
+    if features.ndim != 2 or features.shape[0] != N or not np.isfinite(features).all():
+        raise ValueError(f"features must be a finite (N, F) array with N = {N}, got "
+                         f"{features.shape}")
+    position = states["position"]
+    # the answers: each state before the last position ends with eos; a state at the last
+    # position with any token
+    early = np.nonzero(position < T - 1)[0]
+    last = np.nonzero(position == T - 1)[0]
+    end_state = np.concatenate([early, np.repeat(last, V)])  # (M,)
+    end_token = np.concatenate([np.full(len(early), eos), np.tile(np.arange(V), len(last))])
+    n = position[end_state] + 1  # (M,) the answer's tokens, the last one included
+    real = np.arange(T)[None, :] < n[:, None]  # (M, T)
+    state = np.where(real, _level_ancestors(states, T)[end_state], -1)  # s_k, (M, T)
+    # y_k: the prefix of the end state, then the ending token at k = t, then padding
+    Y = np.where(real, states["prefix"][end_state], pad)
+    Y[np.arange(len(end_state)), n - 1] = end_token
+    rows = np.where(real, state, 0)  # a valid row to read on the padding (masked below)
+    # log pi(y_k | s_k) on the answer, log 1 = 0 on the padding
+    logp_train = np.where(real, log_pi[rows, Y], 0.0)
+    logp_sampler = np.where(real, log_mu[rows, Y], 0.0)
+    prompt = states["prompt"][end_state]
+    B = int(states["prompt"].max()) + 1
+    # pi(x, y) = (1 / B) prod_k pi(y_k | s_k): uniform prompts, then the chain rule
+    p_train = np.exp(logp_train.sum(axis=1)) / B
+    p_sampler = np.exp(logp_sampler.sum(axis=1)) / B
+    mask = real.astype(float)
+    R = np.asarray(reward(Y, mask, prompt), dtype=float)
+    if R.shape != (len(Y),) or not np.isfinite(R).all():
+        raise ValueError(f"reward must return {len(Y)} finite values, got shape {R.shape}")
+    # s_k = (e_{y_k} - pi(.|s_k)) outer phi(s_k): (M, T, V) times (M, T, F) -> (M, T, V, F)
+    residual = np.where(real[:, :, None], np.eye(V)[Y] - np.exp(log_pi)[rows], 0.0)
+    score = residual[:, :, :, None] * features[rows][:, :, None, :]
+    # grad J = sum_{x, y} pi(x, y) R(y) sum_k s_k
+    true_grad = np.einsum("m,m,mtvf->vf", p_train, R, score)
+    toy = dict(Y=Y, mask=mask, logp_train=logp_train, logp_sampler=logp_sampler,
+               p_train=p_train, p_sampler=p_sampler, R=R, prompt=prompt, score=score,
+               true_grad=true_grad, state=state, T=T, V=V, eos=eos, shared_parameters=True)
+    if log_teacher is not None:
+        log_teacher = np.asarray(log_teacher, dtype=float)
+        if log_teacher.shape != log_pi.shape or not np.isfinite(log_teacher).all():
+            raise ValueError(f"log_teacher must be finite with shape {log_pi.shape}")
+        logp_teacher = np.where(real, log_teacher[rows, Y], 0.0)
+        d = logp_train - logp_teacher  # (M, T): log pi - log pi_T, 0 on the padding
+        # the sequence reverse KL E_pi[sum_k d_k], its gradient E_pi[sum_k d_k sum_k s_k] and
+        # the per-state gradient E_pi[sum_k d_k s_k] that discount-0 sampled-token OPD estimates
+        toy.update(logp_teacher=logp_teacher, kl=float(p_train @ d.sum(axis=1)),
+                   kl_grad=np.einsum("m,m,mtvf->vf", p_train, d.sum(axis=1), score),
+                   kl_grad_per_state=np.einsum("m,mt,mtvf->vf", p_train, d, score))
+    return toy
+
+
+def sampler_states(model, pairs, sampler):
+    r"""Every state of the answers to ``pairs``, with the trainer's and the sampler's
+    log-probabilities there and the sampler's expected visits.
+
+    Returns
+    -------
+    dict
+        ``states`` (from [opd_literate.experiment.exact.answer_states][]), ``prompts``,
+        ``log_pi`` and ``log_mu`` ``(N, V)`` float64 tensors (the trainer is ``model`` in
+        float64), ``visits`` ``(N,)`` the sampler's probability of reaching each state divided
+        by the number of prompts (one answer a prompt, prompts drawn uniformly).
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    prompts = make_prompts(pairs, model.digits)
+    states = answer_states(prompts, model.max_answer)
+    log_pi = torch.log_softmax(state_logits(sampler_copy(model, "float64"), prompts, states), -1)
+    log_mu = torch.log_softmax(engine_logits(model, sampler, prompts, states), -1)
+    visits = reach_log_probs(log_mu, states).exp() / len(pairs)
+    return dict(states=states, prompts=prompts, log_pi=log_pi, log_mu=log_mu, visits=visits)
+
+
+def tinylm_answer_toy(model, pairs, sampler, *, teacher=None, features="bias"):
+    r"""[opd_literate.experiment.quantized.answer_toy][] for tinylm: the trainer is ``model``
+    in float64, the sampler ``model`` run as ``sampler``, the reward 1 for the exact answer
+    (every token up to and including ``<eos>``, as
+    [opd_literate.experiment.tinylm.greedy_accuracy][] counts it).
+
+    Parameters
+    ----------
+    model : opd_literate.experiment.tinylm.TinyLM
+    pairs : torch.Tensor
+        ``(B, 2)`` operands.
+    sampler : str
+        A key of ``SAMPLERS``.
+    teacher : opd_literate.experiment.tinylm.TinyLM, optional
+        Adds the OPD keys (its log-probabilities in float64).
+    features : {"bias", "head"}
+        The parameters of the score: the LM head's bias, or its weight and bias.
+
+    Returns
+    -------
+    dict
+        The toy, with ``log_pi``, ``log_mu`` ``(N, V)`` and ``visits`` ``(N,)`` of
+        [opd_literate.experiment.quantized.sampler_states][] as numpy arrays.
+    """
+    if features not in ("bias", "head"):
+        raise ValueError(f"features must be 'bias' or 'head', got {features!r}")
+    exact = sampler_states(model, pairs, sampler)
+    states, prompts = exact["states"], exact["prompts"]
+    phi = None
+    if features == "head":
+        trainer = sampler_copy(model, "float64")
+        captured = {}
+        # h(s): the input of the LM head at every state, then 1 for its bias
+        hook = trainer.mlp[-1].register_forward_hook(
+            lambda module, inputs, output: captured.update(h=inputs[0]))
+        state_logits(trainer, prompts, states)
+        hook.remove()
+        h = captured["h"]
+        phi = torch.cat([h, torch.ones_like(h[:, :1])], dim=1).cpu().numpy()
+    log_teacher = None
+    if teacher is not None:
+        log_teacher = torch.log_softmax(
+            state_logits(sampler_copy(teacher, "float64"), prompts, states), -1).cpu().numpy()
+    targets = answer_tokens(pairs, model.digits).cpu().numpy()  # (B, T): the correct answers
+
+    def exact_answer(Y, mask, prompt):
+        return (Y == targets[prompt]).all(axis=1).astype(float)
+
+    log_pi, log_mu = exact["log_pi"].cpu().numpy(), exact["log_mu"].cpu().numpy()
+    toy = answer_toy(states, log_pi, log_mu, exact_answer, eos=EOS, pad=PAD, features=phi,
+                     log_teacher=log_teacher)
+    return dict(toy, log_pi=log_pi, log_mu=log_mu, visits=exact["visits"].cpu().numpy())
+
+
+def toy_token_mismatch(toy):
+    r"""[opd_literate.experiment.quantized.token_mismatch][] of a toy of the mismatch chapter.
+
+    [opd_literate.mismatch.toy.make_toy][]: its $T$ positions, each visited once. The
+    autoregressive toy ([opd_literate.mismatch.toy.make_ar_toy][]): its rows $(t, p)$, each
+    visited with the sampler's probability $\sum_y \mu(y)\, [p_t(y) = p]$ over the responses
+    that reach position $t$.
+
+    Examples
+    --------
+    >>> from opd_literate.mismatch.toy import make_toy
+    >>> round(toy_token_mismatch(make_toy(mismatch=0.0))["kl"], 12)
+    0.0
+    """
+    from ..mismatch.toy import log_softmax
+
+    theta, b, eps = np.asarray(toy["theta"]), np.asarray(toy["b"]), float(toy["mismatch"])
+    log_pi, log_mu = log_softmax(theta), log_softmax(theta + eps * b)
+    if theta.ndim == 2:
+        return token_mismatch(log_pi, log_mu, np.ones(theta.shape[0]))
+    T, P, V = theta.shape
+    visits = np.zeros((T, P))
+    mask = np.asarray(toy["mask"]) > 0
+    rows_t = np.broadcast_to(np.arange(T), mask.shape)
+    weights = np.broadcast_to(toy["p_sampler"][:, None], mask.shape)
+    np.add.at(visits, (rows_t[mask], np.asarray(toy["prev"])[mask]), weights[mask])
+    return token_mismatch(log_pi.reshape(T * P, V), log_mu.reshape(T * P, V), visits.ravel())
+
+
+def matched_toy_mismatch(target_kl, kl_of, low=1e-6, high=10.0, iterations=80):
+    r"""The toy mismatch $\epsilon$ whose mean per-token KL is ``target_kl``, by bisection.
+
+    ``kl_of(eps)`` is the toy's mean per-token KL at $\epsilon$, increasing on
+    $[\text{low}, \text{high}]$ (it grows like $\epsilon^2$ near 0). Bisection on $\log\epsilon$.
+
+    Examples
+    --------
+    >>> round(matched_toy_mismatch(0.04, lambda eps: eps ** 2), 9)
+    0.2
+    """
+    if not (np.isfinite(target_kl) and target_kl > 0):
+        raise ValueError(f"target_kl must be finite and > 0, got {target_kl!r}")
+    lo, hi = np.log(low), np.log(high)
+    if not kl_of(low) <= target_kl <= kl_of(high):
+        raise ValueError(f"target_kl = {target_kl!r} is outside the KLs at low = {low!r} and "
+                         f"high = {high!r}")
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if kl_of(float(np.exp(mid))) < target_kl:
+            lo = mid
+        else:
+            hi = mid
+    return float(np.exp(0.5 * (lo + hi)))
+
+
+def average_ranks(values):
+    """Ranks from 1 (the smallest), values equal to 10 significant digits sharing their mean rank.
+
+    Examples
+    --------
+    >>> average_ranks([0.3, 0.1, 0.3]).tolist()
+    [2.5, 1.0, 2.5]
+    """
+    keys = np.array([float(f"{v:.10g}") for v in values])
+    order = np.argsort(keys, kind="stable")
+    ranks = np.empty(len(keys))
+    i = 0
+    while i < len(keys):
+        j = i
+        while j + 1 < len(keys) and keys[order[j + 1]] == keys[order[i]]:
+            j += 1
+        ranks[order[i: j + 1]] = 0.5 * (i + j) + 1
+        i = j + 1
+    return ranks
+
+
+def rank_correlation(a, b):
+    r"""Spearman's rank correlation of two lists (ties share their mean rank).
+
+    Examples
+    --------
+    >>> rank_correlation([0.1, 0.2, 0.3], [1.0, 5.0, 9.0]), rank_correlation([1, 2, 3], [3, 2, 1])
+    (1.0, -1.0)
+    """
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = float(np.sqrt((ra @ ra) * (rb @ rb)))
+    return float(ra @ rb) / denominator if denominator > 0 else 0.0
+
+
+_ROW_KEYS = ("name", "rel_bias", "rel_rmse", "token_frac", "seq_frac")
+
+
+def mismatch_study(prepared, prompts=20, samplers=tuple(SAMPLERS), seeds=None):
+    r"""The mismatch each sampler creates on the weak students, and every estimator on tinylm.
+
+    For the first ``prompts`` test prompts of ``prepared``
+    ([opd_literate.experiment.run.prepare][]): the per-token mismatch of every sampler on every
+    weak student (``seeds``: all by default), and, on the first student, every estimator of
+    [opd_literate.mismatch.estimators.REGISTRY][] and the sampled-token OPD recipes against the
+    teacher, exactly, beside the independent and the autoregressive toy at the matched mismatch
+    (the $\epsilon$ whose mean per-token KL is the student's).
+
+    Returns
+    -------
+    dict
+        JSON-ready: ``mismatch`` ``{sampler: [per student]}``, ``toy_b`` (the toys at
+        $\epsilon = 0.3$), ``estimators`` and ``opd`` ``{sampler: ...}``.
+    """
+    from ..mismatch.estimators import comparison_table
+    from ..mismatch.opd_mismatch import OPD_RECIPES, PREFIX_RECIPES, add_teacher, opd_estimate
+    from ..mismatch.toy import estimator_moments, make_ar_toy, make_toy
+    from .tinylm import EnsembleLM
+
+    config = prepared.config
+    pairs = prepared.test_pairs[:prompts]
+    seeds = range(config.seeds) if seeds is None else seeds
+    students = EnsembleLM(config.seeds, config.student_hidden, config.student_layers,
+                          digits=config.digits)
+    students.load_state_dict(prepared.student_state)
+    members = [students.member(s) for s in seeds]
+    N = config.batch_size
+    record = {"prompts": prompts, "batch_size": N, "seeds": list(seeds),
+              "samplers": {k: SAMPLERS[k] for k in samplers}, "mismatch": {}, "estimators": {},
+              "opd": {}}
+    record["toy_b"] = {"toy": toy_token_mismatch(make_toy(mismatch=0.3)),
+                       "ar_toy": toy_token_mismatch(make_ar_toy(mismatch=0.3))}
+    for sampler in samplers:
+        stats = []
+        for member in members:
+            exact = sampler_states(member, pairs, sampler)
+            stats.append(token_mismatch(exact["log_pi"].numpy(), exact["log_mu"].numpy(),
+                                        exact["visits"].numpy()))
+        record["mismatch"][sampler] = stats
+        toy = tinylm_answer_toy(members[0], pairs, sampler, teacher=prepared.teacher)
+        kl = stats[0]["kl"]
+        rows = {"tinylm": [{k: r[k] for k in _ROW_KEYS} for r in comparison_table(toy, N=N)]}
+        rows["J"] = float(toy["p_train"] @ toy["R"])
+        for kind, make in (("toy", make_toy), ("ar_toy", make_ar_toy)):
+            def kl_of(e, make=make):
+                return toy_token_mismatch(make(mismatch=e))["kl"]
+
+            eps = matched_toy_mismatch(kl, kl_of, low=1e-9)
+            rows[f"{kind}_eps"] = eps
+            rows[kind] = [{k: r[k] for k in _ROW_KEYS}
+                          for r in comparison_table(make(mismatch=eps), N=N)]
+            for key in ("rel_bias", "rel_rmse"):
+                rows[f"{kind}_spearman_{key}"] = rank_correlation(
+                    [r[key] for r in rows["tinylm"]], [r[key] for r in rows[kind]])
+        record["estimators"][sampler] = rows
+        opd_rows = []
+        target = dict(toy, true_grad=toy["kl_grad_per_state"])
+        ar = add_teacher(make_ar_toy(mismatch=rows["ar_toy_eps"]))
+        ar_target = dict(ar, true_grad=ar["kl_grad_per_state"])
+        for logp, weight in (*OPD_RECIPES, *PREFIX_RECIPES):
+            moments = estimator_moments(target, opd_estimate(toy, logp, weight))
+            ar_moments = estimator_moments(ar_target, opd_estimate(ar, logp, weight))
+            opd_rows.append(dict(logp=logp, weight=weight, rel_bias=moments["rel_bias"],
+                                 rel_rmse=moments["rel_rmse"](N),
+                                 ar_toy_rel_bias=ar_moments["rel_bias"],
+                                 ar_toy_rel_rmse=ar_moments["rel_rmse"](N)))
+        record["opd"][sampler] = opd_rows
+        del toy, target
+    return record
+
+
+def mismatch_study_record(config, prompts=20, cache="read"):
+    """``tinylm_mismatch.json``: [opd_literate.experiment.quantized.mismatch_study][] with the
+    settings it came from.
+
+    Written by ``python -m opd_literate.experiment --tinylm-mismatch --out docs/data/experiment``
+    (about six minutes on 2 cores); the docs build reads it.
+    """
+    from .exact import CLAMP_STUDY_KEYS
+    from .run import prepare
+
+    record = mismatch_study(prepare(config, cache), prompts)
+    return {"config": {k: getattr(config, k) for k in CLAMP_STUDY_KEYS}, **record}
