@@ -634,7 +634,7 @@ def _tinylm_mismatch():
         lines.append(f"| `{r['logp']}` | `{r['weight']}` | " + " | ".join(cells) + " |")
     _write("tinylm_opd_table.md", "\n".join(lines) + "\n")
 
-    fig, axes = new_figure(1, 2, height=3.6)
+    fig, axes = new_figure(1, 2, height=4.3)
     kls = [[s["kl"] for s in record["mismatch"][name]] for name in samplers]
     axes[0].bar(range(len(samplers)), [np.mean(k) for k in kls], color="C0")
     for i, k in enumerate(kls):
@@ -645,7 +645,7 @@ def _tinylm_mismatch():
                         + " toy, $\\epsilon$ = 0.3")
     axes[0].set(xticks=range(len(samplers)), xticklabels=samplers, yscale="log",
                 ylabel="per-token KL(sampler || trainer)", title="the mismatch, per sampler")
-    axes[0].legend(fontsize=8, loc="upper left")
+    fig_handles = axes[0].get_legend_handles_labels()
     for sampler, marker in (("int8", "o"), ("int4", "s")):
         x = [max(r["rel_bias"], 1e-17) for r in est[sampler]["tinylm"]]
         y = [max(r["rel_bias"], 1e-17) for r in est[sampler]["ar_toy"]]
@@ -653,8 +653,13 @@ def _tinylm_mismatch():
     axes[1].plot([1e-17, 2], [1e-17, 2], color="0.6", linewidth=0.8)
     axes[1].set(xscale="log", yscale="log", xlabel="relative bias on tinylm",
                 ylabel="relative bias, autoregressive toy", title="every estimator, exactly")
-    axes[1].legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    from matplotlib.ticker import LogLocator
+
+    axes[1].xaxis.set_major_locator(LogLocator(numticks=5))
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(fig_handles[0] + handles, fig_handles[1] + labels, loc="lower center", ncol=2,
+               bbox_to_anchor=(0.5, -0.02), columnspacing=1.0, handlelength=2.0)
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     _write("tinylm_mismatch.svg", svg_bytes(fig))
 
 

@@ -85,7 +85,14 @@ from __future__ import annotations
 import numpy as np
 
 from .._numerics import check_finite_number
-from .toy import ar_toy_from_logits, check_toy, log_softmax, toy_from_logits
+from .estimators import seq_is, token_ratios  # noqa: F401 (the examples use them)
+from .toy import (  # noqa: F401 (the examples use make_toy)
+    ar_toy_from_logits,
+    check_toy,
+    log_softmax,
+    make_toy,
+    toy_from_logits,
+)
 
 __all__ = ["REPORTED", "processed_log_probs", "engine_toy"]
 
@@ -292,7 +299,6 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     --------
     With the defaults the engine is the toy's sampler, and every array is the toy's:
 
-    >>> from opd_literate.mismatch.toy import make_toy
     >>> toy = make_toy()
     >>> same = engine_toy(toy)
     >>> all(np.array_equal(same[key], toy[key]) for key in ("Y", "logp_sampler", "score",
@@ -303,8 +309,6 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     the token of probability 0.2. The sequence ratio of what is left is the kept mass 0.8, and
     its estimate misses the cut token's share of the gradient:
 
-    >>> from opd_literate.mismatch.toy import toy_from_logits
-    >>> from opd_literate.mismatch.estimators import seq_is, token_ratios
     >>> logits = np.log([[0.5, 0.3, 0.2]])
     >>> engine = engine_toy(toy_from_logits(logits, logits), top_p=0.7)
     >>> engine["Y"].tolist(), engine["p_sampler"].round(12).tolist()

@@ -59,8 +59,15 @@ import numpy as np
 
 from .._numerics import check_finite_number
 from .estimators import weighted_score
-from .opd_mismatch import opd_estimate
-from .toy import check_toy, estimator_moments, log_softmax, response_mask
+from .opd_mismatch import add_teacher, opd_estimate  # noqa: F401 (the examples use add_teacher)
+from .toy import (  # noqa: F401 (the examples use make_ar_toy and toy_from_logits)
+    check_toy,
+    estimator_moments,
+    log_softmax,
+    make_ar_toy,
+    response_mask,
+    toy_from_logits,
+)
 
 __all__ = ["MIXED_ESTIMATORS", "teacher_estimate", "mixed_estimate", "mixed_targets",
            "mixed_table"]
@@ -127,8 +134,6 @@ def teacher_estimate(toy, kind="k1_reward"):
     to the reverse KL's gradient (positions are independent, so the per-state gradient is the
     sequence one):
 
-    >>> from opd_literate.mismatch.opd_mismatch import add_teacher
-    >>> from opd_literate.mismatch.toy import toy_from_logits
     >>> logits = np.log([[0.7, 0.3]])
     >>> toy = add_teacher(toy_from_logits(logits, logits), phi=np.log([[0.4, 0.6]]))
     >>> for kind in MIXED_ESTIMATORS:
@@ -214,8 +219,6 @@ def mixed_table(toy, coefs, kinds=MIXED_ESTIMATORS, N=64, baseline=0.0):
 
     Examples
     --------
-    >>> from opd_literate.mismatch.opd_mismatch import add_teacher
-    >>> from opd_literate.mismatch.toy import make_ar_toy
     >>> toy = add_teacher(make_ar_toy(mismatch=0.0))
     >>> rows = mixed_table(toy, [0.0, 1.0], kinds=["k1_return", "k1_reward"])
     >>> [(r["kind"], r["coef"]) for r in rows if r["rel_bias"] > 1e-12]  # the biased ones
