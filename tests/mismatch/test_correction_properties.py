@@ -1286,3 +1286,11 @@ def test_advantages_refusal_names_them():
     with pytest.raises(TypeError) as caught:
         C.ppo_clip_loss(_T2, _T2, [1.0], torch.ones(1, 2))
     assert str(caught.value) == "advantages must be a torch.Tensor, got list"
+
+
+@pytest.mark.parametrize("A", [1.0, -1.0])
+def test_dppo_kl_takes_equal_probabilities_as_inside_even_with_a_positive_kl(A):
+    # log p = -2e-20 and log q = -1e-20 both give p = q = 1.0, yet the binary KL is about
+    # q (log q - log p) = 1e-20 > delta = 0: p = q keeps the token inside on both sides
+    _, m = _dppo(C.dppo_kl_loss, [-2e-20], [-1e-20], [A], clip_ratio=0.0)
+    assert m["actor/pg_clipfrac"] == 0.0
