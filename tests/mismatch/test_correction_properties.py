@@ -855,3 +855,442 @@ def test_a_dppo_cap_above_float32_is_no_cap():
     none, _ = C.dppo_tv_loss(t, s - 30.0, A.float(), mask, clip_ratio_c=math.inf,
                              clip_ratio=math.inf)
     assert torch.equal(big, none) and torch.isfinite(big)
+
+
+# rejection_mask's statistics (verl's compute_rs_metrics), computed by hand on log-ratios that
+# are multiples of L = log 2, so that every band edge is met exactly
+L2 = math.log(2.0)
+
+
+def _rs_case(x, mask):
+    """trainer_logp = the log-ratios x (NaN where mask is 0), sampler_logp = 0."""
+    mask = torch.tensor(mask, dtype=torch.float64)
+    trainer = torch.tensor(x, dtype=torch.float64).masked_fill(mask == 0, math.nan)
+    return trainer, torch.zeros_like(trainer), mask
+
+
+def _assert_metrics(metrics, expected, prefix):
+    assert {k[len(prefix):] for k in metrics if k.startswith(prefix)} == set(expected)
+    for name, value in expected.items():
+        assert metrics[prefix + name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+
+
+def test_token_k1_statistics_by_hand():
+    assert math.log(0.5) == -L2
+    # k1 = -x per token: [2L, -L, 0], [-2L], [-L, -L], [L], and an empty response; band [-L, L]
+    trainer, sampler, mask = _rs_case(
+        [[-2 * L2, L2, 0.0], [2 * L2, 0, 0], [L2, L2, 0], [-L2, 0, 0], [0, 0, 0]],
+        [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    keep, m = C.rejection_mask(trainer, sampler, mask, "token_k1", "0.5_2.0")
+    # the edges -L and L are kept (log a <= k1 <= log b), 2L and -2L are not
+    assert keep.tolist() == [[False, True, True], [False, False, False], [True, True, False],
+                             [True, False, False], [False, False, False]]
+    per_response = [L2 / 3, -2 * L2, -L2, L2]  # the mean k1 of each response with a token
+    _assert_metrics(m, {
+        "mean": -2 * L2 / 7, "max": 2 * L2, "min": -2 * L2,
+        "fraction_high": 1 / 7, "fraction_low": 1 / 7,  # strictly above L, strictly below -L
+        # k1 clamped to the band: [L, -L, 0, -L, -L, -L, L]
+        "std": math.sqrt(6 * L2**2 / 7 - (2 * L2 / 7) ** 2),
+        "seq_mean": -5 * L2 / 12, "seq_std": L2 * math.sqrt(65) / 6,  # n - 1
+        "seq_max": L2, "seq_min": -2 * L2, "seq_max_deviation": 2 * L2,
+        "seq_fraction_high": 0.0, "seq_fraction_low": 0.25,
+        "masked_fraction": 2 / 7, "seq_masked_fraction": 0.5,
+    }, "rollout_rs_token_k1_")
+    assert sum(per_response) / 4 == pytest.approx(-5 * L2 / 12)
+    assert m["rollout_rs_masked_fraction"] == 2 / 7
+    assert m["rollout_rs_seq_masked_fraction"] == 0.5
+
+
+def test_seq_sum_k2_statistics_by_hand():
+    # k2 = x^2 / 2 per token: [2, 0], [0.5], [2, 2]; the sums 2, 0.5, 4 against u = 2
+    trainer, sampler, mask = _rs_case([[2.0, 0.0], [1.0, 0.0], [2.0, -2.0]],
+                                      [[1, 1], [1, 0], [1, 1]])
+    keep, m = C.rejection_mask(trainer, sampler, mask, "seq_sum_k2", 2.0)
+    assert keep.tolist() == [[True, True], [True, False], [False, False]]  # 2 <= 2 is kept
+    _assert_metrics(m, {
+        "mean": (2 + 2 + 0.5 + 4 + 4) / 5, "max": 4.0, "min": 0.5,
+        "fraction_high": 1 / 3, "fraction_low": 0.0,  # over the responses, not the tokens
+        # the sums clamped to [0, 2] on each token: [2, 2, 0.5, 2, 2]
+        "std": math.sqrt((4 * 4 + 0.25) / 5 - 1.7**2),
+        "seq_mean": 6.5 / 3, "seq_std": math.sqrt(111) / 6,
+        "seq_max": 4.0, "seq_min": 0.5, "seq_max_deviation": 4.0, "seq_fraction_high": 1 / 3,
+        "masked_fraction": 2 / 5, "seq_masked_fraction": 1 / 3,
+    }, "rollout_rs_seq_sum_k2_")
+
+
+@pytest.mark.parametrize("x, std, seq_std", [
+    ([[1.0]], 0.0, 0.0),  # one token, one response: no spread
+    ([[1.0], [2.0]], 0.75, 1.5 / math.sqrt(2)),  # k2 = 0.5 and 2: std over 2, seq_std n - 1
+])
+def test_rs_std_of_one_and_two_values(x, std, seq_std):
+    trainer, sampler, mask = _rs_case(x, [[1]] * len(x))
+    _, m = C.rejection_mask(trainer, sampler, mask, "token_k2", 4.0)
+    assert m["rollout_rs_token_k2_std"] == pytest.approx(std, rel=1e-12)
+    assert m["rollout_rs_token_k2_seq_std"] == pytest.approx(seq_std, rel=1e-12)
+
+
+def test_rs_divergences_read_the_clamped_log_ratio():
+    # x = 30 and -30 are read as 20 and -20 (verl's SAFETY_BOUND), so k1 spans [-20, 20]
+    trainer, sampler, mask = _rs_case([[30.0, -30.0]], [[1, 1]])
+    _, m = C.rejection_mask(trainer, sampler, mask, "token_k1", 2.0)
+    assert (m["rollout_rs_token_k1_max"], m["rollout_rs_token_k1_min"]) == (20.0, -20.0)
+
+
+def test_chained_criteria_keep_what_every_one_keeps_in_either_order():
+    # the docstring's batch: token_k1 rejects the second token of the first response,
+    # seq_mean_k3 the whole first response; the last criterion must not undo the first
+    trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    sampler = torch.log(torch.tensor([[0.8, 0.2], [0.5, 0.5]]))
+    for rs, threshold in (("token_k1,seq_mean_k3", "0.5_2.0,0.1"),
+                          ("seq_mean_k3,token_k1", "0.1,0.5_2.0")):
+        keep, _ = C.rejection_mask(trainer, sampler, torch.ones(2, 2), rs, threshold)
+        assert keep.tolist() == [[False, False], [True, True]]
+
+
+# importance_weights' metrics (verl's compute_is_metrics) at the edges of the band
+IS_KEYS = {"rollout_is_mean", "rollout_is_max", "rollout_is_min",
+           "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_std",
+           "rollout_is_eff_sample_size", "rollout_is_seq_mean", "rollout_is_seq_std",
+           "rollout_is_seq_max", "rollout_is_seq_min", "rollout_is_seq_max_deviation",
+           "rollout_is_seq_fraction_high", "rollout_is_seq_fraction_low"}
+
+
+@pytest.mark.parametrize("level", C.IS_LEVELS)
+def test_is_metrics_of_one_ratio_on_the_edge_of_the_band(level):
+    # one token with rho = 1 and the threshold 1: the band [1/1, 1] holds it (no fraction is
+    # strict), every weight is 1, one value has no spread and an effective sample size of 1
+    one = torch.zeros(1, 1, dtype=torch.float64)
+    w, m = C.importance_weights(one, one, torch.ones(1, 1), level, rollout_is_threshold=1.0)
+    assert w.tolist() == [[1.0]]
+    assert m == {**{k: 1.0 for k in IS_KEYS}, "rollout_is_ratio_fraction_high": 0.0,
+                 "rollout_is_ratio_fraction_low": 0.0, "rollout_is_std": 0.0,
+                 "rollout_is_seq_std": 0.0, "rollout_is_seq_max_deviation": 0.0,
+                 "rollout_is_seq_fraction_high": 0.0, "rollout_is_seq_fraction_low": 0.0}
+
+
+def test_is_std_of_two_weights():
+    # weights 2 and 1 (one token per response): std over the tokens 0.5, over the responses
+    # (n - 1) 1 / sqrt 2
+    trainer = torch.tensor([[L2], [0.0]], dtype=torch.float64)
+    _, m = C.importance_weights(trainer, torch.zeros_like(trainer), torch.ones(2, 1),
+                                rollout_is_threshold=4.0)
+    assert m["rollout_is_std"] == pytest.approx(0.5, rel=1e-12)
+    assert m["rollout_is_seq_std"] == pytest.approx(1 / math.sqrt(2), rel=1e-12)
+
+
+def test_is_fraction_low_without_a_lower_bound_is_zero():
+    # no cap (inf): the band is [0, inf], so the ratio 0.5 is not "low"
+    trainer = torch.tensor([[L2, -L2]], dtype=torch.float64)
+    _, m = C.importance_weights(trainer, torch.zeros_like(trainer), torch.ones(1, 2),
+                                rollout_is_threshold=math.inf)
+    assert m["rollout_is_ratio_fraction_low"] == 0.0 and m["rollout_is_seq_fraction_low"] == 0.0
+
+
+def test_is_fractions_read_the_given_lower_bound():
+    # mode "mask" with lower = 0.25 and the cap 2: rho = 0.4 is inside [0.25, 2] (it would be
+    # low against 1/h = 0.5)
+    trainer = torch.tensor([[math.log(0.4)]], dtype=torch.float64)
+    w, m = C.importance_weights(trainer, torch.zeros_like(trainer), torch.ones(1, 1),
+                                mode="mask", lower=0.25)
+    assert w.item() == pytest.approx(0.4, rel=1e-12)
+    assert m["rollout_is_ratio_fraction_low"] == 0.0 and m["rollout_is_seq_fraction_low"] == 0.0
+
+
+def test_the_oob_ratio_is_reported_only_for_a_lower_bound_in_mode_mask():
+    one = torch.zeros(1, 1, dtype=torch.float64)
+    ones = torch.ones(1, 1)
+    assert set(C.importance_weights(one, one, ones)[1]) == IS_KEYS  # truncate
+    assert set(C.importance_weights(one, one, ones, mode="mask")[1]) == IS_KEYS  # lower 0
+    # the band [1, 1] holds rho = 1 exactly: weight 1, not out of bounds
+    w, m = C.importance_weights(one, one, ones, mode="mask", lower=1.0, rollout_is_threshold=1.0)
+    assert w.item() == 1.0 and m["rollout_is_oob_ratio"] == 0.0
+    assert set(m) == IS_KEYS | {"rollout_is_oob_ratio"}
+
+
+def test_batch_normalize_of_one_response_and_of_a_tiny_mean():
+    # one sequence weight (about 2) is divided by itself: 1 on both tokens
+    trainer = torch.tensor([[L2, 0.0]], dtype=torch.float64)
+    w, m = C.importance_weights(trainer, torch.zeros_like(trainer), torch.ones(1, 2), "sequence",
+                                rollout_is_threshold=4.0, rollout_is_batch_normalize=True)
+    assert w[0].tolist() == pytest.approx([1.0, 1.0], rel=1e-12)
+    assert m["rollout_is_batch_norm_factor"] == pytest.approx(2.0, rel=1e-12)
+    # a mean of exactly 1e-8 (every weight capped there) is not > 1e-8: the factor is 1
+    one = torch.zeros(1, 1, dtype=torch.float64)
+    w, m = C.importance_weights(one, one, torch.ones(1, 1), rollout_is_threshold=1e-8,
+                                rollout_is_batch_normalize=True)
+    assert w.item() == 1e-8 and m["rollout_is_batch_norm_factor"] == 1.0
+
+
+def test_is_threshold_at_the_ends_of_float32_and_beyond():
+    x = torch.zeros(1, 1)
+    info = torch.finfo(torch.float32)
+    for threshold in (info.tiny, info.max):  # the closed range [tiny, max] is accepted
+        C.importance_weights(x, x, torch.ones(1, 1), rollout_is_threshold=threshold)
+    with pytest.raises(ValueError) as error:
+        C.importance_weights(x, x, torch.ones(1, 1), rollout_is_threshold=1e39)
+    assert str(error.value) == (
+        "rollout_is_threshold=1e+39 is outside the normal range of torch.float32 "
+        "[1.18e-38, 3.4e+38], the dtype the weights are computed in (float32 for "
+        "half-precision inputs); use float64 inputs, or inf for no cap")
+
+
+# the refusals of the option parsing, compared whole (the argument, the option and the value)
+_T2 = torch.zeros(1, 2, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rs, threshold, error, message", [
+    (5, 2.0, TypeError, "rollout_rs must be a string such as 'token_k1,seq_mean_k3', got int 5"),
+    ("token_k1", None, TypeError, "rollout_rs_threshold must be a number or a string such as "
+     "'0.5_2.0,0.01', got None"),
+    ("token_k1", True, TypeError, "rollout_rs_threshold must be a number or a string such as "
+     "'0.5_2.0,0.01', got True"),
+    ("token_k1", [2.0], TypeError, "rollout_rs_threshold must be a number or a string, got list"),
+    ("token_k1", "0.5_x", ValueError, "rollout_rs_threshold '0.5_x' for 'token_k1' is not a "
+     "number (k1 takes 'lower_upper' or one number)"),
+    ("token_k1", "x_2.0", ValueError, "rollout_rs_threshold 'x_2.0' for 'token_k1' is not a "
+     "number (k1 takes 'lower_upper' or one number)"),
+    ("token_k1", "0_2.0", ValueError, "rollout_rs_threshold for 'token_k1' must be positive "
+     "and finite, got '0_2.0'"),
+    ("token_k1", "0.5_0", ValueError, "rollout_rs_threshold for 'token_k1' must be positive "
+     "and finite, got '0.5_0'"),
+    ("token_k2", "x", ValueError, "rollout_rs_threshold 'x' for 'token_k2' is not a number "
+     "(k1 takes 'lower_upper' or one number)"),
+    ("token_k2", "0", ValueError, "rollout_rs_threshold for 'token_k2' must be positive and "
+     "finite, got '0'"),
+    ("token_k1", "2.0_0.5", ValueError, "rollout_rs_threshold '2.0_0.5' for 'token_k1' is the "
+     "empty band [2.0, 0.5] (lower > upper; a single number h < 1 means the band [1/h, h])"),
+    ("token_k1,,token_k2", 2.0, ValueError,
+     "rollout_rs has an empty entry (entry 2 of 3 in 'token_k1,,token_k2')"),
+])
+def test_rejection_option_refusals_in_full(rs, threshold, error, message):
+    with pytest.raises(error) as caught:
+        C.rejection_mask(_T2, _T2, torch.ones(1, 2), rs, threshold)
+    assert str(caught.value) == message
+
+
+def test_one_rejection_threshold_is_shared_by_every_option():
+    # token_k1 at 2 keeps rho = 1.5; token_k2 at the same 2 keeps k2 = 0.5 (log 1.5)^2 <= 2,
+    # but rho = e^-2.5 has k1 = 2.5 > log 2 and k2 = 3.125 > 2: both criteria are applied
+    trainer = torch.tensor([[math.log(1.5), -2.5]], dtype=torch.float64)
+    keep, m = C.rejection_mask(trainer, torch.zeros_like(trainer), torch.ones(1, 2),
+                               "token_k1,token_k2", 2.0)
+    assert keep.tolist() == [[True, False]]
+    assert m["rollout_rs_token_k1_masked_fraction"] == 0.5
+    assert m["rollout_rs_token_k2_masked_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(rollout_is_threshold="abc"), ValueError, "rollout_is_threshold must be a number or a "
+     "string 'upper' or 'lower_upper' such as '0.5_5.0', got 'abc'"),
+    (dict(rollout_is_batch_normalize=1), TypeError,
+     "rollout_is_batch_normalize must be a bool, got int"),
+])
+def test_importance_option_refusals_in_full(kwargs, error, message):
+    with pytest.raises(error) as caught:
+        C.importance_weights(_T2, _T2, torch.ones(1, 2), **kwargs)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rollout_is_batch_normalize=True), "mode, lower and rollout_is_batch_normalize need "
+     "rollout_is ('token', 'sequence' or 'geometric'); it is None"),
+    (dict(rollout_is_threshold=-1.0), "rollout_is_threshold must be > 0, got -1.0"),
+    (dict(veto_threshold=-1.0), "veto_threshold must be > 0, got -1.0"),
+])
+def test_rollout_correction_refusals_in_full(kwargs, message):
+    with pytest.raises(ValueError) as caught:
+        C.rollout_correction(_T2, _T2, torch.ones(1, 2), **kwargs)
+    assert str(caught.value) == message
+
+
+def test_rollout_correction_defaults_and_options_reach_the_weights():
+    trainer = torch.tensor([[math.log(4.0), math.log(0.25)]], dtype=torch.float64)
+    sampler, ones = torch.zeros_like(trainer), torch.ones(1, 2)
+    # no IS: weights 1 in the compute dtype; an infinite (unused) threshold is accepted
+    c = C.rollout_correction(trainer, sampler, ones, rollout_is_threshold=math.inf)
+    assert c.weights.dtype == torch.float64 and c.weights.tolist() == [[1.0, 1.0]]
+    # the default cap is 2 (verl's rollout_is_threshold)
+    c = C.rollout_correction(trainer, sampler, ones, rollout_is="token")
+    assert c.weights[0].tolist() == pytest.approx([2.0, 0.25], rel=1e-12)
+    # IcePop "0.5_5.0" drops rho = 0.25 (mode "mask"), it does not clamp it to 0.5
+    c = C.rollout_correction(trainer, sampler, ones, rollout_is="token",
+                             rollout_is_threshold="0.5_5.0")
+    assert c.weights[0].tolist() == pytest.approx([4.0, 0.0], rel=1e-12)
+    # batch normalisation: the sequence weight 1 (4 * 0.25) is its own mean
+    c = C.rollout_correction(trainer, sampler, ones, rollout_is="sequence",
+                             rollout_is_batch_normalize=True)
+    assert c.metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.0)
+
+
+def test_veto_reads_the_log_ratio_in_the_compute_dtype():
+    # float16 inputs are compared in float32: log rho = -300 + 0.1875 = -299.8125 exactly,
+    # below log tau = -299.78 (in float16 the difference would round to -299.75, above it)
+    trainer = torch.tensor([[-300.0]], dtype=torch.float16)
+    sampler = torch.tensor([[-0.1875]], dtype=torch.float16)
+    assert (trainer - sampler).item() == -299.75
+    tau = math.exp(-299.78)
+    assert not C.veto_mask(trainer, sampler, torch.ones(1, 1), veto_threshold=tau).any()
+    c = C.rollout_correction(trainer, sampler, torch.ones(1, 1), veto_threshold=tau)
+    assert not c.keep.any()
+
+
+def test_offpolicy_metrics_beyond_the_safety_bound_by_hand():
+    # x = [30, 0] and [-30, 0]: the token terms read clamp(x, -20, 20), chi2_seq the clamped
+    # sums 20 and -20; the log-perplexities are those of the trainer: -mean log pi = 0 and 15
+    trainer = torch.tensor([[0.0, 0.0], [-30.0, 0.0]], dtype=torch.float64)
+    sampler = torch.tensor([[-30.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    m = C.offpolicy_metrics(trainer, sampler, torch.ones(2, 2))
+    assert m["k3_kl"] == pytest.approx((math.expm1(20) - 20 + math.expm1(-20) + 20) / 4,
+                                       rel=1e-12)
+    assert m["chi2_token"] == pytest.approx((math.exp(40) + 2 + math.exp(-40)) / 4 - 1,
+                                            rel=1e-12)
+    assert m["chi2_seq"] == pytest.approx((math.exp(40) + math.exp(-40)) / 2 - 1, rel=1e-12)
+    assert m["training_log_ppl"] == 7.5 and m["rollout_log_ppl"] == 7.5
+
+
+@pytest.mark.parametrize("trainer, sampler, mask, message", [
+    (torch.zeros(2), torch.zeros(2), torch.ones(2),
+     "trainer_logp must have 2 dimensions, got shape (2,) (1 dimensions)"),
+    (torch.zeros(1, 2), torch.zeros(2), torch.ones(1, 2),
+     "sampler_logp must have 2 dimensions, got shape (2,) (1 dimensions)"),
+    (torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2),
+     "sampler_logp must have the same shape as trainer_logp (1, 2), got (1, 3)"),
+    (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 3),
+     "mask must have the shape of trainer_logp (1, 2), got (1, 3)"),
+])
+def test_batch_refusals_in_full(trainer, sampler, mask, message):
+    with pytest.raises(ValueError) as caught:
+        C.importance_weights(trainer, sampler, mask)
+    assert str(caught.value) == message
+
+
+# DPPO at the edges of its trust region
+def _dppo(loss_fn, trainer, sampler, A, **kwargs):
+    trainer = torch.tensor([trainer], dtype=torch.float64).requires_grad_()
+    sampler = torch.tensor([sampler], dtype=torch.float64)
+    A = torch.tensor(A, dtype=torch.float64)
+    loss, m = loss_fn(trainer, sampler, A, torch.ones(trainer.shape), **kwargs)
+    loss.backward()
+    return trainer.grad, m
+
+
+def test_dppo_tv_edges_are_inside():
+    half = math.log(0.5)
+    assert torch.exp(torch.tensor(half, dtype=torch.float64)).item() == 0.5
+    # p - q = 0.5 = delta_h with A > 0, p - q = -0.5 = -delta_l with A < 0: both inside
+    _, m = _dppo(C.dppo_tv_loss, [0.0], [half], [1.0], clip_ratio_high=0.5)
+    assert m["actor/pg_clipfrac"] == 0.0
+    _, m = _dppo(C.dppo_tv_loss, [half], [0.0], [-1.0], clip_ratio_low=0.5)
+    assert m["actor/pg_clipfrac"] == 0.0
+    # A = 0 takes the A <= 0 side: p - q = 0.5 is above delta_h = 0.1, not below -delta_l
+    _, m = _dppo(C.dppo_tv_loss, [0.0], [half], [0.0], clip_ratio_high=0.1, clip_ratio_low=0.5)
+    assert m["actor/pg_clipfrac"] == 0.0
+    # a ratio equal to the cap is not truncated: rho = 1 = c
+    _, m = _dppo(C.dppo_tv_loss, [half], [half], [1.0], clip_ratio_c=1.0)
+    assert m["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_dppo_kl_edges_are_inside():
+    # a binary KL equal to the threshold is inside (kl <= delta), on either side
+    up_t, up_s = math.log(0.6), math.log(0.3)  # p > q, A > 0
+    kl_up = float(C._binary_kl(torch.tensor(up_s, dtype=torch.float64),
+                               torch.tensor(up_t, dtype=torch.float64)))
+    _, m = _dppo(C.dppo_kl_loss, [up_t], [up_s], [1.0], clip_ratio_high=kl_up)
+    assert m["actor/pg_clipfrac"] == 0.0
+    _, m = _dppo(C.dppo_kl_loss, [up_s], [up_t], [-1.0],  # p < q, A < 0
+                 clip_ratio_low=float(C._binary_kl(torch.tensor(up_t, dtype=torch.float64),
+                                                   torch.tensor(up_s, dtype=torch.float64))))
+    assert m["actor/pg_clipfrac"] == 0.0
+
+
+def test_dppo_binary_kl_at_a_probability_of_one():
+    # q = 1: KL = log(1 / p) = log 2 for p = 1/2 (the 1 - q term is 0 * log(1e-8 / ...) = 0),
+    # inside a delta_l of 1 with A < 0
+    _, m = _dppo(C.dppo_kl_loss, [math.log(0.5)], [0.0], [-1.0], clip_ratio_low=1.0)
+    assert m["actor/pg_clipfrac"] == 0.0
+    # p = 1, q = 1/2: KL = 0.5 log 0.5 + 0.5 log((0.5 + 1e-8) / 1e-8) = 8.517, inside 10
+    kl = 0.5 * math.log(0.5) + 0.5 * math.log((0.5 + 1e-8) / 1e-8)
+    assert kl == pytest.approx(8.5172, abs=1e-4)
+    _, m = _dppo(C.dppo_kl_loss, [0.0], [math.log(0.5)], [1.0], clip_ratio_high=10.0)
+    assert m["actor/pg_clipfrac"] == 0.0
+
+
+def test_dppo_truncation_defaults_and_the_largest_cap():
+    # dppo_kl_loss's default cap is 3 (verl's clip_ratio_c): rho = 3.5 is weighted 3; with
+    # A = -1 (p >= q: inside) the gradient of -w A log pi is w
+    grad, m = _dppo(C.dppo_kl_loss, [math.log(0.35)], [math.log(0.1)], [-1.0])
+    assert grad.item() == pytest.approx(3.0, rel=1e-12) and m["actor/pg_clipfrac_lower"] == 1.0
+    # no cap (inf): rho = e^20 (the clamp's largest) is weighted e^20
+    grad, _ = _dppo(C.dppo_tv_loss, [0.0], [-20.0], [-1.0], clip_ratio_c=math.inf)
+    assert grad.item() == pytest.approx(math.exp(20), rel=1e-12)
+
+
+def test_dppo_thresholds_accept_inf_and_refuse_a_negative_clip_ratio():
+    grad, m = _dppo(C.dppo_tv_loss, [0.0], [-5.0], [1.0], clip_ratio_low=math.inf,
+                    clip_ratio_high=math.inf)
+    assert m["actor/pg_clipfrac"] == 0.0
+    with pytest.raises(ValueError) as caught:
+        _dppo(C.dppo_tv_loss, [0.0], [0.0], [1.0], clip_ratio=-0.1)
+    assert str(caught.value) == "clip_ratio must be >= 0.0, got -0.1"
+
+
+def test_dppo_reads_probabilities_in_the_compute_dtype():
+    # float16 inputs: p = exp(log p) in float32, not rounded to float16, meets delta_h
+    trainer = torch.tensor([[-0.5]], dtype=torch.float16)
+    sampler = torch.tensor([[math.log(0.5)]], dtype=torch.float16)
+    p32, q32 = torch.exp(trainer.float()), torch.exp(sampler.float())
+    p16 = p32.half().float()
+    assert p16.item() != p32.item()
+    high = float(((p32 - q32) + (p16 - q32)) / 2)  # between the two readings: p32 is outside
+    _, m = C.dppo_tv_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 1),
+                          clip_ratio_high=high)
+    assert m["actor/pg_clipfrac"] == 1.0
+
+
+def test_ppo_clip_high_is_cut_at_e21_not_lower():
+    # rho = e^20 with A > 0 and no real cap: clip(rho) = rho, nothing is clipped
+    trainer = torch.zeros(1, 1, dtype=torch.float64)
+    _, m = C.ppo_clip_loss(trainer, trainer - 20.0, torch.tensor([1.0], dtype=torch.float64),
+                           torch.ones(1, 1), clip_ratio_high=1e30)
+    assert m["actor/pg_clipfrac"] == 0.0
+    with pytest.raises(ValueError) as caught:
+        C.ppo_clip_loss(trainer, trainer, torch.tensor([1.0]), torch.ones(1, 1),
+                        clip_ratio_high=-0.1)
+    assert str(caught.value) == "clip_ratio_high must be >= 0.0, got -0.1"
+
+
+def test_cispo_and_gspo_report_no_lower_clip():
+    trainer, sampler, mask, A = _batch()
+    assert C.cispo_loss(trainer, sampler, A, mask)[1]["actor/pg_clipfrac_lower"] == 0.0
+    assert C.gspo_loss(trainer, sampler, A, mask)[1]["actor/pg_clipfrac_lower"] == 0.0
+
+
+def test_dro_overflow_refusal_in_full():
+    trainer = torch.tensor([[0.0, -3.0]])
+    with pytest.raises(ValueError) as caught:
+        C.dro_loss(trainer, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                   dro_beta=1e38)
+    assert str(caught.value) == (
+        "dro_loss overflows torch.float32 at position (0, 1): dro_beta / 2 * (log ratio)^2 "
+        "with dro_beta=1e+38, log ratio -3.0; use float64 inputs or a smaller dro_beta")
+
+
+def test_a_ratio_below_e_minus_20_is_read_as_e_minus_20():
+    # verl's SAFETY_BOUND clamps the log-ratio on both sides: rho = e^-30 weighs e^-20
+    trainer = torch.tensor([[-30.0]], dtype=torch.float64)
+    w, _ = C.importance_weights(trainer, torch.zeros_like(trainer), torch.ones(1, 1))
+    assert w.item() == pytest.approx(math.exp(-20), rel=1e-12)
+
+
+def test_advantages_refusal_names_them():
+    with pytest.raises(TypeError) as caught:
+        C.ppo_clip_loss(_T2, _T2, [1.0], torch.ones(1, 2))
+    assert str(caught.value) == "advantages must be a torch.Tensor, got list"
+
+
+@pytest.mark.parametrize("A", [1.0, -1.0])
+def test_dppo_kl_takes_equal_probabilities_as_inside_even_with_a_positive_kl(A):
+    # log p = -2e-20 and log q = -1e-20 both give p = q = 1.0, yet the binary KL is about
+    # q (log q - log p) = 1e-20 > delta = 0: p = q keeps the token inside on both sides
+    _, m = _dppo(C.dppo_kl_loss, [-2e-20], [-1e-20], [A], clip_ratio=0.0)
+    assert m["actor/pg_clipfrac"] == 0.0
