@@ -655,7 +655,9 @@ def _tinylm_mismatch():
                 ylabel="relative bias, autoregressive toy", title="every estimator, exactly")
     from matplotlib.ticker import LogLocator
 
-    axes[1].xaxis.set_major_locator(LogLocator(numticks=5))
+    # few log ticks: their exponents are the figure's smallest text
+    for axis in (axes[0].yaxis, axes[1].xaxis, axes[1].yaxis):
+        axis.set_major_locator(LogLocator(numticks=5))
     handles, labels = axes[1].get_legend_handles_labels()
     fig.legend(fig_handles[0] + handles, fig_handles[1] + labels, loc="lower center", ncol=2,
                bbox_to_anchor=(0.5, -0.02), columnspacing=1.0, handlelength=2.0)

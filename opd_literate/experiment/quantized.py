@@ -203,10 +203,12 @@ def token_mismatch(log_pi, log_mu, visits):
     reaching $s$, or 1 for a position of the independent toy),
 
     $$
-    \overline{\mathrm{KL}} = \frac{\sum_s n_s\, \mathrm{KL}(\mu_s \,\|\, \pi_s)}{\sum_s n_s},
-    \qquad
-    \log \rho(s, v) = \log \pi(v \mid s) - \log \mu(v \mid s)
+    \begin{aligned}
+    \overline{\mathrm{KL}} &= \frac{\sum_s n_s\, \mathrm{KL}(\mu_s \,\|\, \pi_s)}{\sum_s n_s},
+    \\
+    \log \rho(s, v) &= \log \pi(v \mid s) - \log \mu(v \mid s)
     \ \text{ with weight } \ \frac{n_s\, \mu(v \mid s)}{\sum_s n_s},
+    \end{aligned}
     $$
 
     the mean KL of a sampled token and the distribution of the log-ratio of the token the
