@@ -249,6 +249,7 @@ def test_python_dash_m_entry_point():
 
 @functools.cache  # built once per process: three tests read every snippet
 @functools.cache  # three tests read them all; computing them is about a second
+@functools.lru_cache(maxsize=1)  # four tests read them all: lift each snippet once
 def _every_snippet():
     return tuple((f"{module}.{function}", snippet(f"{module}.{function}", compact=compact))
                  for module in COPY_READY_MODULES for function in public_functions(module)
