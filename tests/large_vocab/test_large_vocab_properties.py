@@ -128,6 +128,9 @@ def topk_case(draw):
         draw(st.sampled_from(DIRECTIONS))
 
 
+# The slowest of the file's properties: the slow tier runs it (and .ci/run's property step
+# at 1,000 examples), which keeps the README's command under a minute on 2 cores.
+@pytest.mark.slow
 @given(topk_case())
 def test_topk_kl_finite_in_finite_out_close_to_the_reference(case):
     student, teacher_logp, ids, approximation, direction = case
@@ -286,6 +289,9 @@ def dense_reference(hidden, weight, bias, mask, options):
     return loss.detach(), [None if x is None else x.grad for x in (h, W, b)]
 
 
+# The slowest of the file's properties: the slow tier runs it (and .ci/run's property step
+# at 1,000 examples), which keeps the README's command under a minute on 2 cores.
+@pytest.mark.slow
 @given(chunked_case(), st.integers(0, 2**32 - 1))
 def test_chunked_finite_in_finite_out_and_masked_rows_have_no_influence(case, seed):
     hidden, weight, bias, mask, options = case

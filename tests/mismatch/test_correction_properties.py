@@ -247,6 +247,9 @@ def weight_calls(case, is_opts, rs, veto):
     return calls
 
 
+# The slowest of the file's properties: the slow tier runs it (and .ci/run's property step
+# at 1,000 examples), which keeps the README's command under a minute on 2 cores.
+@pytest.mark.slow
 @pytest.mark.properties
 @given(batches(), is_options(), rs_options(), st.sampled_from([1e-300, 1e-4, 0.5, 1.0, 1e300]),
        st.data())
