@@ -424,6 +424,7 @@ def test_the_study_functions_refuse_bad_input_by_name(call, message):
 
 
 # Found by mutation testing
+@pytest.mark.slow  # draws the figure (matplotlib): 1.5 s, the slow tier's
 def test_the_figure_shows_what_its_docstring_and_the_chapter_say(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
@@ -526,6 +527,7 @@ def test_the_figure_data_defaults_are_the_chapters_settings():
             topk_bias_figure_data(V=bad)
 
 
+@pytest.mark.slow  # draws the figure (matplotlib): 1.5 s, the slow tier's
 def test_the_figure_defaults_to_the_figure_data(tmp_path, monkeypatch):
     from opd_literate.large_vocab import topk
 
