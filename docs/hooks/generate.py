@@ -413,8 +413,8 @@ ENGINE_ESTIMATORS = ["naive", "token_is", "seq_is", "token_tis", "seq_tis", "ice
 def _engine():
     """The engine's sampler (mismatch chapter): temperature, top-p and the reported log-probs."""
     from opd_literate.mismatch.engine import engine_toy
-    from opd_literate.mismatch.estimators import comparison_table
-    from opd_literate.mismatch.toy import make_toy
+    from opd_literate.mismatch.estimators import comparison_table, seq_is
+    from opd_literate.mismatch.toy import estimator_moments, make_toy
 
     toy = make_toy()  # mismatch 0.3, T = 6, V = 4
 
@@ -447,9 +447,6 @@ def _engine():
     cut = engine_toy(toy, top_p=top_p)
     share = np.linalg.norm(cut["truncated_grad"]) / np.linalg.norm(cut["true_grad"])
     replayed = engine_toy(toy, top_p=top_p, trainer_mask=True)
-    from opd_literate.mismatch.estimators import seq_is
-    from opd_literate.mismatch.toy import estimator_moments
-
     own = np.linalg.norm(estimator_moments(replayed, seq_is(replayed))["mean"]
                          - replayed["masked_grad"]) / np.linalg.norm(replayed["masked_grad"])
     lines += ["", f"At top-p = {top_p} the engine cannot write {len(toy['Y']) - len(cut['Y']):,} "
@@ -552,6 +549,8 @@ def _tinylm_clamps():
               f"their answers to {record['prompts']} test prompts weighted by the student's "
               "probability of reaching it."]
     _write("tinylm_clamps_table.md", "\n".join(lines) + "\n")
+
+
 def _supports():
     """The "Which support" study of the large-vocabulary chapter: its table and figure."""
     from opd_literate.large_vocab.supports import (

@@ -118,6 +118,13 @@ def _check_out(parser, text):
     return out_dir
 
 
+def _write_record(path, record):
+    """One of the records the docs build reads, written atomically; the command's exit code."""
+    replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None):
     """The command line (see ``--help``).
 
@@ -146,25 +153,16 @@ def main(argv=None):
     if args.tinylm_mismatch:
         from .quantized import mismatch_study_record
 
-        path = out_dir / "tinylm_mismatch.json"
-        record = mismatch_study_record(config, cache="refresh" if args.no_cache else "read")
-        replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
-        print(f"wrote {path}")
-        return 0
+        return _write_record(out_dir / "tinylm_mismatch.json", mismatch_study_record(
+            config, cache="refresh" if args.no_cache else "read"))
     if args.clamp_study:
         from .exact import clamp_study_record
 
-        path = out_dir / "clamp_study.json"
-        record = clamp_study_record(config, cache="refresh" if args.no_cache else "read")
-        replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
-        print(f"wrote {path}")
-        return 0
+        return _write_record(out_dir / "clamp_study.json", clamp_study_record(
+            config, cache="refresh" if args.no_cache else "read"))
     if args.gradient_agreement:
-        path = out_dir / "gradient_agreement.json"
-        record = gradient_agreement_record(config)
-        replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
-        print(f"wrote {path}")
-        return 0
+        return _write_record(out_dir / "gradient_agreement.json",
+                             gradient_agreement_record(config))
     cache = "refresh" if args.no_cache else "read"
     partial = out_dir / "results.partial.json"
     finished = []

@@ -227,9 +227,9 @@ def mixed_table(toy, coefs, kinds=MIXED_ESTIMATORS, N=64, baseline=0.0):
     kinds = [_check_kind(kind) for kind in kinds]
     coefs = [_check_coef(coef) for coef in coefs]
     rows = []
+    task = weighted_score(toy, np.ones(len(toy["Y"])), baseline)  # the same for every kind
     for kind in kinds:
         teacher = teacher_estimate(toy, kind)
-        task = weighted_score(toy, np.ones(len(toy["Y"])), baseline)
         for coef in coefs:
             targets = mixed_targets(toy, coef)
             estimate = task - coef * teacher
