@@ -41,6 +41,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
   * ``opd_literate.experiment.quantized``: the students run as quantized (int8, int4) and
     low-precision (bf16, fp16) samplers, the mismatch they create, and every estimator's exact
     bias and variance on tinylm's enumerated answers (imports: numpy, torch).
+  * ``opd_literate.experiment.mismatch_training``: RL and sampled-token OPD trained with those
+    samplers, with and without verl's corrections (imports: torch).
   * ``opd_literate.experiment.config``: the frozen configuration dataclass, ``DEFAULT``,
     ``QUICK`` and ``LONG`` (imports: nothing).
   * ``opd_literate.experiment.ensemble``: many students trained as one: the summed loss and

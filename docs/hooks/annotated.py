@@ -33,7 +33,8 @@ PACKAGE = DOCS.parent / "opd_literate"
 MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
            "mismatch.correction", "mismatch.engine", "mismatch.task_rewards",
            "large_vocab.chunked", "large_vocab.topk", "large_vocab.clamps", "large_vocab.supports",
-           "experiment.tinylm", "experiment.train", "experiment.quantized")
+           "experiment.tinylm", "experiment.train", "experiment.quantized",
+           "experiment.mismatch_training")
 """The chapter modules, in the order of the chapters."""
 
 _SECTION = re.compile(r"^(?P<title>[A-Z][A-Za-z ]+)\n-{3,}$", re.M)

@@ -39,6 +39,7 @@ EXPERIMENT_LONG = DOCS / "data" / "experiment" / "long" / "results.json"
 EXPERIMENT_RERUNS = DOCS / "data" / "experiment" / "reruns"
 COMMITTED_MACHINE = "committed: 2 cores, AVX-512"
 TINYLM_MISMATCH = DOCS / "data" / "experiment" / "tinylm_mismatch.json"
+MISMATCH_TRAINING = DOCS / "data" / "mismatch_experiment" / "mismatch_training.json"
 
 
 def _write(name: str, data) -> None:
@@ -664,6 +665,45 @@ def _tinylm_mismatch():
     _write("tinylm_mismatch.svg", svg_bytes(fig))
 
 
+def _mismatch_training():
+    """The mismatch chapter's training study, from
+    docs/data/mismatch_experiment/mismatch_training.json (``--mismatch-training``: three
+    minutes, too long here): a table per method and the figure."""
+    from opd_literate.experiment.mismatch_training import mismatch_summary
+    from opd_literate.experiment.plots import write_mismatch_plot
+
+    record = json.loads(MISMATCH_TRAINING.read_text())
+    level = record["config"]["correction_level"]
+
+    def cell(stat, digits=3):
+        return f"{stat['mean']:.{digits}f} [{stat['low']:.{digits}f}, {stat['high']:.{digits}f}]"
+
+    for method, rows in mismatch_summary(record).items():
+        lines = ["| sampler | correction | trainer's accuracy | against `fp32` (paired) "
+                 "| sampler's accuracy | KL(sampler ‖ trainer) | tokens weighted |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for row in rows:
+            sampler, _, correction = row["name"].partition(" ")
+            correction = correction.replace("none, sampler reward",
+                                            "none, the sampler's log-probs in the reward")
+            lines.append(f"| `{sampler}` | `{correction}` | {cell(row['final_accuracy'])} | "
+                         f"{cell(row['difference'])} | {cell(row['final_sampler_accuracy'])} | "
+                         f"{row['mismatch_kl']['mean']:.2e} | "
+                         f"{row['kept_fraction']['mean']:.3f} |")
+        seeds = len(rows[0]["final_accuracy"]["per_seed"])
+        lines += ["", f"Greedy accuracy on the {record['config']['experiment']['eval_prompts']} "
+                  f"test prompts after {record['config']['steps']} steps: the mean of "
+                  f"{seeds} seeds [95% percentile bootstrap]. \"Against `fp32`\": the "
+                  "accuracy less that of the same seed trained on policy. The sampler's "
+                  "accuracy: the model the sampler runs (for the "
+                  f"corrections, `{level}`). KL, and the share of the tokens whose weight in the "
+                  "loss is not 0: the mean over training."]
+        _write(f"mismatch_training_{method}.md", "\n".join(lines) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_mismatch_plot(record, pathlib.Path(tmp) / "mismatch_training_curves.svg")
+        _write("mismatch_training_curves.svg", path.read_bytes())
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -686,6 +726,7 @@ GENERATORS = (
     (_tinylm_mismatch, ("tinylm_mismatch_table.md", "tinylm_estimators_bias.md",
                         "tinylm_estimators_rmse.md", "tinylm_opd_table.md",
                         "tinylm_mismatch.svg")),
+    (_mismatch_training, ("mismatch_training_*",)),
 )
 
 

@@ -77,11 +77,11 @@ class _StepCounter:
         self.steps[self.slot] += n
 
 
-def worker_main(connection, steps, slot, parent_pid):
+def worker_main(connection, steps, slot, parent_pid, train=train_method):
     """A worker process: receives the ``Prepared`` data (``torch.save`` bytes), then method
-    names; sends back ``(method, "ok", runs)`` for each, until it receives ``None``. An error is
-    sent back as ``(method, "error", traceback)``. A closed pipe means the parent is stopping:
-    return."""
+    names; sends back ``(method, "ok", runs)`` for each, ``runs = train(method, prepared, bar)``,
+    until it receives ``None``. An error is sent back as ``(method, "error", traceback)``. A
+    closed pipe means the parent is stopping: return."""
     torch.set_num_threads(1)
     try:
         prepared = torch.load(io.BytesIO(connection.recv_bytes()), weights_only=False)
@@ -96,7 +96,7 @@ def worker_main(connection, steps, slot, parent_pid):
         if method is None:
             return
         try:
-            runs = train_method(method, prepared, bar)
+            runs = train(method, prepared, bar)
         except Exception:
             connection.send((method, "error", traceback.format_exc()))
             return
@@ -143,8 +143,12 @@ def _sigint_ignored():
             signal.signal(signal.SIGINT, previous)
 
 
-def train_in_workers(methods, prepared, workers, bar):
+def train_in_workers(methods, prepared, workers, bar, train=train_method):
     """Yield ``(method, runs)`` as each method finishes, trained by ``workers`` processes.
+
+    ``train(method, prepared, bar)`` trains one method: by default
+    [opd_literate.experiment.train.train_method][]; a module-level function, which a spawned
+    worker imports by name.
 
     Each worker is a fresh interpreter (``spawn``: forking a process whose torch thread pools
     have run is unsafe) that receives its own copy of ``prepared`` through its pipe after it has
@@ -167,7 +171,7 @@ def train_in_workers(methods, prepared, workers, bar):
         for slot in range(workers):
             ours, theirs = context.Pipe()
             process = context.Process(target=worker_main, daemon=True,
-                                      args=(theirs, steps, slot, os.getpid()))
+                                      args=(theirs, steps, slot, os.getpid(), train))
             pool.append((process, ours))
             with _sigint_ignored():
                 process.start()

@@ -59,9 +59,10 @@ import torch
 from torch import nn
 
 from .exact import answer_states, reach_log_probs, state_logits
-from .tinylm import EOS, PAD, answer_tokens, make_prompts
+from .tinylm import EOS, PAD, EnsembleLM, answer_tokens, make_prompts
 
-__all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "engine_logits",
+__all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "ensemble_sampler",
+           "engine_logits",
            "token_mismatch", "answer_toy", "sampler_states", "tinylm_answer_toy",
            "toy_token_mismatch", "matched_toy_mismatch", "average_ranks", "rank_correlation",
            "mismatch_study", "mismatch_study_record"]
@@ -175,6 +176,47 @@ def sampler_copy(model, sampler):
             if isinstance(layer, nn.Linear):
                 layer.weight.copy_(quantize_per_channel(layer.weight, _BITS[sampler]))
     return engine
+
+
+@torch.no_grad()
+def ensemble_sampler(ensemble, sampler):
+    r"""A copy of an [opd_literate.experiment.tinylm.EnsembleLM][] run as ``sampler``: each
+    model exactly as [opd_literate.experiment.quantized.sampler_copy][] runs it alone.
+
+    An ensemble stores linear layer $\ell$ of model $m$ as ``weights[l][m]``, ``(in, out)``, the
+    transpose of ``nn.Linear``'s ``(out, in)``: an output channel is a column, so the int8 and
+    int4 scales are maxima over ``in``. Embeddings and biases are kept.
+
+    Examples
+    --------
+    >>> from opd_literate.experiment.tinylm import EnsembleLM
+    >>> _ = torch.manual_seed(0)
+    >>> ensemble = EnsembleLM(2, 8, 1)
+    >>> for p in ensemble.parameters():
+    ...     _ = torch.nn.init.normal_(p)
+    >>> int4 = ensemble_sampler(ensemble, "int4")
+    >>> column = int4.weights[1][1][:, 0]
+    >>> len(torch.unique((column / (column.abs().max() / 7)).round())) <= 15
+    True
+    >>> ensemble_sampler(ensemble, "bf16").weights[0].dtype
+    torch.bfloat16
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    copy = EnsembleLM(ensemble.models, ensemble.weights[0].shape[2], len(ensemble.weights) - 1,
+                      ensemble.embed, ensemble.digits).to(ensemble.weights[0].device)
+    copy.load_state_dict(ensemble.state_dict())
+    copy.requires_grad_(False)
+    if sampler in _DTYPES:
+        return copy.to(_DTYPES[sampler])
+    copy = copy.float()  # weight-only quantization computes in float32, as sampler_copy
+    for weight in copy.weights:
+        M, n_in, n_out = weight.shape
+        # (M, in, out) -> one row per (model, output channel), as quantize_per_channel takes them
+        rows = weight.transpose(1, 2).reshape(M * n_out, n_in)
+        weight.copy_(quantize_per_channel(rows, _BITS[sampler]).reshape(M, n_out, n_in)
+                     .transpose(1, 2))
+    return copy
 
 
 @torch.no_grad()

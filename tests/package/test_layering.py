@@ -37,6 +37,7 @@ THIRD_PARTY = {
     "experiment.tinylm": {"torch"},
     "experiment.exact": {"torch"},
     "experiment.quantized": {"numpy", "torch"},
+    "experiment.mismatch_training": {"torch"},
     "experiment.config": set(),
     "experiment.ensemble": {"torch"},
     "experiment.train": {"torch"},

@@ -763,3 +763,134 @@ def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
     committed = json.loads(TINYLM_MISMATCH.read_text())
     assert record["estimators"]["int4"]["tinylm"][0]["rel_bias"] == pytest.approx(
         committed["estimators"]["int4"]["tinylm"][0]["rel_bias"], rel=0.2)
+
+
+MISMATCH_TRAINING = ROOT / "docs/data/mismatch_experiment/mismatch_training.json"
+
+
+def _mismatch_training_claims(record, exact=None):
+    """The sentences of the mismatch chapter's section "Training under the mismatch". With
+    ``exact`` (tinylm_mismatch.json), those that compare the training with the exact tables."""
+    from opd_literate.experiment.mismatch_training import mismatch_summary
+
+    table = {method: {row["name"]: row for row in rows}
+             for method, rows in mismatch_summary(record).items()}
+    rl, opd = table["rl"], table["opd_sampled"]
+
+    def mean(rows, name, key="final_accuracy"):
+        return rows[name][key]["mean"]
+
+    for rows in (rl, opd):
+        for level in ("bf16", "int8"):  # nothing measurable
+            difference = rows[f"{level} none"]["difference"]
+            assert abs(difference["mean"]) <= 0.014 and difference["low"] <= 0 <= difference["high"]
+        kl = mean(rows, "int4 none", "mismatch_kl")
+        assert 0.08 < kl < 0.12 and kl > 1000 * mean(rows, "bf16 none", "mismatch_kl")
+        for name in ("int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"):
+            assert abs(mean(rows, name) - mean(rows, "int4 none")) < 0.02
+        assert mean(rows, "int4 decoupled_geo_rs") < 0.07
+        assert mean(rows, "int4 decoupled_geo_rs") == min(mean(rows, n) for n in rows)
+        none = mean(rows, "int4 none", "final_sampler_accuracy")
+        corrected = [mean(rows, n, "final_sampler_accuracy") for n in rows
+                     if n.startswith("int4 decoupled")]
+        assert all(value < none for value in corrected)
+        assert all(mean(rows, n) > mean(rows, n, "final_sampler_accuracy")
+                   for n in rows if n.startswith("int4 decoupled") and "geo_rs" not in n)
+    for method in ("rl", "opd_sampled"):  # the mismatch changes little as the students learn
+        runs = record["methods"][method]
+        for level in ("bf16", "int8", "int4"):
+            curve = np.mean([seed[1:] for seed in runs[f"{level} none"]["mismatch_kl"]], axis=0)
+            assert curve.max() / curve.min() < 1.5
+    difference = rl["int4 none"]["difference"]
+    assert (round(-difference["mean"], 3), round(-difference["high"], 3),
+            round(-difference["low"], 3)) == (0.154, 0.083, 0.224)
+    difference = opd["int4 none"]["difference"]
+    assert (round(-difference["mean"], 3), round(-difference["high"], 3),
+            round(-difference["low"], 3)) == (0.021, 0.009, 0.040)
+    assert rl["int4 none"]["difference"]["mean"] < 7 * opd["int4 none"]["difference"]["mean"]
+    for name in ("int4 decoupled_token_is", "int4 decoupled_seq_is"):
+        difference = opd[name]["difference"]
+        assert abs(difference["mean"]) < 0.01 and difference["low"] <= 0 <= difference["high"]
+    token, seq = rl["int4 decoupled_token_is"]["difference"], rl["int4 decoupled_seq_is"]["difference"]
+    assert round(-token["mean"], 3) == 0.055 and token["low"] <= 0 <= token["high"]
+    assert round(-seq["mean"], 3) == 0.087
+    for name, low, high in (("int4 decoupled_token_icepop", 8, 9),
+                            ("int4 decoupled_seq_is_rs", 29, 31)):
+        zero = [100 * (1 - rows[name]["kept_fraction"]["mean"]) for rows in (rl, opd)]
+        assert [round(z) for z in (min(zero), max(zero))] == [low, high]
+    kept = (rl["int4 decoupled_geo_rs"]["kept_fraction"]["mean"],
+            opd["int4 decoupled_geo_rs"]["kept_fraction"]["mean"])
+    assert (round(100 * kept[0], 1), round(100 * kept[1], 1)) == (2.2, 1.1)
+    for runs in record["methods"].values():  # the same five students in every condition
+        starts = {tuple(seed[0] for seed in runs[name]["accuracy"]) for name in runs["conditions"]}
+        assert len(starts) == 1 and len(next(iter(starts))) == 5
+    start = np.mean([seed[0] for seed in record["methods"]["rl"]["fp32 none"]["accuracy"]])
+    assert round(start, 3) == 0.708
+    assert (round(mean(rl, "int4 decoupled_geo_rs"), 3),
+            round(mean(opd, "int4 decoupled_geo_rs"), 3)) == (0.013, 0.063)
+    bug = opd["int4 none, sampler reward"]["difference"]["mean"]
+    assert round(-bug, 3) == 0.274 and bug < opd["int4 none"]["difference"]["mean"]
+    int4_start = np.mean([seed[0] for seed in
+                          record["methods"]["rl"]["int4 none"]["sampler_accuracy"]])
+    assert round(int4_start, 3) == 0.516
+    assert (round(mean(rl, "int4 none", "final_sampler_accuracy"), 3),
+            round(mean(opd, "int4 none", "final_sampler_accuracy"), 3)) == (0.703, 0.842)
+    corrected = {method: sorted(mean(rows, n, "final_sampler_accuracy") for n in rows
+                                if n.startswith("int4 decoupled") and "geo_rs" not in n)
+                 for method, rows in (("rl", rl), ("opd", opd))}
+    assert [round(corrected["rl"][i], 3) for i in (0, -1)] == [0.570, 0.640]
+    assert [round(corrected["opd"][i], 3) for i in (0, -1)] == [0.686, 0.779]
+    if exact is not None:
+        for rows in (rl, opd):
+            for level in ("bf16", "int8", "int4"):
+                reference = np.mean([s["kl"] for s in exact["mismatch"][level]])
+                assert 1 / 1.5 < mean(rows, f"{level} none", "mismatch_kl") / reference < 1.5
+        geo = {r["name"]: r for r in exact["estimators"]["int4"]["tinylm"]}["geo_rs"]
+        assert geo["rel_bias"] > 0.87 and geo["seq_frac"] > 0.95
+        for sampler in ("bf16", "fp16", "int8", "int4"):
+            recipe = {(r["logp"], r["weight"]): r["rel_bias"] for r in exact["opd"][sampler]}
+            assert recipe[("sampler", "none")] > recipe[("trainer", "none")]
+
+
+def test_committed_mismatch_training_uses_the_current_defaults_and_backs_the_chapter():
+    from opd_literate.experiment.mismatch_training import MISMATCH_DEFAULT, conditions
+
+    record = json.loads(MISMATCH_TRAINING.read_text())
+    assert record["config"] == json.loads(json.dumps(MISMATCH_DEFAULT.as_dict()))
+    assert record["config"]["experiment"] == json.loads(json.dumps(DEFAULT_CONFIG.as_dict()))
+    for method, runs in record["methods"].items():
+        assert runs["conditions"] == [c.name for c in conditions(MISMATCH_DEFAULT, method)]
+        assert runs["samples"][-1] == MISMATCH_DEFAULT.steps * DEFAULT_CONFIG.batch_size
+        for name in runs["conditions"]:
+            assert all(len(seed) == len(runs["samples"]) for seed in runs[name]["accuracy"])
+            assert len(runs[name]["accuracy"]) == DEFAULT_CONFIG.seeds
+    _mismatch_training_claims(record, json.loads(TINYLM_MISMATCH.read_text()))
+    page = (ROOT / "docs/mismatch.md").read_text()
+    assert f"it took {round(record['run']['wall_seconds'])} s" in page
+    assert record["run"]["workers"] == 2 and record["run"]["cpus"] == 2
+    for text in ("the same five\nstudents for 600 steps of 64 answers",
+                 "a learning rate of $10^{-3}$", "the mean of its group of 4"):
+        assert text in page
+    assert (MISMATCH_DEFAULT.lr, MISMATCH_DEFAULT.steps, DEFAULT_CONFIG.group) == (1e-3, 600, 4)
+
+
+@pytest.mark.slow
+def test_the_mismatch_training_rerun_here_keeps_the_chapters_robust_claims():
+    """The default study recomputed on this machine (three minutes): its trajectories differ
+    from the committed ones by rounding, so only the claims with room to spare are checked."""
+    from opd_literate.experiment.mismatch_training import mismatch_summary, run_mismatch_training
+
+    record = run_mismatch_training(progress=False, workers=2)
+    for rows in mismatch_summary(record).values():
+        rows = {row["name"]: row for row in rows}
+        for level in ("bf16", "int8"):
+            assert abs(rows[f"{level} none"]["difference"]["mean"]) < 0.05
+        assert rows["int4 none"]["mismatch_kl"]["mean"] > 100 * rows["int8 none"][
+            "mismatch_kl"]["mean"]
+        assert rows["int4 decoupled_geo_rs"]["final_accuracy"]["mean"] < 0.3
+        assert rows["int4 decoupled_geo_rs"]["kept_fraction"]["mean"] < 0.1
+        assert 0.5 < rows["int4 decoupled_seq_is_rs"]["kept_fraction"]["mean"] < 0.9
+    rl = {row["name"]: row for row in mismatch_summary(record)["rl"]}
+    assert rl["int4 none"]["difference"]["high"] < 0
+    opd = {row["name"]: row for row in mismatch_summary(record)["opd_sampled"]}
+    assert opd["int4 none, sampler reward"]["difference"]["mean"] < -0.1

@@ -1,0 +1,361 @@
+"""Training under the mismatch (opd_literate.experiment.mismatch_training): the ensemble's
+samplers are the quantized module's, the engine samples its own distribution, the corrected loss
+is correction.py's per model, and a tiny run is wired as the module says."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opd_literate.experiment import mismatch_training as MT
+from opd_literate.experiment import tinylm as lm
+from opd_literate.experiment.quantized import SAMPLERS, ensemble_sampler, sampler_copy
+from opd_literate.mismatch.correction import reinforce_loss, rollout_correction
+from opd_literate.opd import opd_pg_loss, reverse_kl_rewards
+from tests.experiment._tiny import TINY
+
+
+def _random_ensemble(models=3, hidden=8, layers=2, seed=0):
+    torch.manual_seed(seed)
+    ensemble = lm.EnsembleLM(models, hidden, layers)
+    with torch.no_grad():
+        for p in ensemble.parameters():
+            p.normal_(0, 0.5)
+    return ensemble
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_the_ensembles_sampler_is_sampler_copy_model_by_model(sampler):
+    """Each model of ensemble_sampler has the weights sampler_copy gives it alone, bit for bit
+    (the same quantization code on the same numbers), and its logits to float32 rounding (the
+    ensemble's forward adds the products in another order)."""
+    ensemble = _random_ensemble()
+    engine = ensemble_sampler(ensemble, sampler)
+    prompts = lm.make_prompts(torch.tensor([[3, 4], [51, 97], [0, 0]]))
+    answers = lm.answer_tokens(torch.tensor([[3, 4], [51, 97], [0, 0]]))
+    for m in range(ensemble.models):
+        alone = sampler_copy(ensemble.member(m), sampler)
+        mine = engine.member(m)  # a float32 TinyLM: a bf16 or fp16 value widens exactly
+        for (name, a), (_, b) in zip(alone.named_parameters(), mine.named_parameters()):
+            assert torch.equal(a.float(), b), name
+        if sampler in ("fp32", "int8", "int4"):
+            expected = alone.logits(prompts, answers)
+            got = engine.logits(prompts.expand(3, -1, -1), answers.expand(3, -1, -1))[m]
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    expected_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(sampler, torch.float32)
+    assert all(p.dtype == expected_dtype for p in engine.parameters())
+    assert not any(p.requires_grad for p in engine.parameters())
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        ensemble_sampler(ensemble, "int3")
+
+
+class _FixedSampler:
+    """A sampler whose logits at position t are table[t], whatever the context."""
+
+    def __init__(self, table):
+        self.table, self.max_answer = table, table.shape[0]
+
+    context_at = staticmethod(lm.TinyLM.context_at)
+
+    def __call__(self, context, position):
+        return self.table[position]
+
+
+def test_the_engine_inverts_its_cdf_and_never_writes_a_token_of_probability_0():
+    """At K evenly spaced uniforms the share of each token is its probability to within 1/K,
+    a token whose float32 probability is 0 is never written, even at u = 0 or u near 1, and
+    the reported log-probs are those of the logits that wrote the tokens."""
+    V, K = lm.V, 2000
+    table = torch.randn(2, V)
+    table[0, [0, 5]] = -300.0  # exp(-300) underflows to 0 in float32; u = 0 is tried below
+    table[0, lm.EOS] = 1.0
+    sampler = _FixedSampler(table)
+    u = (torch.arange(K, dtype=torch.float64) + 0.5) / K
+    u = torch.cat([u, torch.tensor([0.0, 1 - 2 ** -24])])  # float32's largest below 1
+    uniforms = torch.stack([u, u.flip(0)], dim=-1)[None].float()  # (1, K + 2, 2)
+    prompts = lm.make_prompts(torch.zeros(1, K + 2, 2, dtype=torch.long))
+    tokens, mask, logp, logits = MT.engine_sample(sampler, prompts, uniforms)
+    p = torch.softmax(table[0].float(), -1)
+    counts = torch.bincount(tokens[0, :K, 0], minlength=V).double() / K
+    assert torch.allclose(counts, p.double(), atol=1.0 / K + 1e-6)
+    assert not (tokens[..., 0] == 5).any() and not (tokens[..., 0] == 0).any()
+    assert torch.isfinite(logp).all() and (logp <= 0).all()
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
+    assert torch.equal(logp, torch.where(mask.bool(), expected, torch.zeros_like(expected)))
+    ended = tokens[..., 0] == lm.EOS
+    assert (tokens[..., 1][ended] == lm.PAD).all() and (mask[..., 1][ended] == 0).all()
+
+
+def test_the_engine_names_bad_uniforms():
+    sampler = _FixedSampler(torch.zeros(4, lm.V))
+    prompts = lm.make_prompts(torch.zeros(1, 3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"uniforms must have shape \(1, 3, 4\), got \(1, 3\)"):
+        MT.engine_sample(sampler, prompts, torch.zeros(1, 3))
+    for bad in (1.0, -1e-9, math.nan):
+        with pytest.raises(ValueError, match=r"uniforms must lie in \[0, 1\)"):
+            MT.engine_sample(sampler, prompts, torch.full((1, 3, 4), bad))
+
+
+def _batch(M=3, B=6, T=4, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    trainer = (-torch.rand(M, B, T, generator=g, dtype=dtype) * 2).requires_grad_()
+    sampler = trainer.detach() + 0.3 * torch.randn(M, B, T, generator=g, dtype=dtype)
+    sampler = sampler.clamp_max(0.0)
+    lengths_ = torch.randint(1, T + 1, (M, B), generator=g)
+    mask = (torch.arange(T) < lengths_[..., None]).float()
+    advantages = torch.randn(M, B, T, generator=g, dtype=dtype)
+    return trainer, sampler, advantages, mask
+
+
+def _per_model(trainer, sampler, advantages, mask, correction, used=None):
+    total = 0.0
+    for m in range(trainer.shape[0]):
+        if correction == "none":
+            weights, keep = mask[m], mask[m].bool()
+        else:
+            options = MT.PRESETS[correction]
+            weights, keep, _ = rollout_correction(trainer[m].detach(), sampler[m], mask[m],
+                                                  **options)
+        total = total + reinforce_loss(trainer[m], advantages[m], keep, weights,
+                                       reduction="token-mean")
+        if used is not None:
+            used.append(keep & (weights != 0))
+    return total
+
+
+@pytest.mark.parametrize("correction", ["none", *MT.CORRECTIONS])
+def test_the_corrected_loss_is_each_models_own_reinforce_loss(correction):
+    """One call over the (M * B, T) rows equals the sum of the M models' own token-mean losses,
+    in value and gradient, for every correction (geometric rejection at verl's 0.1% band rejects
+    most rows here, some models entirely: their loss is 0)."""
+    trainer, sampler, advantages, mask = _batch()
+    loss, keep = MT.corrected_loss(trainer, sampler, advantages, mask, correction)
+    (grad,) = torch.autograd.grad(loss, trainer)
+    used = []
+    expected = _per_model(trainer, sampler, advantages, mask, correction, used)
+    (expected_grad,) = torch.autograd.grad(expected, trainer)
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12, rel=1e-12)
+    assert torch.allclose(grad, expected_grad, atol=1e-12, rtol=1e-12)
+    assert torch.equal(keep, torch.stack(used)) and not (keep & (mask == 0)).any()
+    if correction in ("decoupled_geo_rs", "decoupled_token_icepop", "decoupled_seq_is_rs"):
+        assert keep.sum() < mask.sum()  # each sets some tokens' weight to 0 here
+    else:
+        assert torch.equal(keep, mask.bool())
+
+
+def test_without_a_correction_the_losses_are_the_experiments():
+    """The uncorrected study loss is the experiment's: opd_pg_loss of the OPD reward (the
+    trainer's log-probs) and of RL's per-token advantage, each model's token mean, summed."""
+    trainer, sampler, advantages, mask = _batch()
+    teacher = trainer.detach() - torch.rand(trainer.shape, dtype=trainer.dtype)
+    rewards = MT._advantages("opd_sampled", torch.zeros(3, dtype=torch.bool), None, None,
+                             trainer, sampler, teacher, mask, 4)
+    loss, _ = MT.corrected_loss(trainer, sampler, rewards, mask, "none")
+    expected = sum(opd_pg_loss(trainer[m], reverse_kl_rewards(trainer[m], teacher[m], mask[m]),
+                               mask[m]) for m in range(3))
+    grads = [torch.autograd.grad(x, trainer)[0] for x in (loss, expected)]
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12)
+    assert torch.allclose(*grads, atol=1e-12)
+    # RL: the sequence advantage on each of its tokens, as train.py's rl loss
+    tokens = torch.randint(0, 3, (3, 8, 4))
+    answers = torch.randint(0, 3, (3, 8, 4))
+    answers[:, :4] = tokens[:, :4]
+    trainer8, sampler8, _, mask8 = _batch(B=8)
+    A = MT._advantages("rl", None, tokens, answers, trainer8, sampler8, None, mask8, 4)
+    reward = (tokens == answers).all(-1).float()
+    baseline = reward.view(3, 2, 4).mean(-1).repeat_interleave(4, dim=-1)
+    assert torch.equal(A[..., 0], reward - baseline)
+    loss, _ = MT.corrected_loss(trainer8, sampler8, A, mask8, "none")
+    expected = sum(opd_pg_loss(trainer8[m], A[m], mask8[m]) for m in range(3))
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12)
+
+
+def test_the_sampler_reward_uses_the_samplers_log_probs():
+    trainer, sampler, _, mask = _batch()
+    teacher = torch.zeros_like(sampler) - 1.0
+    flags = torch.tensor([False, True, False])
+    rewards = MT._advantages("opd_sampled", flags, None, None, trainer, sampler, teacher, mask, 4)
+    assert torch.equal(rewards[1], reverse_kl_rewards(sampler[1], teacher[1], mask[1]))
+    assert torch.equal(rewards[0], reverse_kl_rewards(trainer[0].detach(), teacher[0], mask[0]))
+
+
+def test_the_teacher_is_scored_once_per_distinct_answer_with_the_same_result():
+    teacher = _random_ensemble(models=1, hidden=8, layers=1)
+    pairs = torch.randint(0, 100, (4, 6, 2))
+    pairs[2] = pairs[0]
+    prompts = lm.make_prompts(pairs)
+    tokens = torch.randint(0, lm.V, (4, 6, 4))
+    tokens[2] = tokens[0]
+    expected, _ = lm.score(teacher, prompts, tokens)
+    assert torch.allclose(MT._teacher_logp(teacher, prompts, tokens), expected, atol=1e-6)
+
+
+def test_the_configuration_names_bad_settings():
+    for change, message in ((dict(levels=("fp32", "int3")), "keys of SAMPLERS"),
+                            (dict(correction_level="int2"), "keys of SAMPLERS"),
+                            (dict(levels=("int4", "int4")), "distinct and not empty"),
+                            (dict(levels=()), "distinct and not empty"),
+                            (dict(corrections=("bypass_pg_is",)), "decoupled presets"),
+                            (dict(corrections=("disabled",)), "decoupled presets"),
+                            (dict(corrections=("decoupled_seq_is",) * 2), "distinct"),
+                            (dict(steps=0), "steps must be a positive integer"),
+                            (dict(eval_every=True), "eval_every must be a positive integer"),
+                            (dict(lr=math.nan), "lr must be a positive finite float"),
+                            (dict(experiment=dataclasses.replace(TINY, batch_size=6)),
+                             "multiple of its group")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(MT.MISMATCH_DEFAULT, **change)
+    with pytest.raises(ValueError, match="correction must be 'none' or a key of PRESETS"):
+        MT.corrected_loss(*_batch(), "token_tis")
+
+
+def test_the_conditions_are_the_levels_then_the_corrections_then_the_reward_bug():
+    names = [c.name for c in MT.conditions(MT.MISMATCH_DEFAULT, "opd_sampled")]
+    assert names[:4] == ["fp32 none", "bf16 none", "int8 none", "int4 none"]
+    assert names[4:9] == [f"int4 {c}" for c in MT.CORRECTIONS]
+    assert names[9:] == ["int4 none, sampler reward"]
+    assert [c.name for c in MT.conditions(MT.MISMATCH_DEFAULT, "rl")] == names[:9]
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    from opd_literate.experiment.run import prepare
+
+    study = MT.MismatchTrainingConfig(experiment=TINY, steps=3, eval_every=1)
+    prepared = prepare(TINY, cache="off")
+    return study, {method: MT.train_under_mismatch(method, MT._Run(prepared, study))
+                   for method in MT.STUDY_METHODS}
+
+
+@pytest.mark.slow
+def test_a_tiny_run_records_every_curve_of_every_condition(tiny_run):
+    study, runs = tiny_run
+    for method, run in runs.items():
+        assert run["conditions"] == [c.name for c in MT.conditions(study, method)]
+        assert run["samples"] == [0, 8, 16, 24]
+        for name in run["conditions"]:
+            curves = run[name]
+            for key, per_seed in curves.items():
+                assert len(per_seed) == TINY.seeds, key
+                assert all(len(c) == 4 for c in per_seed), key
+            for key in ("mismatch_kl", "kept_fraction"):
+                assert all(c[0] is None for c in curves[key])
+            assert all(math.isfinite(v) for key in curves for c in curves[key] for v in c
+                       if v is not None)
+            if name.split()[1] == "none":
+                assert all(v == 1.0 for c in curves["kept_fraction"] for v in c[1:])
+        assert all(v < 1e-9 for c in run["fp32 none"]["mismatch_kl"] for v in c[1:])
+        int4 = [v for c in run["int4 none"]["mismatch_kl"] for v in c[1:]]
+        for level in ("bf16", "int8"):  # a nearly uniform tiny student: small, but ordered
+            low = [v for c in run[f"{level} none"]["mismatch_kl"] for v in c[1:]]
+            assert all(0 < a < b / 10 for a, b in zip(low, int4))
+
+
+@pytest.mark.slow
+def test_every_condition_starts_from_the_same_students_and_draws_the_same_first_answers(tiny_run):
+    """Step 0: the same weights everywhere. Step 1: every int4 condition has the same sampler
+    (nothing has been updated yet), the same prompts and the same uniforms, hence the same
+    answers and the same mismatch."""
+    _, runs = tiny_run
+    for run in runs.values():
+        first = {name: [c[0] for c in run[name]["accuracy"]] for name in run["conditions"]}
+        assert len({tuple(v) for v in first.values()}) == 1
+        int4 = [n for n in run["conditions"] if n.startswith("int4")]
+        kls = {tuple(c[1] for c in run[n]["mismatch_kl"]) for n in int4}
+        assert len(kls) == 1
+        samplers = {tuple(c[0] for c in run[n]["sampler_accuracy"]) for n in int4}
+        assert len(samplers) == 1
+
+
+def test_the_summary_pairs_the_seeds_against_the_first_condition():
+    curves = {"accuracy": [[0.5, 0.6], [0.5, 0.8]], "sampler_accuracy": [[0.5, 0.5], [0.5, 0.7]],
+              "reverse_kl": [[1.0, 0.5], [1.0, 0.3]], "mismatch_kl": [[None, 0.0], [None, 0.0]],
+              "kept_fraction": [[None, 1.0], [None, 1.0]]}
+    worse = dict(curves, accuracy=[[0.5, 0.5], [0.5, 0.6]],
+                 mismatch_kl=[[None, 0.1, 0.3], [None, 0.2, 0.2]],
+                 kept_fraction=[[None, 0.5, 1.0], [None, 1.0, 1.0]])
+    results = {"methods": {"rl": {"samples": [0, 8], "conditions": ["fp32 none", "int4 none"],
+                                  "fp32 none": curves, "int4 none": worse}}}
+    rows = MT.mismatch_summary(results)["rl"]
+    assert rows[0]["difference"]["per_seed"] == [0.0, 0.0]
+    assert rows[1]["difference"]["per_seed"] == pytest.approx([-0.1, -0.2])
+    assert rows[1]["difference"]["mean"] == pytest.approx(-0.15)
+    assert rows[1]["mismatch_kl"]["per_seed"] == pytest.approx([0.2, 0.2])
+    assert rows[1]["kept_fraction"]["per_seed"] == pytest.approx([0.75, 1.0])
+    low, high = rows[1]["difference"]["low"], rows[1]["difference"]["high"]
+    assert -0.2 - 1e-12 <= low <= -0.15 <= high <= -0.1 + 1e-12
+    assert "int4 none" in MT.format_summary(dict(results, teacher_accuracy=1.0))
+
+
+def test_the_command_line_refuses_two_studies_and_the_long_regime(capsys):
+    from opd_literate.experiment.cli import main
+
+    for argv, message in ((["--mismatch-training", "--clamp-study"],
+                           "--clamp-study and --mismatch-training write different files"),
+                          (["--mismatch-training", "--long"], "--long is not supported")):
+        with pytest.raises(SystemExit) as stop:
+            main([*argv, "--out", "/tmp/opd-mismatch-cli-test"])
+        assert stop.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties (Hypothesis)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.properties
+@given(M=st.integers(1, 3), B=st.integers(1, 5), T=st.integers(1, 4), seed=st.integers(0, 2**16),
+       correction=st.sampled_from(["none", *MT.CORRECTIONS]),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_property_the_one_call_loss_is_the_sum_of_the_models_losses(M, B, T, seed, correction,
+                                                                     dtype):
+    trainer, sampler, advantages, mask = _batch(M, B, T, seed, dtype)
+    loss, keep = MT.corrected_loss(trainer, sampler, advantages, mask, correction)
+    expected = _per_model(trainer, sampler, advantages, mask, correction)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert math.isfinite(float(loss.detach()))
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=tolerance,
+                                             rel=tolerance)
+    (grad,) = torch.autograd.grad(loss, trainer)
+    assert torch.isfinite(grad).all() and (grad[mask == 0] == 0).all()
+
+
+@pytest.mark.properties
+@given(logits=st.lists(st.floats(-60, 60), min_size=lm.V, max_size=lm.V),
+       u=st.floats(0.0, 1.0, exclude_max=True))
+def test_property_the_written_token_is_where_the_uniform_falls_in_the_cdf(logits, u):
+    table = torch.tensor([logits] * 4, dtype=torch.float32)
+    prompts = lm.make_prompts(torch.zeros(1, 1, 2, dtype=torch.long))
+    uniforms = torch.full((1, 1, 4), min(u, 1 - 2 ** -24))  # in float32, still below 1
+    tokens, _, logp, _ = MT.engine_sample(_FixedSampler(table), prompts, uniforms)
+    p = torch.softmax(table[0], -1).double()
+    cdf = p.cumsum(0)
+    v = int(tokens[0, 0, 0])
+    scaled = float(uniforms[0, 0, 0]) * float(cdf[-1])
+    assert p[v] > 0 and math.isfinite(float(logp[0, 0, 0]))
+    assert (float(cdf[v - 1]) if v else 0.0) <= scaled < float(cdf[v])
+
+
+@pytest.mark.slow
+def test_the_quick_command_writes_its_record_figure_and_table(tmp_path):
+    """``--mismatch-training --quick`` as a user runs it: two worker processes, the record with
+    the quick configuration, the PNG, the table on stdout."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "opd_literate.experiment", "--mismatch-training",
+                             "--quick", "--no-progress", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "mismatch_training.json").read_text())
+    assert record["config"] == json.loads(json.dumps(MT.MISMATCH_QUICK.as_dict()))
+    assert record["run"]["workers"] == min(2, record["run"]["cpus"])
+    assert (tmp_path / "mismatch_training.png").stat().st_size > 10_000
+    assert "int4 decoupled_geo_rs" in result.stdout and "opd_sampled:" in result.stdout
+    assert list(record["methods"]) == list(MT.STUDY_METHODS)
+    for runs in record["methods"].values():
+        assert runs["samples"] == [0, 1920, 3840]
+        assert len(runs["int4 none"]["accuracy"]) == MT.MISMATCH_QUICK.experiment.seeds
