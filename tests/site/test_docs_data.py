@@ -872,6 +872,19 @@ def test_committed_mismatch_training_uses_the_current_defaults_and_backs_the_cha
                  "a learning rate of $10^{-3}$", "the mean of its group of 4"):
         assert text in page
     assert (MISMATCH_DEFAULT.lr, MISMATCH_DEFAULT.steps, DEFAULT_CONFIG.group) == (1e-3, 600, 4)
+    # the chapter's table of the presets: each row's thresholds are the preset's
+    from opd_literate.mismatch.correction import PRESETS
+
+    shown = {"decoupled_token_is": dict(rollout_is="token", rollout_is_threshold=2.0),
+             "decoupled_seq_is": dict(rollout_is="sequence", rollout_is_threshold=2.0),
+             "decoupled_token_icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0"),
+             "decoupled_seq_is_rs": dict(rollout_is="sequence", rollout_is_threshold=2.0,
+                                         rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
+             "decoupled_geo_rs": dict(rollout_rs="seq_mean_k1",
+                                      rollout_rs_threshold="0.999_1.001")}
+    assert list(shown) == list(MISMATCH_DEFAULT.corrections)
+    for name, options in shown.items():
+        assert PRESETS[name] == options and f"| `{name}` |" in page
 
 
 @pytest.mark.slow
