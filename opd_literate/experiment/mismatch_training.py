@@ -54,6 +54,7 @@ import dataclasses
 
 import torch
 
+from .._numerics import check_float_tensor, check_same_shape
 from ..mismatch.correction import PRESETS, reinforce_loss, rollout_correction
 from ..opd import full_vocab_reverse_kl, reverse_kl_rewards
 from . import tinylm as lm
@@ -206,6 +207,9 @@ def engine_sample(sampler, prompts, uniforms):
         context = sampler.context_at(prompts, tokens, t)
         position = torch.full(lead, t, dtype=torch.long, device=prompts.device)
         logits = sampler(context, position)  # (M, B, V) in the sampler's dtype
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError(f"the sampler's logits at answer position {t} are not all finite "
+                             "(a NaN or inf weight?): it has no distribution to sample from")
         all_logits.append(logits)
         cdf = torch.softmax(logits.float(), -1).double().cumsum(-1)
         # the smallest v with cdf[v] > u * total: a token of probability 0 adds nothing to the
@@ -236,6 +240,12 @@ def corrected_loss(trainer_logp, sampler_logp, advantages, mask, correction):
         The loss (a scalar with gradient) and ``used`` ``(M, B, T)`` bool: the tokens whose
         weight in the loss is not 0 (kept, and not masked by IcePop's band).
     """
+    check_float_tensor("trainer_logp", trainer_logp, 3)
+    for name, tensor in (("sampler_logp", sampler_logp), ("advantages", advantages),
+                         ("mask", mask)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        check_same_shape("trainer_logp", trainer_logp, name, tensor)
     M, B, T = trainer_logp.shape
     flat = {"trainer": trainer_logp.reshape(M * B, T), "sampler": sampler_logp.reshape(M * B, T),
             "mask": mask.reshape(M * B, T)}
@@ -258,14 +268,15 @@ def corrected_loss(trainer_logp, sampler_logp, advantages, mask, correction):
     return loss, keep & (weights.reshape(M, B, T) != 0)
 
 
-def _advantages(method, condition_rewards, tokens, answers, trainer_logp, sampler_logp,
+def _advantages(method, sampler_reward, tokens, answers, trainer_logp, sampler_logp,
                 teacher_logp, mask, group):
     """(M, B, T) advantages: RL's group-baselined 0/1 reward, or the OPD reward per token."""
     if method == "rl":
         reward = (tokens == answers).all(dim=-1).float()  # (M, B)
         baseline = reward.unflatten(-1, (-1, group)).mean(-1).repeat_interleave(group, dim=-1)
         return (reward - baseline)[..., None].expand_as(trainer_logp)
-    student = torch.where(condition_rewards[:, None, None], sampler_logp, trainer_logp.detach())
+    # the reward's student log-probs: the sampler's for the models of the "sampler reward" bug
+    student = torch.where(sampler_reward[:, None, None], sampler_logp, trainer_logp.detach())
     return torch.stack([reverse_kl_rewards(student[m], teacher_logp[m], mask[m])
                         for m in range(len(student))])
 
@@ -333,6 +344,8 @@ def train_under_mismatch(method, run, bar=None):
     ``sampler_accuracy``, ``reverse_kl`` (at each evaluation), ``mismatch_kl`` and
     ``kept_fraction`` (the mean over the steps up to each evaluation, None at step 0).
     """
+    if method not in STUDY_METHODS:
+        raise ValueError(f"method must be one of {', '.join(STUDY_METHODS)}, got {method!r}")
     prepared, config = run.prepared, run.config
     ex = config.experiment
     S, B = ex.seeds, ex.batch_size

@@ -94,6 +94,10 @@ def test_the_engine_names_bad_uniforms():
     prompts = lm.make_prompts(torch.zeros(1, 3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"uniforms must have shape \(1, 3, 4\), got \(1, 3\)"):
         MT.engine_sample(sampler, prompts, torch.zeros(1, 3))
+    table = torch.zeros(4, lm.V)
+    table[1, 3] = math.nan
+    with pytest.raises(ValueError, match="logits at answer position 1 are not all finite"):
+        MT.engine_sample(_FixedSampler(table), prompts, torch.full((1, 3, 4), 0.5))
     for bad in (1.0, -1e-9, math.nan):
         with pytest.raises(ValueError, match=r"uniforms must lie in \[0, 1\)"):
             MT.engine_sample(sampler, prompts, torch.full((1, 3, 4), bad))
@@ -210,6 +214,17 @@ def test_the_configuration_names_bad_settings():
             dataclasses.replace(MT.MISMATCH_DEFAULT, **change)
     with pytest.raises(ValueError, match="correction must be 'none' or a key of PRESETS"):
         MT.corrected_loss(*_batch(), "token_tis")
+    trainer, sampler, advantages, mask = _batch()
+    with pytest.raises(ValueError, match=r"trainer_logp must have 3 dimensions, got shape "
+                                         r"\(6, 4\)"):
+        MT.corrected_loss(trainer[0], sampler[0], advantages[0], mask[0], "none")
+    with pytest.raises(ValueError, match=r"advantages must have the same shape as trainer_logp "
+                                         r"\(3, 6, 4\), got \(3, 6\)"):
+        MT.corrected_loss(trainer, sampler, advantages[..., 0], mask, "none")
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor, got list"):
+        MT.corrected_loss(trainer, sampler, advantages, mask.tolist(), "none")
+    with pytest.raises(ValueError, match="method must be one of rl, opd_sampled, got 'sft'"):
+        MT.train_under_mismatch("sft", None)
 
 
 def test_the_conditions_are_the_levels_then_the_corrections_then_the_reward_bug():
