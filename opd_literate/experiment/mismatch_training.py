@@ -76,6 +76,17 @@ CORRECTIONS = ("decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop
 TIS, token masking (IcePop), sequence TIS with sequence masking, geometric rejection."""
 
 
+def _check_correction(correction):
+    """``"none"``, or a preset of weights and rejection (not a bypass loss, not ``disabled``,
+    which is ``"none"``)."""
+    if correction == "none":
+        return
+    if (not isinstance(correction, str) or correction not in PRESETS
+            or "bypass_mode" in PRESETS[correction] or correction == "disabled"):
+        raise ValueError(f"correction must be 'none' or a decoupled preset of PRESETS (weights "
+                         f"and rejection, no bypass loss), got {correction!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Condition:
     """One way of training: a sampler, a correction, and which log-probs the OPD reward uses."""
@@ -86,6 +97,15 @@ class Condition:
     """``"none"`` or a key of ``PRESETS`` (its ``rollout_correction`` arguments)."""
     reward_logp: str = "trainer"
     """``opd_sampled`` only: the reward's student log-probs, ``"trainer"`` or ``"sampler"``."""
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be a key of SAMPLERS ({', '.join(SAMPLERS)}), got "
+                             f"{self.sampler!r}")
+        _check_correction(self.correction)
+        if self.reward_logp not in ("trainer", "sampler"):
+            raise ValueError(f"reward_logp must be 'trainer' or 'sampler', got "
+                             f"{self.reward_logp!r}")
 
     @property
     def name(self):
@@ -114,16 +134,23 @@ class MismatchTrainingConfig:
     """Steps between evaluations."""
 
     def __post_init__(self):
+        if not isinstance(self.experiment, ExperimentConfig):
+            raise TypeError(f"experiment must be an ExperimentConfig, got "
+                            f"{type(self.experiment).__name__}")
         for level in (*self.levels, self.correction_level):
             if level not in SAMPLERS:
                 raise ValueError(f"levels and correction_level must be keys of SAMPLERS "
                                  f"({', '.join(SAMPLERS)}), got {level!r}")
         if len(set(self.levels)) != len(self.levels) or not self.levels:
             raise ValueError(f"levels must be distinct and not empty, got {self.levels!r}")
+        if self.levels[0] != "fp32" or self.correction_level not in self.levels:
+            raise ValueError(f"levels must start with 'fp32' (the on-policy reference every "
+                             f"difference is taken to) and hold correction_level "
+                             f"({self.correction_level!r}), got {self.levels!r}")
         for name in self.corrections:
-            if name not in PRESETS or "bypass_mode" in PRESETS[name] or name == "disabled":
-                raise ValueError(f"corrections must be decoupled presets of PRESETS (weights "
-                                 f"and rejection, no bypass loss), got {name!r}")
+            if name == "none":
+                raise ValueError("corrections must be presets; 'none' is trained at each level")
+            _check_correction(name)
         if len(set(self.corrections)) != len(self.corrections):
             raise ValueError(f"corrections must be distinct, got {self.corrections!r}")
         for name in ("steps", "eval_every"):
@@ -155,6 +182,8 @@ MISMATCH_QUICK = MismatchTrainingConfig(experiment=QUICK, steps=60, eval_every=3
 def conditions(config, method):
     """The conditions of ``method``: each level without a correction, then each correction at
     ``correction_level``, then (``opd_sampled``) the sampler's log-probs in the reward."""
+    if method not in STUDY_METHODS:
+        raise ValueError(f"method must be one of {', '.join(STUDY_METHODS)}, got {method!r}")
     out = [Condition(level) for level in config.levels]
     out += [Condition(config.correction_level, c) for c in config.corrections]
     if method == "opd_sampled":
@@ -195,6 +224,20 @@ def engine_sample(sampler, prompts, uniforms):
     >>> tokens.shape, bool((logp <= 0).all()), logits.shape
     (torch.Size([1, 2, 4]), True, torch.Size([1, 2, 4, 14]))
     """
+    if not isinstance(prompts, torch.Tensor) or prompts.dtype != torch.long or prompts.ndim != 3:
+        raise TypeError(f"prompts must be an (M, B, L) long tensor, got "
+                        f"{getattr(prompts, 'dtype', type(prompts).__name__)} of shape "
+                        f"{tuple(getattr(prompts, 'shape', ()))}")
+    models = getattr(sampler, "models", prompts.shape[0])
+    if prompts.shape[0] != models:
+        raise ValueError(f"prompts must have one batch per model of the sampler ({models}), got "
+                         f"shape {tuple(prompts.shape)}")
+    if not isinstance(uniforms, torch.Tensor) or not uniforms.is_floating_point():
+        raise TypeError(f"uniforms must be a floating tensor, got "
+                        f"{getattr(uniforms, 'dtype', type(uniforms).__name__)}")
+    if uniforms.device != prompts.device:
+        raise ValueError(f"uniforms must be on the prompts' device ({prompts.device}), got "
+                         f"{uniforms.device}")
     lead = prompts.shape[:-1]
     T = sampler.max_answer
     if uniforms.shape != (*lead, T):
@@ -249,17 +292,11 @@ def corrected_loss(trainer_logp, sampler_logp, advantages, mask, correction):
     M, B, T = trainer_logp.shape
     flat = {"trainer": trainer_logp.reshape(M * B, T), "sampler": sampler_logp.reshape(M * B, T),
             "mask": mask.reshape(M * B, T)}
-    if correction == "none":
-        # the compute dtype of correction.py: float32 for half precision, else the input's
-        dtype = torch.promote_types(trainer_logp.dtype, torch.float32)
-        weights, keep = flat["mask"].to(dtype), flat["mask"].bool()
-    else:
-        if correction not in PRESETS:
-            raise ValueError(f"correction must be 'none' or a key of PRESETS, got {correction!r}")
-        options = {k: v for k, v in PRESETS[correction].items()
-                   if k not in ("bypass_mode", "loss_type")}
-        weights, keep, _ = rollout_correction(flat["trainer"].detach(), flat["sampler"],
-                                              flat["mask"], **options)
+    _check_correction(correction)
+    # "none" is the preset "disabled": weight 1, every token kept (and the inputs checked)
+    options = {} if correction == "none" else PRESETS[correction]
+    weights, keep, _ = rollout_correction(flat["trainer"].detach(), flat["sampler"],
+                                          flat["mask"], **options)
     keep = keep.reshape(M, B, T)
     kept = keep.sum((1, 2)).clamp_min(1).to(weights.dtype)  # (M,)
     scaled = weights.reshape(M, B, T) * keep / kept[:, None, None]
@@ -473,8 +510,12 @@ def run_mismatch_training(config=MISMATCH_DEFAULT, progress=True, workers=1, cac
     from ._workers import available_cpus, progress_bar, train_in_workers
     from .run import prepare
 
+    if not isinstance(config, MismatchTrainingConfig):
+        raise TypeError(f"config must be a MismatchTrainingConfig, got {type(config).__name__}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -521,21 +562,35 @@ def mismatch_summary(results):
     ``final_accuracy`` and ``final_sampler_accuracy`` (greedy, test prompts, last evaluation),
     ``final_reverse_kl``, ``difference`` (the final accuracy less that of the first condition,
     ``fp32`` without correction, seed by seed: the seeds are paired, the same students, prompts
-    and uniforms), ``mismatch_kl`` and ``kept_fraction`` (each seed's mean over training).
+    and uniforms), ``against_uncorrected`` and ``sampler_against_uncorrected`` (the final
+    accuracy of the trainer's weights, and of the sampler's model, less that of the uncorrected
+    run at ``correction_level``, seed by seed), ``mismatch_kl`` and ``kept_fraction`` (each
+    seed's mean over the training steps: each evaluation's value is the mean over the steps
+    since the last one, weighted here by their number).
 
     Returns ``{method: [row per condition]}``, each row ``{"name", statistic: {"mean", "low",
     "high", "per_seed"}}``.
     """
+    if not isinstance(results, dict) or "methods" not in results or "config" not in results:
+        raise ValueError("results must be a record of run_mismatch_training (with 'config' and "
+                         "'methods')")
     table = {}
+    uncorrected_name = f"{results['config']['correction_level']} none"
     for method, runs in results["methods"].items():
         reference = runs[runs["conditions"][0]]["accuracy"]
+        uncorrected = runs[uncorrected_name]
+        # the training steps each evaluation averages over (samples / batch, differenced)
+        steps = [b - a for a, b in zip(runs["samples"][:-1], runs["samples"][1:])]
         rows = []
         for name in runs["conditions"]:
             curves = runs[name]
 
-            def over_training(key, curves=curves):
-                return [sum(v for v in seed if v is not None)
-                        / sum(v is not None for v in seed) for seed in curves[key]]
+            def over_training(key, curves=curves, steps=steps):
+                return [sum(n * v for n, v in zip(steps, seed[1:])) / sum(steps)
+                        for seed in curves[key]]
+
+            def against(key, curves=curves, uncorrected=uncorrected):
+                return _stat([a[-1] - r[-1] for a, r in zip(curves[key], uncorrected[key])])
 
             rows.append(dict(
                 name=name,
@@ -543,6 +598,8 @@ def mismatch_summary(results):
                 final_sampler_accuracy=_stat([a[-1] for a in curves["sampler_accuracy"]]),
                 final_reverse_kl=_stat([a[-1] for a in curves["reverse_kl"]]),
                 difference=_stat([a[-1] - r[-1] for a, r in zip(curves["accuracy"], reference)]),
+                against_uncorrected=against("accuracy"),
+                sampler_against_uncorrected=against("sampler_accuracy"),
                 mismatch_kl=_stat(over_training("mismatch_kl")),
                 kept_fraction=_stat(over_training("kept_fraction"))))
         table[method] = rows

@@ -68,8 +68,9 @@ def write_mismatch_plot(results, path):
     """The training study under the mismatch
     ([opd_literate.experiment.mismatch_training][]), one column a method: the trainer's greedy
     accuracy with each sampler and no correction (top), with ``int4`` and each correction
-    (middle), and the per-token KL between sampler and trainer over training (bottom); mean over
-    seeds with the 95% bootstrap band. SVG or PNG by the suffix of ``path``; returns ``path``.
+    (middle), each the mean over seeds with its 95% bootstrap band, and the mean over seeds of
+    the per-token KL between sampler and trainer over training (bottom). SVG or PNG by the
+    suffix of ``path``; returns ``path``.
     """
     path = pathlib.Path(path)
     if path.suffix not in (".png", ".svg"):

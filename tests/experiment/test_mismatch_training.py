@@ -14,7 +14,7 @@ from opd_literate.experiment import mismatch_training as MT
 from opd_literate.experiment import tinylm as lm
 from opd_literate.experiment.quantized import SAMPLERS, ensemble_sampler, sampler_copy
 from opd_literate.mismatch.correction import reinforce_loss, rollout_correction
-from opd_literate.opd import opd_pg_loss, reverse_kl_rewards
+from opd_literate.opd import reverse_kl_rewards
 from tests.experiment._tiny import TINY
 
 
@@ -69,7 +69,7 @@ def test_the_engine_inverts_its_cdf_and_never_writes_a_token_of_probability_0():
     a token whose float32 probability is 0 is never written, even at u = 0 or u near 1, and
     the reported log-probs are those of the logits that wrote the tokens."""
     V, K = lm.V, 2000
-    table = torch.randn(2, V)
+    table = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
     table[0, [0, 5]] = -300.0  # exp(-300) underflows to 0 in float32; u = 0 is tried below
     table[0, lm.EOS] = 1.0
     sampler = _FixedSampler(table)
@@ -94,6 +94,18 @@ def test_the_engine_names_bad_uniforms():
     prompts = lm.make_prompts(torch.zeros(1, 3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"uniforms must have shape \(1, 3, 4\), got \(1, 3\)"):
         MT.engine_sample(sampler, prompts, torch.zeros(1, 3))
+    for bad, error, message in (
+            (dict(prompts=prompts[0]), TypeError, r"prompts must be an \(M, B, L\) long tensor"),
+            (dict(prompts=prompts.float()), TypeError, "prompts must be an .* long tensor"),
+            (dict(uniforms=torch.zeros(1, 3, 4, dtype=torch.bool)), TypeError,
+             "uniforms must be a floating tensor, got torch.bool")):
+        arguments = {"prompts": prompts, "uniforms": torch.zeros(1, 3, 4)} | bad
+        with pytest.raises(error, match=message):
+            MT.engine_sample(sampler, arguments["prompts"], arguments["uniforms"])
+    two_models = lm.EnsembleLM(2, 8, 1)
+    with pytest.raises(ValueError, match=r"one batch per model of the sampler \(2\), got shape "
+                                         r"\(1, 3, 6\)"):
+        MT.engine_sample(two_models, prompts, torch.zeros(1, 3, 4))
     table = torch.zeros(4, lm.V)
     table[1, 3] = math.nan
     with pytest.raises(ValueError, match="logits at answer position 1 are not all finite"):
@@ -150,31 +162,43 @@ def test_the_corrected_loss_is_each_models_own_reinforce_loss(correction):
         assert torch.equal(keep, mask.bool())
 
 
-def test_without_a_correction_the_losses_are_the_experiments():
-    """The uncorrected study loss is the experiment's: opd_pg_loss of the OPD reward (the
-    trainer's log-probs) and of RL's per-token advantage, each model's token mean, summed."""
-    trainer, sampler, advantages, mask = _batch()
-    teacher = trainer.detach() - torch.rand(trainer.shape, dtype=trainer.dtype)
-    rewards = MT._advantages("opd_sampled", torch.zeros(3, dtype=torch.bool), None, None,
-                             trainer, sampler, teacher, mask, 4)
-    loss, _ = MT.corrected_loss(trainer, sampler, rewards, mask, "none")
-    expected = sum(opd_pg_loss(trainer[m], reverse_kl_rewards(trainer[m], teacher[m], mask[m]),
-                               mask[m]) for m in range(3))
-    grads = [torch.autograd.grad(x, trainer)[0] for x in (loss, expected)]
-    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12)
-    assert torch.allclose(*grads, atol=1e-12)
-    # RL: the sequence advantage on each of its tokens, as train.py's rl loss
-    tokens = torch.randint(0, 3, (3, 8, 4))
-    answers = torch.randint(0, 3, (3, 8, 4))
-    answers[:, :4] = tokens[:, :4]
-    trainer8, sampler8, _, mask8 = _batch(B=8)
-    A = MT._advantages("rl", None, tokens, answers, trainer8, sampler8, None, mask8, 4)
-    reward = (tokens == answers).all(-1).float()
-    baseline = reward.view(3, 2, 4).mean(-1).repeat_interleave(4, dim=-1)
-    assert torch.equal(A[..., 0], reward - baseline)
-    loss, _ = MT.corrected_loss(trainer8, sampler8, A, mask8, "none")
-    expected = sum(opd_pg_loss(trainer8[m], A[m], mask8[m]) for m in range(3))
-    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12)
+@pytest.mark.parametrize("method", MT.STUDY_METHODS)
+def test_without_a_correction_the_loss_is_train_pys(method, monkeypatch):
+    """On the same answers, the uncorrected study loss (sampler = trainer) has the value and
+    the gradient of the experiment's own loss (train._method_loss), in float64."""
+    from opd_literate.experiment import train
+
+    students = _random_ensemble(models=2, hidden=8, layers=1, seed=4).double()
+    teacher = _random_ensemble(models=1, hidden=8, layers=1, seed=5).double()
+    teacher.requires_grad_(False)
+    config = dataclasses.replace(TINY, batch_size=8)  # group 4: two prompts of four answers
+    pairs = torch.randint(0, 100, (2, 8, 2), generator=torch.Generator().manual_seed(6))
+    # the prompts train.py answers: RL's first two, four times each
+    answered = pairs[:, :2].repeat_interleave(4, dim=1) if method == "rl" else pairs
+    prompts = lm.make_prompts(answered)
+    tokens, _ = lm.sample_tokens(students, prompts, torch.Generator().manual_seed(7))
+    tokens[:, ::3] = lm.answer_tokens(answered)[:, ::3]  # some right answers: RL's reward 1
+    mask = lm.answer_mask(tokens)
+
+    def fixed_rollout(model, given, generator=None, greedy=False):
+        assert torch.equal(given, prompts)
+        logits = model.logits(given, tokens)
+        return lm.Rollout(given, tokens, lm.token_logp(logits, tokens), logits, mask)
+
+    monkeypatch.setattr(train.lm, "rollout", fixed_rollout)
+    expected, _ = train._method_loss(method, students, teacher, pairs, config, None)
+    expected_grads = torch.autograd.grad(expected, list(students.parameters()))
+    logp = lm.token_logp(students.logits(prompts, tokens), tokens)
+    teacher_logp = MT._teacher_logp(teacher, prompts, tokens) if method != "rl" else None
+    advantages = MT._advantages(method, torch.zeros(2, dtype=torch.bool), tokens,
+                                lm.answer_tokens(answered), logp, logp.detach(), teacher_logp,
+                                mask, config.group)
+    loss, _ = MT.corrected_loss(logp, logp.detach(), advantages, mask, "none")
+    grads = torch.autograd.grad(loss, list(students.parameters()))
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-10, abs=1e-12)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert any(float(g.abs().max()) > 0 for g in grads)
 
 
 def test_the_sampler_reward_uses_the_samplers_log_probs():
@@ -202,8 +226,11 @@ def test_the_configuration_names_bad_settings():
                             (dict(correction_level="int2"), "keys of SAMPLERS"),
                             (dict(levels=("int4", "int4")), "distinct and not empty"),
                             (dict(levels=()), "distinct and not empty"),
-                            (dict(corrections=("bypass_pg_is",)), "decoupled presets"),
-                            (dict(corrections=("disabled",)), "decoupled presets"),
+                            (dict(levels=("int4", "fp32")), "must start with 'fp32'"),
+                            (dict(correction_level="fp16"), "hold correction_level"),
+                            (dict(corrections=("bypass_pg_is",)), "decoupled preset"),
+                            (dict(corrections=("disabled",)), "decoupled preset"),
+                            (dict(corrections=("none",)), "'none' is trained at each level"),
                             (dict(corrections=("decoupled_seq_is",) * 2), "distinct"),
                             (dict(steps=0), "steps must be a positive integer"),
                             (dict(eval_every=True), "eval_every must be a positive integer"),
@@ -212,9 +239,27 @@ def test_the_configuration_names_bad_settings():
                              "multiple of its group")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(MT.MISMATCH_DEFAULT, **change)
-    with pytest.raises(ValueError, match="correction must be 'none' or a key of PRESETS"):
-        MT.corrected_loss(*_batch(), "token_tis")
+    for bad in ("token_tis", "bypass_pg_is", "disabled"):
+        with pytest.raises(ValueError, match="correction must be 'none' or a decoupled preset"):
+            MT.corrected_loss(*_batch(), bad)
+    with pytest.raises(TypeError, match="experiment must be an ExperimentConfig, got NoneType"):
+        MT.MismatchTrainingConfig(experiment=None)
+    for fields, message in ((("int3",), "sampler must be a key of SAMPLERS"),
+                            (("int4", "tis"), "correction must be 'none' or a decoupled preset"),
+                            (("int4", "none", "smapler"), "reward_logp must be 'trainer' or")):
+        with pytest.raises(ValueError, match=message):
+            MT.Condition(*fields)
+    with pytest.raises(ValueError, match="method must be one of rl, opd_sampled, got 'sft'"):
+        MT.conditions(MT.MISMATCH_DEFAULT, "sft")
+    with pytest.raises(TypeError, match="config must be a MismatchTrainingConfig"):
+        MT.run_mismatch_training(TINY)
+    with pytest.raises(TypeError, match="progress must be a bool"):
+        MT.run_mismatch_training(progress="yes")
     trainer, sampler, advantages, mask = _batch()
+    with pytest.raises(ValueError, match="mask values must be 0 or 1, found 2.0"):
+        MT.corrected_loss(trainer, sampler, advantages, 2 * mask, "none")
+    with pytest.raises(ValueError, match="sampler_logp must be finite where mask is 1"):
+        MT.corrected_loss(trainer, torch.full_like(sampler, math.nan), advantages, mask, "none")
     with pytest.raises(ValueError, match=r"trainer_logp must have 3 dimensions, got shape "
                                          r"\(6, 4\)"):
         MT.corrected_loss(trainer[0], sampler[0], advantages[0], mask[0], "none")
@@ -262,6 +307,8 @@ def test_a_tiny_run_records_every_curve_of_every_condition(tiny_run):
                        if v is not None)
             if name.split()[1] == "none":
                 assert all(v == 1.0 for c in curves["kept_fraction"] for v in c[1:])
+        # the rejection reads the sampler's log-probs: geometric rejection drops tokens
+        assert any(v < 1 for c in run["int4 decoupled_geo_rs"]["kept_fraction"] for v in c[1:])
         assert all(v < 1e-9 for c in run["fp32 none"]["mismatch_kl"] for v in c[1:])
         int4 = [v for c in run["int4 none"]["mismatch_kl"] for v in c[1:]]
         for level in ("bf16", "int8"):  # a nearly uniform tiny student: small, but ordered
@@ -283,36 +330,53 @@ def test_every_condition_starts_from_the_same_students_and_draws_the_same_first_
         assert len(kls) == 1
         samplers = {tuple(c[0] for c in run[n]["sampler_accuracy"]) for n in int4}
         assert len(samplers) == 1
+    # after the first update the sampler's log-probs in the OPD reward change the weights
+    opd = runs["opd_sampled"]
+    assert (opd["int4 none"]["mismatch_kl"][0][2]
+            != opd["int4 none, sampler reward"]["mismatch_kl"][0][2])
 
 
-def test_the_summary_pairs_the_seeds_against_the_first_condition():
-    curves = {"accuracy": [[0.5, 0.6], [0.5, 0.8]], "sampler_accuracy": [[0.5, 0.5], [0.5, 0.7]],
-              "reverse_kl": [[1.0, 0.5], [1.0, 0.3]], "mismatch_kl": [[None, 0.0], [None, 0.0]],
-              "kept_fraction": [[None, 1.0], [None, 1.0]]}
-    worse = dict(curves, accuracy=[[0.5, 0.5], [0.5, 0.6]],
-                 mismatch_kl=[[None, 0.1, 0.3], [None, 0.2, 0.2]],
-                 kept_fraction=[[None, 0.5, 1.0], [None, 1.0, 1.0]])
-    results = {"methods": {"rl": {"samples": [0, 8], "conditions": ["fp32 none", "int4 none"],
-                                  "fp32 none": curves, "int4 none": worse}}}
-    rows = MT.mismatch_summary(results)["rl"]
-    assert rows[0]["difference"]["per_seed"] == [0.0, 0.0]
-    assert rows[1]["difference"]["per_seed"] == pytest.approx([-0.1, -0.2])
-    assert rows[1]["difference"]["mean"] == pytest.approx(-0.15)
-    assert rows[1]["mismatch_kl"]["per_seed"] == pytest.approx([0.2, 0.2])
-    assert rows[1]["kept_fraction"]["per_seed"] == pytest.approx([0.75, 1.0])
-    low, high = rows[1]["difference"]["low"], rows[1]["difference"]["high"]
+def test_the_summary_pairs_the_seeds_and_weights_each_evaluation_by_its_steps():
+    """Differences are taken seed by seed; a mean over training weights each evaluation's
+    average by the steps it covers (here 50 and 20 steps of 8 answers)."""
+    def curves(accuracy, sampler, kl, kept):
+        return {"accuracy": accuracy, "sampler_accuracy": sampler,
+                "reverse_kl": [[1.0, 0.5, 0.4]] * 2, "mismatch_kl": kl, "kept_fraction": kept}
+
+    on_policy = curves([[0.5, 0.6, 0.6], [0.5, 0.7, 0.8]], [[0.5, 0.6, 0.6], [0.5, 0.7, 0.8]],
+                       [[None, 0.0, 0.0]] * 2, [[None, 1.0, 1.0]] * 2)
+    int4 = curves([[0.5, 0.5, 0.5], [0.5, 0.6, 0.6]], [[0.4, 0.4, 0.5], [0.4, 0.5, 0.7]],
+                  [[None, 0.1, 0.2], [None, 0.2, 0.2]], [[None, 1.0, 1.0]] * 2)
+    corrected = curves([[0.5, 0.6, 0.55], [0.5, 0.6, 0.7]], [[0.4, 0.4, 0.4], [0.4, 0.5, 0.5]],
+                       [[None, 0.1, 0.2], [None, 0.2, 0.2]], [[None, 0.5, 1.0], [None, 1.0, 1.0]])
+    names = ["fp32 none", "int4 none", "int4 decoupled_seq_is_rs"]
+    results = {"config": {"correction_level": "int4"},
+               "methods": {"rl": {"samples": [0, 400, 560], "conditions": names,
+                                  **dict(zip(names, (on_policy, int4, corrected)))}}}
+    rows = {row["name"]: row for row in MT.mismatch_summary(results)["rl"]}
+    assert rows["fp32 none"]["difference"]["per_seed"] == [0.0, 0.0]
+    assert rows["int4 none"]["difference"]["per_seed"] == pytest.approx([-0.1, -0.2])
+    assert rows["int4 none"]["difference"]["mean"] == pytest.approx(-0.15)
+    low, high = rows["int4 none"]["difference"]["low"], rows["int4 none"]["difference"]["high"]
     assert -0.2 - 1e-12 <= low <= -0.15 <= high <= -0.1 + 1e-12
+    row = rows["int4 decoupled_seq_is_rs"]
+    assert row["against_uncorrected"]["per_seed"] == pytest.approx([0.05, 0.1])
+    assert row["sampler_against_uncorrected"]["per_seed"] == pytest.approx([-0.1, -0.2])
+    assert row["mismatch_kl"]["per_seed"] == pytest.approx([(50 * 0.1 + 20 * 0.2) / 70, 0.2])
+    assert row["kept_fraction"]["per_seed"] == pytest.approx([(50 * 0.5 + 20) / 70, 1.0])
     assert "int4 none" in MT.format_summary(dict(results, teacher_accuracy=1.0))
+    with pytest.raises(ValueError, match="results must be a record of run_mismatch_training"):
+        MT.mismatch_summary({})
 
 
-def test_the_command_line_refuses_two_studies_and_the_long_regime(capsys):
+def test_the_command_line_refuses_two_studies_and_the_long_regime(capsys, tmp_path):
     from opd_literate.experiment.cli import main
 
     for argv, message in ((["--mismatch-training", "--clamp-study"],
                            "--clamp-study and --mismatch-training write different files"),
                           (["--mismatch-training", "--long"], "--long is not supported")):
         with pytest.raises(SystemExit) as stop:
-            main([*argv, "--out", "/tmp/opd-mismatch-cli-test"])
+            main([*argv, "--out", str(tmp_path)])
         assert stop.value.code == 2
         assert message in capsys.readouterr().err
 
