@@ -679,25 +679,28 @@ def _mismatch_training():
         return f"{stat['mean']:.{digits}f} [{stat['low']:.{digits}f}, {stat['high']:.{digits}f}]"
 
     for method, rows in mismatch_summary(record).items():
-        lines = ["| sampler | correction | trainer's accuracy | against `fp32` (paired) "
-                 "| sampler's accuracy | KL(sampler ‖ trainer) | tokens weighted |",
-                 "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines = ["| sampler | correction | trainer's accuracy | against `fp32` "
+                 f"| against `{level} none` | sampler's accuracy | against `{level} none` "
+                 "| KL(sampler ‖ trainer) | tokens weighted |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for row in rows:
             sampler, _, correction = row["name"].partition(" ")
             correction = correction.replace("none, sampler reward",
                                             "none, the sampler's log-probs in the reward")
             lines.append(f"| `{sampler}` | `{correction}` | {cell(row['final_accuracy'])} | "
-                         f"{cell(row['difference'])} | {cell(row['final_sampler_accuracy'])} | "
+                         f"{cell(row['difference'])} | {cell(row['against_uncorrected'])} | "
+                         f"{cell(row['final_sampler_accuracy'])} | "
+                         f"{cell(row['sampler_against_uncorrected'])} | "
                          f"{row['mismatch_kl']['mean']:.2e} | "
                          f"{row['kept_fraction']['mean']:.3f} |")
         seeds = len(rows[0]["final_accuracy"]["per_seed"])
         lines += ["", f"Greedy accuracy on the {record['config']['experiment']['eval_prompts']} "
                   f"test prompts after {record['config']['steps']} steps: the mean of "
-                  f"{seeds} seeds [95% percentile bootstrap]. \"Against `fp32`\": the "
-                  "accuracy less that of the same seed trained on policy. The sampler's "
-                  "accuracy: the model the sampler runs (for the "
-                  f"corrections, `{level}`). KL, and the share of the tokens whose weight in the "
-                  "loss is not 0: the mean over training."]
+                  f"{seeds} seeds [95% percentile bootstrap]. \"Against\": the accuracy less "
+                  "that of the same seed trained on policy (`fp32`), or with the "
+                  f"`{level}` sampler and no correction. The sampler's accuracy: the model the "
+                  f"sampler runs (for the corrections, `{level}`). KL, and the share of the "
+                  "tokens whose weight in the loss is not 0: the mean over training."]
         _write(f"mismatch_training_{method}.md", "\n".join(lines) + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         path = write_mismatch_plot(record, pathlib.Path(tmp) / "mismatch_training_curves.svg")
