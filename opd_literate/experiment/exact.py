@@ -27,8 +27,8 @@ import torch
 
 from .tinylm import EOS, PAD, V
 
-__all__ = ["answer_states", "state_logits", "reach_log_probs", "clamp_study_on_tinylm",
-           "CLAMP_STUDY_KEYS", "clamp_study_record"]
+__all__ = ["answer_states", "state_contexts", "state_logits", "reach_log_probs",
+           "clamp_study_on_tinylm", "CLAMP_STUDY_KEYS", "clamp_study_record"]
 
 
 def answer_states(prompts, max_answer=4, vocab=V, eos=EOS):
@@ -101,15 +101,22 @@ def answer_states(prompts, max_answer=4, vocab=V, eos=EOS):
     return out
 
 
-@torch.no_grad()
-def state_logits(model, prompts, states):
-    """The model's logits ``(N, V)`` at every state (``(M, N, V)`` for an ensemble of ``M``)."""
+def state_contexts(model, prompts, states):
+    """The context window ``(N, L + T - 1)`` of every state, as ``model.context_at`` writes it:
+    with ``states["position"]``, the input of ``model(contexts, positions)``."""
     contexts = torch.empty((len(states["prompt"]), prompts.shape[1] + states["prefix"].shape[1]
                             - 1), dtype=torch.long, device=prompts.device)
     for t in range(states["prefix"].shape[1]):
         rows = states["position"] == t
         contexts[rows] = model.context_at(prompts[states["prompt"][rows]],
                                           states["prefix"][rows], t)
+    return contexts
+
+
+@torch.no_grad()
+def state_logits(model, prompts, states):
+    """The model's logits ``(N, V)`` at every state (``(M, N, V)`` for an ensemble of ``M``)."""
+    contexts = state_contexts(model, prompts, states)
     models = getattr(model, "models", None)
     if models is None:
         return model(contexts, states["position"])

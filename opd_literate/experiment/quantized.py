@@ -64,6 +64,7 @@ from .tinylm import EOS, PAD, EnsembleLM, answer_tokens, make_prompts
 __all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "ensemble_sampler",
            "engine_logits",
            "token_mismatch", "answer_toy", "sampler_states", "tinylm_answer_toy",
+           "full_parameter_bias",
            "toy_token_mismatch", "matched_toy_mismatch", "average_ranks", "rank_correlation",
            "mismatch_study", "mismatch_study_record"]
 
@@ -526,6 +527,88 @@ def tinylm_answer_toy(model, pairs, sampler, *, teacher=None, features="bias"):
     return dict(toy, log_pi=log_pi, log_mu=log_mu, visits=exact["visits"].cpu().numpy())
 
 
+def full_parameter_bias(model, pairs, toy, names=None, parameter_names=None):
+    r"""Every estimator's exact relative bias over **all** the trainer's parameters.
+
+    The answer toy's score covers the LM head (``features``); the mean of an estimator over
+    every parameter $\theta$ of the model is still one backward pass. With $w_{m,t}$ the
+    estimator's weights ([opd_literate.mismatch.estimators.estimator_weights][]) and answer $m$
+    written at states $s_{m,t}$,
+
+    $$
+    \bar g = \sum_m \mu_m \sum_t w_{m,t} R_m \nabla_\theta \log \pi(y_{m,t} \mid s_{m,t})
+    = \nabla_\theta \sum_{s, v} C_{s,v} \log \pi(v \mid s), \qquad
+    C_{s,v} = \sum_{(m, t):\ s_{m,t} = s,\ y_{m,t} = v} \mu_m w_{m,t} R_m ,
+    $$
+
+    with $C$ held constant, and $\nabla J$ the same with $\pi_m R_m$ in place of
+    $\mu_m w_{m,t} R_m$. ``tests/experiment/test_quantized.py`` checks $\nabla J$ against
+    autograd of $J(\theta) = \sum_m \pi_m R_m$ itself, and the LM head's bias part against
+    the toy's own moments.
+
+    Parameters
+    ----------
+    model : opd_literate.experiment.tinylm.TinyLM
+        The trainer (run in float64).
+    pairs : torch.Tensor
+        The ``(B, 2)`` operands ``toy`` was built from.
+    toy : dict
+        From [opd_literate.experiment.quantized.tinylm_answer_toy][] for ``model`` and ``pairs``.
+    names : list of str, optional
+        Estimators of [opd_literate.mismatch.estimators.REGISTRY][]; all by default.
+    parameter_names : list of str, optional
+        The parameters to measure, by their names in ``model.named_parameters()``; all by
+        default (``["mlp.4.bias"]``, the LM head's bias of a two-layer student, gives the answer
+        toy's own ``features="bias"`` moments).
+
+    Returns
+    -------
+    dict
+        ``parameters`` (how many numbers), ``true_grad_norm`` and ``rel_bias`` ``{name: float}``:
+        $\lVert \bar g - \nabla J \rVert / \lVert \nabla J \rVert$ over every parameter.
+    """
+    from ..mismatch.estimators import REGISTRY, estimator_weights
+    from .exact import state_contexts
+
+    trainer = sampler_copy(model, "float64")
+    prompts = make_prompts(pairs, model.digits)
+    states = answer_states(prompts, model.max_answer)
+    if len(states["prompt"]) != len(toy["log_pi"]):
+        raise ValueError(f"toy has {len(toy['log_pi'])} states, pairs give "
+                         f"{len(states['prompt'])}: build the toy from the same pairs")
+    log_pi = torch.log_softmax(trainer(state_contexts(trainer, prompts, states),
+                                       states["position"]), -1)  # (N, V), with gradient
+    named = dict(trainer.named_parameters())
+    chosen = list(named) if parameter_names is None else list(parameter_names)
+    unknown = [n for n in chosen if n not in named]
+    if unknown or not chosen:
+        raise ValueError(f"parameter_names must name parameters of the model ({', '.join(named)}),"
+                         f" got {parameter_names!r}")
+    params = [named[n] for n in chosen]
+    real = np.asarray(toy["mask"]) > 0
+    N, V = log_pi.shape
+    # the (state, token) of every real position of every answer, as one flat index
+    cell = (np.where(real, toy["state"], 0) * V + toy["Y"])[real]
+
+    def gradient(coefficients):
+        C = np.bincount(cell, weights=np.broadcast_to(coefficients, real.shape)[real],
+                        minlength=N * V).reshape(N, V)
+        surrogate = (torch.as_tensor(C, dtype=log_pi.dtype, device=log_pi.device)
+                     * log_pi).sum()
+        grads = torch.autograd.grad(surrogate, params, retain_graph=True)
+        return torch.cat([g.flatten() for g in grads]).cpu().numpy()
+
+    R = np.asarray(toy["R"])
+    true = gradient((toy["p_train"] * R)[:, None])
+    norm = float(np.linalg.norm(true))
+    rel_bias = {}
+    for name in (list(REGISTRY) if names is None else names):
+        weights = estimator_weights(toy, name)
+        mean = gradient(toy["p_sampler"][:, None] * weights * R[:, None])
+        rel_bias[name] = float(np.linalg.norm(mean - true)) / norm
+    return dict(parameters=int(true.size), true_grad_norm=norm, rel_bias=rel_bias)
+
+
 def toy_token_mismatch(toy):
     r"""[opd_literate.experiment.quantized.token_mismatch][] of a toy of the mismatch chapter.
 
@@ -627,7 +710,9 @@ def mismatch_study(prepared, prompts=20, samplers=tuple(SAMPLERS), seeds=None):
     weak student (``seeds``: all by default), and, on the first student, every estimator of
     [opd_literate.mismatch.estimators.REGISTRY][] and the sampled-token OPD recipes against the
     teacher, exactly, beside the independent and the autoregressive toy at the matched mismatch
-    (the $\epsilon$ whose mean per-token KL is the student's).
+    (the $\epsilon$ whose mean per-token KL is the student's). Each tinylm row also holds
+    ``rel_bias_all``, the relative bias over every parameter of the student
+    ([opd_literate.experiment.quantized.full_parameter_bias][]).
 
     Returns
     -------
@@ -663,6 +748,11 @@ def mismatch_study(prepared, prompts=20, samplers=tuple(SAMPLERS), seeds=None):
         toy = tinylm_answer_toy(members[0], pairs, sampler, teacher=prepared.teacher)
         kl = stats[0]["kl"]
         rows = {"tinylm": [{k: r[k] for k in _ROW_KEYS} for r in comparison_table(toy, N=N)]}
+        # the bias over every parameter of the student, beside the LM head's bias above
+        every = full_parameter_bias(members[0], pairs, toy)
+        for row in rows["tinylm"]:
+            row["rel_bias_all"] = every["rel_bias"][row["name"]]
+        rows["parameters"] = every["parameters"]
         rows["J"] = float(toy["p_train"] @ toy["R"])
         for kind, make in (("toy", make_toy), ("ar_toy", make_ar_toy)):
             def kl_of(e, make=make):

@@ -233,6 +233,39 @@ def test_the_bias_score_is_the_last_column_of_the_head_score(tiny_answers):
     assert np.array_equal(bias["true_grad"][:, 0], toy["true_grad"][:, -1])
 
 
+def test_the_bias_over_every_parameter_is_autograd_of_the_enumerated_objective(tiny_answers):
+    """full_parameter_bias: its true gradient is autograd of J(theta) = sum_m pi_m R_m over
+    every parameter (an independent path: J itself, not the surrogate); its head-bias part is
+    the toy's own mean; seq_is is unbiased over every parameter, naive is not."""
+    from opd_literate.experiment.quantized import full_parameter_bias
+
+    model, pairs, toy = tiny_answers
+    out = full_parameter_bias(model, pairs, toy, names=["naive", "seq_is", "token_tis"])
+    trainer = sampler_copy(model, "float64")
+    assert out["parameters"] == sum(p.numel() for p in trainer.parameters())
+    prompts = make_prompts(pairs, digits=1)[torch.from_numpy(toy["prompt"])]
+    Y = torch.from_numpy(toy["Y"])
+    logp = token_logp(trainer.logits(prompts, Y), Y) * torch.from_numpy(toy["mask"])
+    J = (logp.sum(dim=1).exp() * torch.from_numpy(toy["R"])).sum() / len(pairs)
+    grads = torch.autograd.grad(J, list(trainer.parameters()))
+    assert out["true_grad_norm"] == pytest.approx(
+        float(torch.cat([g.flatten() for g in grads]).norm()), rel=1e-10)
+    assert out["rel_bias"]["seq_is"] < 1e-10
+    assert out["rel_bias"]["naive"] > 1e-3 and out["rel_bias"]["token_tis"] > 1e-3
+    with pytest.raises(ValueError, match="build the toy from the same pairs"):
+        full_parameter_bias(model, pairs[:1], toy)
+    # the head's bias alone: the answer toy's own moments (its features="bias" score)
+    bias_toy = tinylm_answer_toy(model, pairs, "int4")
+    head = full_parameter_bias(model, pairs, bias_toy, names=["naive", "token_tis"],
+                               parameter_names=["mlp.2.bias"])
+    assert head["parameters"] == 14
+    rows = {r["name"]: r for r in comparison_table(bias_toy, names=["naive", "token_tis"])}
+    for name in ("naive", "token_tis"):
+        assert head["rel_bias"][name] == pytest.approx(rows[name]["rel_bias"], rel=1e-10)
+    with pytest.raises(ValueError, match="parameter_names must name parameters"):
+        full_parameter_bias(model, pairs, toy, parameter_names=["head"])
+
+
 def test_answer_toy_names_bad_input():
     states = answer_states(torch.zeros((1, 1), dtype=torch.long), 2, vocab=2, eos=1)
     good = np.log(np.full((2, 2), 0.5))

@@ -8,6 +8,7 @@ interpreter after importing a numpy-only module.
 """
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -70,10 +71,17 @@ def _modules() -> set[str]:
             for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__")}
 
 
+@functools.cache
+def _nodes(path: pathlib.Path) -> tuple:
+    """Every node of a module's syntax tree, parsed once per test process (several tests
+    read every module)."""
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
 def _imported_top_levels(path: pathlib.Path) -> set[str]:
     """Top-level names of every absolute import in a module (relative imports are the package)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -133,7 +141,7 @@ def _package_imports(module: str) -> set[str]:
     """The package's modules that ``module`` imports, dotted below ``opd_literate``."""
     parents = module.split(".")[:-1]
     found = set()
-    for node in ast.walk(ast.parse(_path(module).read_text())):
+    for node in _nodes(_path(module)):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = parents[:len(parents) - (node.level - 1)]
             if node.module:

@@ -713,6 +713,25 @@ def _tinylm_mismatch_claims(record):
     assert by_name("int8")["gspo"]["rel_bias"] > 1
     assert by_name("int8", "toy")["gspo"]["rel_bias"] < 1
     assert by_name("int8", "ar_toy")["gspo"]["rel_bias"] < 1
+    # the bias over every parameter of the student
+    from opd_literate.experiment.quantized import rank_correlation
+
+    for sampler in order:
+        assert by_name(sampler)["seq_is"]["rel_bias_all"] < 1e-10
+    for sampler in ("bf16", "int8", "int4"):
+        rows = est[sampler]["tinylm"]
+        assert rank_correlation([r["rel_bias_all"] for r in rows],
+                                [r["rel_bias"] for r in rows]) > 0.9
+    for r in est["fp16"]["tinylm"]:
+        if r["name"] in ("seq_is", "seq_tis", "seq_mis"):
+            assert r["rel_bias_all"] < 1e-10
+        elif r["name"] != "gspo":
+            assert 0.0009 <= r["rel_bias_all"] <= 0.0011
+    rows = by_name("int4")
+    assert rows["token_is"]["rel_bias_all"] > rows["naive"]["rel_bias_all"]
+    biased = [r["rel_bias_all"] for r in rows.values() if r["rel_bias_all"] > 1e-10]
+    assert rows["seq_tis"]["rel_bias_all"] == min(biased)
+    assert by_name("int8")["gspo"]["rel_bias_all"] < 1 < by_name("int8")["gspo"]["rel_bias"]
     for sampler in ("bf16", "fp16", "int8", "int4"):  # OPD
         recipe = {(r["logp"], r["weight"]): r["rel_bias"] for r in opd[sampler]}
         assert recipe[("sampler", "none")] > recipe[("trainer", "none")]
@@ -734,6 +753,24 @@ def test_committed_tinylm_mismatch_uses_the_current_defaults_and_backs_the_chapt
     _tinylm_mismatch_claims(record)
     page = (ROOT / "docs/mismatch.md").read_text()
     assert "the first 20 test prompts" in page and "(30,941 a prompt)" in page
+    # the numbers of "The bias over every parameter", as the record gives them
+    from opd_literate.experiment.quantized import rank_correlation
+
+    text = " ".join(page.split())
+    est = record["estimators"]
+    assert all(est[s]["parameters"] == 39214 for s in est)
+    assert "over all 39,214 parameters of the first student" in text
+    spearman = [rank_correlation([r["rel_bias_all"] for r in est[s]["tinylm"]],
+                                 [r["rel_bias"] for r in est[s]["tinylm"]])
+                for s in ("bf16", "int8", "int4")]
+    assert "(rank correlation {:.2f}, {:.2f} and {:.2f})".format(*spearman) in text
+    int4 = {r["name"]: r["rel_bias_all"] for r in est["int4"]["tinylm"]}
+    int8 = {r["name"]: r["rel_bias_all"] for r in est["int8"]["tinylm"]}
+    assert (f"`token_is` stays above `naive` ({int4['token_is']:.3f} against "
+            f"{int4['naive']:.3f})") in text
+    assert f"least biased of the biased estimators ({int4['seq_tis']:.3f})" in text
+    assert f"over every parameter its relative bias is {int8['gspo']:.3f}, below 1" in text
+    assert f"(over every parameter, {int8['gspo']:.3f})" in text
 
 
 def test_a_sample_of_the_committed_tinylm_mismatch_recomputed_from_its_toys():
