@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # (marker `properties`, tests/opd/test_properties.py): "fast" for the normal suite, "ci" for the
 # separate CI run `pytest -m properties --hypothesis-profile=ci` (1,000 examples a property).
 # derandomize: the same examples on every run, so a failure reproduces; no example database.
-settings.register_profile("fast", max_examples=40, deadline=None, derandomize=True, database=None)
+settings.register_profile("fast", max_examples=25, deadline=None, derandomize=True, database=None)
 settings.register_profile("ci", max_examples=1000, deadline=None, derandomize=True, database=None)
 settings.load_profile("fast")  # --hypothesis-profile=ci, if given, is loaded after this
 

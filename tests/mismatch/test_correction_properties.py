@@ -15,7 +15,7 @@ every level, mode, criterion, reduction and estimator, with thresholds at their 
   gives the same values as its exact float32 copy (it is computed in float32);
 * refuse NaN inside the mask with an error naming the argument.
 
-The example count comes from the Hypothesis profile (conftest.py): "fast" (40) in the normal
+The example count comes from the Hypothesis profile (conftest.py): "fast" (25) in the normal
 run, ``--hypothesis-profile=ci`` (1,000) in .ci/run. The table of malformed calls and the
 regression tests of the defects the fuzzing found close the file.
 """
