@@ -536,9 +536,12 @@ def full_parameter_bias(model, pairs, toy, names=None, parameter_names=None):
     written at states $s_{m,t}$,
 
     $$
-    \bar g = \sum_m \mu_m \sum_t w_{m,t} R_m \nabla_\theta \log \pi(y_{m,t} \mid s_{m,t})
-    = \nabla_\theta \sum_{s, v} C_{s,v} \log \pi(v \mid s), \qquad
-    C_{s,v} = \sum_{(m, t):\ s_{m,t} = s,\ y_{m,t} = v} \mu_m w_{m,t} R_m ,
+    \begin{aligned}
+    \bar g &= \sum_m \mu_m \sum_t w_{m,t} R_m \nabla_\theta \log \pi(y_{m,t} \mid s_{m,t})
+    \\
+    &= \nabla_\theta \sum_{s, v} C_{s,v} \log \pi(v \mid s), \\
+    C_{s,v} &= \sum_{(m, t):\ s_{m,t} = s,\ y_{m,t} = v} \mu_m w_{m,t} R_m ,
+    \end{aligned}
     $$
 
     with $C$ held constant, and $\nabla J$ the same with $\pi_m R_m$ in place of
