@@ -574,6 +574,14 @@ def _rank_cells(values):
     return [f"{v:.4f} ({r:g})" for v, r in zip(values, average_ranks(values))]
 
 
+def _estimator_columns(names, header, columns):
+    """A table's lines: one row an estimator, one column of cells each."""
+    lines = ["| estimator | " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(header)]
+    for i, name in enumerate(names):
+        lines.append(f"| `{name}` | " + " | ".join(c[i] for c in columns) + " |")
+    return lines
+
+
 def _spearman_all(rows):
     """Rank correlation of the bias over every parameter with the LM head's bias."""
     from opd_literate.experiment.quantized import rank_correlation
@@ -621,10 +629,7 @@ def _tinylm_mismatch():
         header = ([f"tinylm `{s}`" for s in shown]
                   + [f"toy, $\\epsilon = {est['int4']['toy_eps']:.3f}$",
                      f"AR toy, $\\epsilon = {est['int4']['ar_toy_eps']:.3f}$"])
-        lines = ["| estimator | " + " | ".join(header) + " |",
-                 "| --- |" + " ---: |" * len(header)]
-        for i, name in enumerate(names):
-            lines.append(f"| `{name}` | " + " | ".join(c[i] for c in columns) + " |")
+        lines = _estimator_columns(names, header, columns)
         spearman = [f"`{s}` {est[s]['ar_toy_spearman_' + key]:.2f}" for s in shown]
         lines += ["", f"Each cell: the {label} (its rank, 1 = smallest; equal values share a "
                   "rank). The toys' $\\epsilon$ gives them the mean per-token KL of tinylm's "
@@ -635,10 +640,7 @@ def _tinylm_mismatch():
 
     # over every parameter of the student, beside the LM head's bias
     columns = [_rank_cells([r["rel_bias_all"] for r in est[s]["tinylm"]]) for s in shown]
-    header = [f"`{s}`" for s in shown]
-    lines = ["| estimator | " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(header)]
-    for i, name in enumerate(names):
-        lines.append(f"| `{name}` | " + " | ".join(c[i] for c in columns) + " |")
+    lines = _estimator_columns(names, [f"`{s}`" for s in shown], columns)
     spearman = [f"`{s}` {_spearman_all(est[s]):.2f}" for s in shown]
     lines += ["", f"Each cell: the relative bias over all {est[shown[0]]['parameters']:,} "
               "parameters of the first student (its rank, 1 = smallest). Spearman's rank "

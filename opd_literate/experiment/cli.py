@@ -130,6 +130,24 @@ def _write_record(path, record):
     return 0
 
 
+def _interrupted(stop, kept):
+    """Ctrl-C or SIGTERM: one line saying which and what was kept; the exit code 128 + N."""
+    number = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
+    what = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
+    print(f"opd-experiment: {what}; {kept}", file=sys.stderr)
+    return 128 + number
+
+
+def _worker_failed(error, kept):
+    """A worker process failed: the first line says what happened and what was kept, the
+    worker's traceback (for a bug report) follows, indented; the exit code 1."""
+    lines = str(error).splitlines()
+    print(f"opd-experiment: error: {lines[0]}; {kept}", file=sys.stderr)
+    for line in lines[1:]:
+        print(f"  {line}", file=sys.stderr)
+    return 1
+
+
 def _mismatch_training(parser, args, out_dir):
     """``--mismatch-training``: the study of
     [opd_literate.experiment.mismatch_training][], its record, its figure and its table."""
@@ -157,16 +175,9 @@ def _mismatch_training(parser, args, out_dir):
                                             workers=workers,
                                             cache="refresh" if args.no_cache else "read")
     except KeyboardInterrupt as stop:
-        number = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
-        what = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
-        print(f"opd-experiment: {what}; nothing written", file=sys.stderr)
-        return 128 + number
+        return _interrupted(stop, "nothing written")
     except WorkerError as error:
-        print(f"opd-experiment: error: {str(error).splitlines()[0]}; nothing written",
-              file=sys.stderr)
-        for line in str(error).splitlines()[1:]:
-            print(f"  {line}", file=sys.stderr)
-        return 1
+        return _worker_failed(error, "nothing written")
     _write_record(out_dir / "mismatch_training.json", results)
     write_mismatch_plot(results, out_dir / "mismatch_training.png")
     print(format_summary(results))
@@ -250,16 +261,9 @@ def main(argv=None):
             partial.unlink(missing_ok=True)  # superseded by results.json
             write_plots(results, out_dir)
     except KeyboardInterrupt as stop:
-        number = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
-        what = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
-        print(f"opd-experiment: {what}; {kept()}", file=sys.stderr)
-        return 128 + number
+        return _interrupted(stop, kept())
     except WorkerError as error:
-        # the worker's traceback is for a bug report; the first line says what happened
-        print(f"opd-experiment: error: {str(error).splitlines()[0]}; {kept()}", file=sys.stderr)
-        for line in str(error).splitlines()[1:]:
-            print(f"  {line}", file=sys.stderr)
-        return 1
+        return _worker_failed(error, kept())
     print(format_headline(results))
     print(f"\nwrote {results_path}, accuracy.png, reverse_kl.png")
     return 0

@@ -371,6 +371,16 @@ def _sample_all(engines, prompts, uniforms, M, T):
     return tokens, mask, logp, logits
 
 
+def _models_by(conds, seeds, field):
+    """``{value: model indices}`` of the conditions grouped by one of their fields (model
+    ``c * seeds + s`` is seed ``s`` of condition ``c``), in the order the values first appear."""
+    index = {}
+    for c, condition in enumerate(conds):
+        index.setdefault(getattr(condition, field), []).extend(range(c * seeds, (c + 1) * seeds))
+    # CPU by design: the experiment runs on the CPU (these index the models)
+    return {value: torch.tensor(models) for value, models in index.items()}
+
+
 def train_under_mismatch(method, run, bar=None):
     """Train every condition of ``method`` for every seed, as one batched model.
 
@@ -395,16 +405,8 @@ def train_under_mismatch(method, run, bar=None):
                              for k, v in prepared.student_state.items()})
     optimizer = BatchedAdam(trainer.parameters(), [config.lr] * M)
     warmup = max(ex.warmup_steps, 1)
-    groups = {}
-    for c, condition in enumerate(conds):
-        groups.setdefault(condition.sampler, []).extend(range(c * S, (c + 1) * S))
-    # CPU by design: the experiment runs on the CPU (these index the models)
-    groups = {k: torch.tensor(v) for k, v in groups.items()}
-    by_correction = {}
-    for c, condition in enumerate(conds):
-        by_correction.setdefault(condition.correction, []).extend(range(c * S, (c + 1) * S))
-    # CPU by design: the experiment runs on the CPU (these index the models)
-    by_correction = {k: torch.tensor(v) for k, v in by_correction.items()}
+    groups = _models_by(conds, S, "sampler")
+    by_correction = _models_by(conds, S, "correction")
     # CPU by design: the experiment runs on the CPU
     sampler_reward = torch.tensor([cond.reward_logp == "sampler" for cond in conds
                                    for _ in range(S)])
