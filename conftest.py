@@ -22,6 +22,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+# pytest.approx is given Python floats, numbers or numpy arrays, never torch tensors: how approx
+# treats an object it does not know is pytest's internal business (pytest 9.2 iterates over the
+# expected value, and a 0-d tensor cannot be iterated). This guard makes such a test fail on every
+# pytest release, with the fix in its message, not only on the newest one.
+_pytest_approx = pytest.approx
+
+
+def _approx_of_plain_values(expected, *args, **kwargs):
+    def is_tensor(value):
+        return type(value).__module__.split(".", 1)[0] == "torch"
+
+    values = expected.values() if isinstance(expected, dict) else (
+        expected if isinstance(expected, (list, tuple)) else [expected])
+    if any(is_tensor(v) for v in values):
+        raise TypeError("pytest.approx was given a torch tensor: pass float(tensor) or "
+                        "tensor.tolist(), or compare tensors with torch.testing.assert_close")
+    return _pytest_approx(expected, *args, **kwargs)
+
+
+pytest.approx = _approx_of_plain_values
+
 # Hypothesis profiles for the property tests that take their example count from the profile
 # (marker `properties`, tests/opd/test_properties.py): "fast" for the normal suite, "ci" for the
 # separate CI run `pytest -m properties --hypothesis-profile=ci` (1,000 examples a property).

@@ -30,6 +30,7 @@ NUMPY_ONLY = {"mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch"}
 # Run inside the fresh interpreter before anything is collected: no opd_literate anywhere.
 ISOLATING_CONFTEST = '''
 import importlib
+import os
 import sys
 
 def _editable(hook):
@@ -38,7 +39,17 @@ def _editable(hook):
 
 sys.meta_path[:] = [f for f in sys.meta_path if not _editable(f)]
 sys.path_hooks[:] = [h for h in sys.path_hooks if not _editable(h)]
-sys.path[:] = [p for p in sys.path if not p.startswith({repo!r}) and "__editable__" not in p]
+# The repository's root (where opd_literate/ is) is dropped, compared as a resolved path: a
+# virtual environment inside the clone (.venv) or beside it with a common prefix keeps its
+# site-packages.
+def _is_repo_root(entry):
+    try:
+        return os.path.samefile(entry or ".", {repo!r})
+    except OSError:
+        return False
+
+
+sys.path[:] = [p for p in sys.path if not _is_repo_root(p) and "__editable__" not in p]
 sys.path_importer_cache.clear()
 try:
     importlib.import_module("opd_literate")

@@ -91,13 +91,14 @@ def test_the_nbgrader_format_is_a_course_folder(tmp_path):
 
 
 def _nbgrader():
-    """The nbgrader command: $OPD_NBGRADER, the project's .venv, or one on PATH."""
+    """The nbgrader command: $OPD_NBGRADER, the project's .venv-nbgrader, or one on PATH."""
     for candidate in (os.environ.get("OPD_NBGRADER"),
-                      PACKAGE.parent / ".venv" / "bin" / "nbgrader", shutil.which("nbgrader")):
+                      PACKAGE.parent / ".venv-nbgrader" / "bin" / "nbgrader",
+                      shutil.which("nbgrader")):
         if candidate and pathlib.Path(candidate).is_file():
             return pathlib.Path(candidate)
-    pytest.skip("nbgrader is not installed: python -m venv --system-site-packages .venv && "
-                ".venv/bin/pip install 'nbgrader==0.9.6' (the nbgrader extra)")
+    pytest.skip("nbgrader is not installed: bash tools/env.sh nbgrader .venv-nbgrader "
+                "(nbgrader 0.9.6 in an environment of its own)")
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ Masks are compared exactly: a threshold would have to fall within ``1e-8`` of a 
 from a continuous distribution for the two to disagree.
 
 Marker ``verl``: deselected by the README's command, run by ``.ci/run`` in the environment that
-``tools/verl-venv.sh`` builds (verl's pins conflict with the ``trl`` extra's transformers). The
+``bash tools/env.sh verl .venv-verl`` builds (verl's pins conflict with the ``trl`` extra's transformers). The
 module is skipped when verl cannot be imported.
 """
 
@@ -39,7 +39,7 @@ try:
     from verl.trainer.ppo import rollout_corr_helper as helper
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 except ImportError as error:  # the fast tier, or a machine without the verl environment
-    pytest.skip(f"verl is not importable ({error}); build it with tools/verl-venv.sh",
+    pytest.skip(f"verl is not importable ({error}); build it with tools/env.sh verl .venv-verl",
                 allow_module_level=True)
 
 from opd_literate.mismatch import correction as C
@@ -148,6 +148,7 @@ def test_the_fixture_is_read_from_the_installed_verl():
         sys.path.pop(0)
     committed = json.loads((ROOT / "tests" / "fixtures" / "verl_rollout_correction.json")
                            .read_text())
+    # committed-exact: verl's names and its defaults, literals of its source (2.0, 0.2, 0.01)
     assert json.loads(json.dumps(verl_fixture.build())) == committed
 
 

@@ -17,7 +17,7 @@ try:
     from verl.trainer.ppo import rollout_corr_helper as helper
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 except ImportError as error:  # the fast tier, or a machine without the verl environment
-    pytest.skip(f"verl is not importable ({error}); build it with tools/verl-venv.sh",
+    pytest.skip(f"verl is not importable ({error}); build it with tools/env.sh verl .venv-verl",
                 allow_module_level=True)
 
 from opd_literate.experiment.mismatch_training import CORRECTIONS, PRESETS, corrected_loss

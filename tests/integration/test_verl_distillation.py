@@ -11,7 +11,7 @@ Tolerance ``rtol=atol=2e-6``: verl casts the log-probabilities to float32 before
 have at most ``k = 4`` terms of magnitude below 30 here, so float32's rounding (``6e-8``
 relative) stays below ``2e-6`` absolute. Counts are compared exactly.
 Marker ``verl``, like ``test_verl.py``: run by ``.ci/run`` in the environment of
-``tools/verl-venv.sh``; skipped where verl cannot be imported.
+``bash tools/env.sh verl .venv-verl``; skipped where verl cannot be imported.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ try:
     from verl.trainer.distillation.fsdp import losses as verl_fsdp
     from verl.workers.config.distillation import DistillationLossConfig
 except ImportError as error:
-    pytest.skip(f"verl is not importable ({error}); build it with tools/verl-venv.sh",
+    pytest.skip(f"verl is not importable ({error}); build it with tools/env.sh verl .venv-verl",
                 allow_module_level=True)
 
 from opd_literate.large_vocab import clamps

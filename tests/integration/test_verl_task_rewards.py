@@ -18,7 +18,7 @@ try:
     from verl.trainer.ppo.core_algos import kl_penalty
     from verl.workers.config.distillation import DistillationLossConfig
 except ImportError as error:
-    pytest.skip(f"verl is not importable ({error}); build it with tools/verl-venv.sh",
+    pytest.skip(f"verl is not importable ({error}); build it with tools/env.sh verl .venv-verl",
                 allow_module_level=True)
 
 from opd_literate.mismatch.opd_mismatch import add_teacher

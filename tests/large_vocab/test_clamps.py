@@ -114,8 +114,8 @@ def test_diagnostics_against_sets_and_sums():
         assert d["student_mass"][row].item() == pytest.approx(
             sum(math.exp(log_p[row, v]) for v in theirs), rel=1e-12)
         shared = [v for v in theirs if v in mine]
-        want = (sum(-math.exp(log_q[row, v]) * (log_q[row, v] - log_p[row, v]) for v in shared)
-                / len(shared)) if shared else 0.0
+        want = (sum(-math.exp(log_q[row, v]) * float(log_q[row, v] - log_p[row, v])
+                    for v in shared) / len(shared)) if shared else 0.0
         assert d["overlap_token_advantage"][row].item() == pytest.approx(want, rel=1e-12,
                                                                          abs=1e-15)
     kept = [0, 1, 3, 4]
