@@ -2,7 +2,8 @@
 
 The fixture lets the fast tier (which has no verl) check option names, defaults and metric names
 against verl; ``tests/integration/test_verl.py`` regenerates it with verl installed and fails if
-the committed file differs. Run it inside the verl environment (``bash tools/env.sh verl .venv-verl``):
+the committed file differs. Run it inside the verl environment
+(``bash tools/env.sh verl .venv-verl``):
 
     .venv-verl/bin/python tools/verl_fixture.py          # rewrite the fixture
     .venv-verl/bin/python tools/verl_fixture.py --check  # exit 1 if it is stale

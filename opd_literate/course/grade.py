@@ -418,11 +418,12 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     file and line) or its process ended without a readable result, *no tests* when it has no
     case, and *failed* otherwise (a wrong value, an exception, a malformed output).
 
-    Without a working sandbox it raises ``sandbox.SandboxUnavailable`` (naming why) unless
-    ``trusted``: then the runner runs as your user, unisolated (the verdict is still computed
-    here). Returns ``{"lab", "tasks": {n: {"function", "status", "tests", "passed",
-    "messages", "cases": [{"name", "passed", "message"}]}}, "score", "total", "files",
-    "format", "trusted", "seconds"}``.
+    Without a working sandbox it raises ``sandbox.SandboxUnavailable`` (naming why, and
+    offering ``trusted`` only where the machine cannot run bubblewrap, not where the sandbox's
+    set-up failed) unless ``trusted``: then the runner runs as your user, unisolated (the
+    verdict is still computed here). Returns ``{"lab", "tasks": {n: {"function", "status",
+    "tests", "passed", "messages", "cases": [{"name", "passed", "message"}]}}, "score",
+    "total", "files", "format", "trusted", "seconds"}``.
     """
     import time
 
@@ -438,10 +439,11 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     lab = _lab_of(folder)
     if not trusted:
         reason = sandbox.unavailable_reason()
-        if reason is not None:
-            raise sandbox.SandboxUnavailable(
-                f"cannot grade untrusted work without the sandbox: {reason}; grade with "
-                "--trusted (trusted=True) only code you trust, it then runs as your user")
+        if reason is not None:  # --trusted is offered only where bwrap cannot run at all
+            raise sandbox.SandboxUnavailable(sandbox.refusal_message(
+                reason, "cannot grade untrusted work without the sandbox",
+                "grade with --trusted (trusted=True) only code you trust, it then runs as your "
+                "user"))
     instructor = render_lab(lab)
     all_tasks = tasks_of(lab)
     functions, module_of = {}, {}

@@ -6,7 +6,10 @@ at ``/sandbox`` as the only writable place that outlives the run, and returns wh
 and how it ended as a [Result][opd_literate.course.sandbox.Result]. The command sees
 
 * read-only: ``/usr`` (and ``/bin``, ``/lib*`` as on the host), the Python installation
-  (``sys.base_prefix``, ``sys.prefix``) and the folders holding numpy and torch, with this
+  (``sys.base_prefix``, ``sys.prefix`` and the exec prefixes: a virtual environment and the
+  Python it was made from) and the folders holding numpy and torch
+  ([python_roots][opd_literate.course.sandbox.python_roots]), wherever they are (under
+  ``/tmp`` too: they are mounted over the fresh ``/tmp``), with this
   library masked wherever it could be found there (the package folder, its ``.dist-info``, the
   editable-install finder and ``.pth`` files that name it); a minimal ``/etc`` (the dynamic
   linker's cache and configuration, ``/etc/alternatives``, the time zone, and a synthetic
@@ -31,6 +34,9 @@ Where ``bwrap`` is missing or cannot create its namespaces,
 raises [SandboxUnavailable][opd_literate.course.sandbox.SandboxUnavailable] unless it is told
 ``trusted=True``: then the command runs as a plain process in a session of its own, with the
 same resource limits and a scrubbed environment, and the result says it was not sandboxed.
+Where ``bwrap`` runs but this sandbox could not be set up (a folder that could not be
+mounted), the reason quotes bwrap's error and the refusal offers no trusted mode: that is a
+fault to report, which running unsandboxed would hide.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import selectors
 import shutil
 import signal
@@ -53,7 +60,7 @@ import time
 import uuid
 
 __all__ = ["SANDBOX_DIR", "SandboxUnavailable", "Limits", "Result", "unavailable_reason",
-           "process_limit", "run"]
+           "refusal_message", "python_roots", "process_limit", "run"]
 
 SANDBOX_DIR = "/sandbox"
 """Where ``workdir`` is mounted inside the sandbox, and the command's working directory."""
@@ -190,7 +197,13 @@ def unavailable_reason() -> str | None:
     """Why the sandbox cannot run here, or None when ``bwrap`` works.
 
     Checked by starting a sandbox like ``run``'s (the result is remembered per ``bwrap``
-    executable, so the check costs one start, tens of milliseconds, per process).
+    executable, so the check costs one start, tens of milliseconds, per process). Where that
+    fails, two smaller sandboxes tell the cause apart: a machine that cannot create the
+    namespaces (no user namespaces: the kernel settings that forbid them are named where
+    they do), or a sandbox whose folders could not be mounted here, a fault to report rather
+    than a machine to work around (see
+    [refusal_message][opd_literate.course.sandbox.refusal_message]). bwrap's own error is
+    quoted either way.
 
     Returns
     -------
@@ -204,37 +217,116 @@ def unavailable_reason() -> str | None:
     return _probe(os.path.realpath(bwrap))
 
 
+class _SetupFailure(str):
+    """A reason that is no missing feature of the machine: bwrap runs, this sandbox did not."""
+
+
+def refusal_message(reason: str, refusal: str, fallback: str) -> str:
+    """The message of a refusal to run without the sandbox, on one line.
+
+    Parameters
+    ----------
+    reason : str
+        What [unavailable_reason][opd_literate.course.sandbox.unavailable_reason] said.
+    refusal : str
+        What is refused, in words (``"cannot sandbox untrusted code"``).
+    fallback : str
+        How to run unsandboxed (the trusted mode), offered only where the machine cannot run
+        bubblewrap: never where the sandbox's own set-up failed, which running unsandboxed
+        would only hide.
+
+    Returns
+    -------
+    str
+        ``"<refusal>: <reason>; <fallback>"``, or without the fallback.
+    """
+    message = f"{refusal}: {reason}"
+    return message if isinstance(reason, _SetupFailure) else f"{message}; {fallback}"
+
+
+def _one_line(stderr: bytes, returncode: int) -> str:
+    lines = [line.strip() for line in stderr.decode(errors="replace").splitlines()]
+    text = "; ".join(line for line in lines if line) or f"exit status {returncode}"
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _start(command: list[str], fds: tuple[int, ...] | list[int] = ()) -> str | None:
+    """Run a probe sandbox: None when it succeeds, else bwrap's error on one line."""
+    try:
+        completed = subprocess.run(command, capture_output=True, timeout=30, check=False,
+                                   pass_fds=fds, env=_base_env({}, []), stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bwrap could not be started: {error}"
+    return None if completed.returncode == 0 else _one_line(completed.stderr,
+                                                            completed.returncode)
+
+
 @functools.cache
 def _probe(bwrap: str) -> str | None:
+    roots = python_roots()
+    problem = _root_problem(roots)
+    if problem is not None:
+        return _SetupFailure(problem)
+    python = [sys.executable, "-I", "-S", "-c", "pass"]
     with tempfile.TemporaryDirectory(prefix="opd-sandbox-probe-") as workdir:
-        argv = [sys.executable, "-I", "-S", "-c", "pass"]
         try:
-            command, fds, _ = _bwrap_command(bwrap, argv, pathlib.Path(workdir), Limits(),
+            command, fds, _ = _bwrap_command(bwrap, python, pathlib.Path(workdir), Limits(),
                                              status_fd=None)
         except OSError as error:
             return f"bwrap could not be prepared: {error}"
         try:
-            completed = subprocess.run(command, capture_output=True, timeout=30, check=False,
-                                       pass_fds=fds, env=_base_env({}, []),
-                                       stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return f"bwrap could not be started: {error}"
+            error = _start(command, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-    if completed.returncode == 0:
+    if error is None:
         return None
-    message = completed.stderr.decode(errors="replace").strip() or f"exit {completed.returncode}"
-    return (f"bwrap cannot create its sandbox here ({message}); unprivileged user namespaces "
-            "may be disabled (sysctl user.max_user_namespaces, "
-            "kernel.unprivileged_userns_clone, or AppArmor's "
-            "kernel.apparmor_restrict_unprivileged_userns), or a container forbids them")
+    # The same namespaces over the machine's own files: if they work, the mounts failed.
+    over_the_machine = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    if _start([*_namespace_command(bwrap), *over_the_machine, "--", *python]) is None:
+        return _SetupFailure(
+            f"bwrap runs here, but could not mount this sandbox's folders ({error}; the "
+            f"Python installation's folders: {', '.join(repr(str(r)) for r in roots)}): a fault of "
+            "the sandbox's set-up for this Python, not a machine without namespaces; "
+            "please report it with this message")
+    user_error = _start([bwrap, "--unshare-user", "--ro-bind", "/", "/", "--", *python])
+    if user_error is None:
+        return (f"bwrap cannot create the sandbox's namespaces here ({error}), though it can "
+                "create a user namespace: a container or security policy forbids a PID, "
+                "network, IPC or UTS namespace, or mounting /proc")
+    switches = _user_namespace_switches()
+    if switches:
+        return (f"bwrap cannot create a user namespace here ({user_error}): user namespaces "
+                f"are disabled ({', '.join(switches)})")
+    return (f"bwrap cannot create a user namespace here ({user_error}), though no kernel "
+            "setting disables them (user.max_user_namespaces, "
+            "kernel.unprivileged_userns_clone, kernel.apparmor_restrict_unprivileged_userns): "
+            "a container or security policy (seccomp, AppArmor, SELinux) forbids them")
+
+
+def _user_namespace_switches(proc_sys: pathlib.Path = pathlib.Path("/proc/sys")) -> list[str]:
+    """The kernel settings (read under ``proc_sys``) that disable user namespaces for this
+    user, in words."""
+    disabling = [("user/max_user_namespaces", "0", True),
+                 ("kernel/unprivileged_userns_clone", "0", False),
+                 ("kernel/apparmor_restrict_unprivileged_userns", "1", False)]
+    found = []
+    for name, value, for_root_too in disabling:
+        if not for_root_too and os.getuid() == 0:
+            continue  # these restrict unprivileged users only
+        try:
+            read = (proc_sys / name).read_text().strip()
+        except OSError:
+            continue
+        if read == value:
+            found.append(f"sysctl {name.replace('/', '.')} = {read}")
+    return found
 
 
 def _unavailable_message(reason: str) -> str:
-    return (f"cannot sandbox untrusted code: {reason}. Run where bubblewrap works, or pass "
-            "trusted=True (--trusted) to run the code as a plain process, only for code you "
-            "trust")
+    return refusal_message(reason, "cannot sandbox untrusted code",
+                           "run where bubblewrap works, or pass trusted=True (--trusted) to run "
+                           "the code as a plain process, only for code you trust")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,19 +334,33 @@ def _unavailable_message(reason: str) -> str:
 
 
 def _is_under(path: pathlib.Path, root: pathlib.Path) -> bool:
+    """Whether ``path`` is ``root`` or inside it, by path components (never string prefixes:
+    ``/work/main-venv`` is not inside ``/work/main``)."""
     return path == root or root in path.parents
 
 
-def _python_roots() -> list[pathlib.Path]:
-    """Read-only roots the interpreter needs: its prefixes and the folders of numpy, torch."""
-    roots = {pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve()}
+def python_roots() -> list[pathlib.Path]:
+    """The folders of the Python installation that ``run`` shows, read-only, to the command.
+
+    They are the outermost of the interpreter's prefixes (``sys.prefix``, ``sys.base_prefix``,
+    ``sys.exec_prefix``, ``sys.base_exec_prefix``: a virtual environment and the Python it was
+    made from) and of the site folders that hold numpy and torch, resolved; a folder inside
+    another is shown with it, and ``/`` never is (it would show the whole machine). Where a
+    folder lies (``/tmp``, a path with spaces, beside the repository) does not matter; where
+    one would cover a place the sandbox makes its own (``/tmp``, ``/dev``, ``/proc``, ``/etc``,
+    ``/sandbox``), [unavailable_reason][opd_literate.course.sandbox.unavailable_reason] says so.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The folders, sorted; those under ``/usr`` are shown with ``/usr``.
+    """
+    roots = {pathlib.Path(prefix).resolve() for prefix in (
+        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     for name in ("numpy", "torch"):
         folder = _site_dir_of(name)
         if folder is not None:
             roots.add(folder)
-    # Keep the outermost roots: a root inside another is already bound with it. "/" is never
-    # one (it would bind the whole machine): Python then is not found inside, and the probe
-    # says so.
     roots.discard(pathlib.Path("/"))
     kept = [root for root in roots if not any(other != root and _is_under(root, other)
                                               for other in roots)]
@@ -274,6 +380,64 @@ def _site_dir_of(name: str) -> pathlib.Path | None:
     return pathlib.Path(spec.origin).resolve().parents[1]
 
 
+# The sandbox's own places: a root that is one of them or holds one would cover what the
+# sandbox mounts there (its fresh /tmp, minimal /dev and /etc, own /proc, the workdir).
+_OWN_PLACES = ("/tmp", "/dev", "/dev/shm", "/proc", "/etc", SANDBOX_DIR)
+
+
+def _root_problem(roots: list[pathlib.Path]) -> str | None:
+    """Why a read-only root cannot be shown without breaking a guarantee, or None."""
+    for root in roots:
+        covered = [place for place in _OWN_PLACES if _is_under(pathlib.Path(place), root)]
+        if covered:
+            return (f"the Python installation's folder {str(root)!r} would cover the "
+                    f"sandbox's own {covered[0]} (and show what the machine holds there); "
+                    "use a Python or virtual environment installed in a folder of its own")
+        inside = [place for place in ("/proc", "/dev", SANDBOX_DIR)
+                  if _is_under(root, pathlib.Path(place))
+                  and not _is_under(root, pathlib.Path("/dev/shm"))]
+        if inside:
+            return (f"the Python installation's folder {str(root)!r} lies in {inside[0]}, "
+                    "which the sandbox replaces with its own; use a Python or virtual "
+                    "environment installed elsewhere")
+        if _is_extra_site(root) and os.pathsep in str(root):
+            return (f"the site folder {str(root)!r} (numpy's or torch's) holds "
+                    f"{os.pathsep!r}, so it cannot be named on the sandbox's PYTHONPATH; "
+                    "install numpy and torch in a folder whose path has none")
+    return None
+
+
+def _mentions(text: str, place: pathlib.Path) -> bool:
+    """Whether ``text`` names ``place`` or a path inside it (not ``place-venv`` beside it)."""
+    return re.search(re.escape(str(place)) + r"(?![\w.-])", text) is not None
+
+
+def _pth_names_the_library(pth: pathlib.Path, places: set[pathlib.Path]) -> bool:
+    """Whether a ``.pth`` file could make this library importable: a path line (resolved
+    against the ``.pth``'s folder, as ``site`` does) that is one of ``places`` or a folder
+    holding ``opd_literate``, or an ``import`` line (run at start-up) that mentions the
+    library's name or one of ``places``."""
+    try:
+        text = pth.read_text(errors="replace")
+    except OSError:
+        return False  # what cannot be read here cannot be read inside either (same user)
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.startswith(("import ", "import\t")):
+            if any(name in line.lower() for name in _LIBRARY_NAMES) or any(
+                    _mentions(line, place) for place in places):
+                return True
+            continue
+        try:
+            folder = (pth.parent / line.rstrip()).resolve()
+        except (OSError, RuntimeError, ValueError):
+            continue
+        if folder in places or (folder / "opd_literate").exists():
+            return True
+    return False
+
+
 def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
     """Folders and files of this library inside the read-only roots: (folders, files)."""
     repository = _PACKAGE_DIR.parent
@@ -284,7 +448,7 @@ def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[
     site_dirs.update(pathlib.Path(entry) for entry in site.getsitepackages())
     site_dirs.add(pathlib.Path(site.getusersitepackages()))
     site_dirs.update(folder for folder in map(_site_dir_of, ("numpy", "torch")) if folder)
-    markers = [str(_PACKAGE_DIR), str(repository), *_LIBRARY_NAMES]
+    places = {_PACKAGE_DIR, repository}
     for folder in site_dirs:
         try:
             entries = list(folder.iterdir())
@@ -295,13 +459,9 @@ def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[
             if lowered.startswith("opd_literate") or (
                     lowered.startswith("__editable__") and "opd_literate" in lowered):
                 candidates.add(entry)
-            elif entry.suffix == ".pth" and entry.is_file():
-                try:
-                    text = entry.read_text(errors="replace")
-                except OSError:
-                    continue
-                if any(marker in text for marker in markers):
-                    candidates.add(entry)
+            elif entry.suffix == ".pth" and entry.is_file() and _pth_names_the_library(
+                    entry, places):
+                candidates.add(entry)
     visible = {path.resolve() for path in candidates
                if any(_is_under(path.resolve(), root) for root in roots)}
     folders = sorted(path for path in visible if path.is_dir())
@@ -330,6 +490,16 @@ def _data_fd(data: bytes) -> int:
     return read_end
 
 
+def _namespace_command(bwrap: str) -> list[str]:
+    """``bwrap`` and the options that make the sandbox's namespaces, session and capabilities."""
+    command = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+               "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL", "--hostname", "sandbox"]
+    if "--disable-userns" in _bwrap_options(bwrap):
+        command.append("--disable-userns")
+    return command
+
+
 def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: Limits,
                    status_fd: int | None, info_fd: int | None = None,
                    ) -> tuple[list[str], list[int], list[pathlib.Path]]:
@@ -339,13 +509,9 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
     def sized(size: int) -> list[str]:
         return ["--size", str(size)] if "--size" in options else []
 
-    roots = _python_roots()
+    roots = python_roots()
     mask_folders, mask_files = _library_masks(roots)
-    command = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-               "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-               "--cap-drop", "ALL", "--hostname", "sandbox"]
-    if "--disable-userns" in options:
-        command.append("--disable-userns")
+    command = _namespace_command(bwrap)
     if info_fd is not None:
         command += ["--info-fd", str(info_fd)]
     command += ["--ro-bind", "/usr", "/usr"]
@@ -364,7 +530,12 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
     for name, data in _etc_files(os.getuid(), os.getgid()).items():
         fds.append(_data_fd(data))
         command += ["--ro-bind-data", str(fds[-1]), name]
-    # Roots, then the masks inside them, in path order so that a mask covers what it hides.
+    command += ["--proc", "/proc", "--dev", "/dev",
+                *sized(limits.file_bytes), "--tmpfs", "/dev/shm",
+                *sized(limits.file_bytes), "--tmpfs", "/tmp"]
+    # Then the roots, and the masks inside them in path order so that a mask covers what it
+    # hides: after the fresh /tmp and /dev/shm, which would otherwise hide a root made there
+    # (a virtual environment under /tmp). bwrap makes their mount points in those tmpfs.
     mounts = [(root, "root") for root in roots if not _is_under(root, pathlib.Path("/usr"))]
     mounts += [(folder, "folder") for folder in mask_folders]
     mounts += [(file, "file") for file in mask_files]
@@ -375,10 +546,7 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
             command += [*sized(4096), "--tmpfs", str(path)]
         else:
             command += ["--ro-bind", "/dev/null", str(path)]
-    command += ["--proc", "/proc", "--dev", "/dev",
-                *sized(limits.file_bytes), "--tmpfs", "/dev/shm",
-                *sized(limits.file_bytes), "--tmpfs", "/tmp",
-                "--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR]
+    command += ["--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR]
     # bwrap's root and /dev are tmpfs of the size of the machine's memory, writable: read-only
     # once the mount points exist, so that only /tmp, /dev/shm and /sandbox can be written.
     for folder in (*mask_folders, pathlib.Path("/dev"), pathlib.Path("/")):
@@ -709,7 +877,8 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
 def _is_extra_site(root: pathlib.Path) -> bool:
     """A read-only root outside the interpreter's prefixes: a site folder the sandboxed
     interpreter must be told about (a user site, or a folder on the caller's PYTHONPATH)."""
-    prefixes = [pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve()]
+    prefixes = [pathlib.Path(prefix).resolve() for prefix in (
+        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)]
     return not any(_is_under(root, prefix) for prefix in prefixes)
 
 

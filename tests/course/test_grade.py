@@ -375,6 +375,24 @@ def test_without_a_sandbox_the_grader_refuses_unless_trusted(tmp_path, monkeypat
     assert err.count("\n") == 1 and "without the sandbox: bwrap is not installed" in err
 
 
+def test_a_sandbox_that_could_not_be_set_up_is_reported_without_offering_trusted(
+        tmp_path, monkeypatch, capsys):
+    """Where bwrap runs but this sandbox's mounts failed, --trusted is no fix: it would only
+    hide the fault. The message quotes bwrap; the command line says it on one line."""
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    failure = sandbox._SetupFailure("bwrap runs here, but could not mount this sandbox's "
+                                    "folders (bwrap: Can't remount readonly on /newroot/tmp/v)")
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: failure)
+    with pytest.raises(sandbox.SandboxUnavailable) as refused:
+        grader.grade(folder)
+    assert str(refused.value) == f"cannot grade untrusted work without the sandbox: {failure}"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["grade", str(folder)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and "--trusted" not in err
+    assert "Can't remount readonly on /newroot/tmp/v" in err
+
+
 def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_error(
         tmp_path, monkeypatch):
     """The limits the instructors page states; a runner that dies before writing anything (here

@@ -7,6 +7,8 @@ caller's) and a marker in its command line, so that a process it leaves behind i
 ``OPD_REQUIRE_SANDBOX=1`` to make them fail instead, as ``.ci/run`` does).
 """
 
+import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -219,9 +221,12 @@ def test_the_library_and_the_repository_cannot_be_read(workdir):
 @pytest.mark.slow
 def test_the_callers_home_holds_only_the_way_to_python(workdir):
     home = pathlib.Path.home().resolve()
-    prefix = pathlib.Path(sys.prefix).resolve()
-    # Python may be installed in the home (pyenv, conda): the folders leading to it appear.
-    expected = sorted({prefix.relative_to(home).parts[0]}) if home in prefix.parents else []
+    roots = sandbox.python_roots()  # what the sandbox binds (checked to be minimal below)
+    if any(home == root or root in home.parents for root in roots):
+        pytest.skip(f"the home {home} lies in the Python installation {roots}")
+    # Python may be installed in the home (pyenv, conda, a virtual environment there): the
+    # first folder on the way to each root the sandbox binds appears, nothing else.
+    expected = sorted({root.relative_to(home).parts[0] for root in roots if home in root.parents})
     argv = _script(workdir, f"""
         import os
         print(sorted(os.listdir({str(home)!r})) if os.path.isdir({str(home)!r}) else [])
@@ -234,15 +239,68 @@ def test_the_callers_home_holds_only_the_way_to_python(workdir):
 @needs_bwrap
 def test_importing_the_library_fails(workdir):
     argv = _script(workdir, """
-        import importlib.util, sys
+        import importlib.util, json, os, sys
         print(importlib.util.find_spec("opd_literate"))
-        print([p for p in sys.path if "opd" in p])
+        print(json.dumps([f(p) for p in sys.path for f in (os.path.abspath, os.path.realpath)]))
         import opd_literate
     """)
     result = sandbox.run(argv, workdir)
-    assert result.stdout == b"None\n[]\n"
+    found, path = result.stdout.decode().splitlines()
+    assert found == "None"
+    # No entry is the repository or the package, compared by path components: a clone named
+    # opd-literate, or a virtual environment inside it, is no way in.
+    assert [p for p in json.loads(path) if pathlib.Path(p) in (REPOSITORY, PACKAGE)] == []
     assert result.returncode == 1
     assert b"ModuleNotFoundError: No module named 'opd_literate'" in result.stderr
+
+
+def test_the_python_roots_are_the_interpreters_folders_and_no_more():
+    """What the sandbox binds of the Python installation: the outermost of the prefixes (a
+    virtual environment's and its base Python's) and the site folders of numpy and torch."""
+    wanted = {pathlib.Path(prefix).resolve() for prefix in (
+        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    wanted |= {pathlib.Path(importlib.util.find_spec(name).origin).resolve().parents[1]
+               for name in ("numpy", "torch")}
+    wanted.discard(pathlib.Path("/"))
+    roots = sandbox.python_roots()
+    assert set(roots) <= wanted
+    assert all(any(folder == root or root in folder.parents for root in roots)
+               for folder in wanted)
+    assert not [(a, b) for a in roots for b in roots if a in b.parents]  # none inside another
+
+
+@pytest.mark.parametrize(("root", "problem"), [
+    ("/tmp", "would cover the sandbox's own /tmp"), ("/dev", "cover the sandbox's own /dev "),
+    ("/dev/shm", "own /dev/shm"), ("/etc", "own /etc"), ("/proc/1/root", "lies in /proc"),
+    ("/dev/input", "lies in /dev"), ("/sandbox/venv", "lies in /sandbox"),
+    ("/opt/numpy:site", "cannot be named on the sandbox's PYTHONPATH"),
+    ("/tmp/a venv", None), ("/dev/shm/venv", None), (f"{REPOSITORY}-venv", None)])
+def test_a_root_that_would_cover_the_sandboxs_own_places_is_refused(root, problem):
+    """Under /tmp or /dev/shm a root is bound over the fresh tmpfs; one that is or holds a place
+    the sandbox makes its own would show the machine's there instead."""
+    found = sandbox._root_problem([pathlib.Path(root)])
+    assert found is None if problem is None else problem in found, found
+
+
+def test_a_pth_file_is_masked_when_it_can_import_the_library(tmp_path):
+    """A path line that names the checkout or a folder holding the package, or an ``import``
+    line that names either or the library: masked. A path beside the checkout that shares its
+    name as a prefix (``clone-venv`` beside ``clone``) is not the checkout."""
+    clone = tmp_path / "clone"
+    (clone / "opd_literate").mkdir(parents=True)
+    (tmp_path / "other" / "opd_literate").mkdir(parents=True)
+    places = {clone, clone / "opd_literate"}
+    lines = {"checkout": f"{clone}\n", "relative": "clone\n", "holder": f"{tmp_path}/other\n",
+             "hook": "import opd_literate_hook\n",
+             "inside": f"import site; site.addsitedir({str(clone / '.venv')!r})\n",
+             "beside": f"{clone}-venv/lib/site-packages\n",
+             "beside_hook": f"import site; site.addsitedir({str(clone) + '-venv'!r})\n",
+             "plain": "import os\n# opd_literate in a comment\n"}
+    for name, line in lines.items():
+        (tmp_path / f"{name}.pth").write_text(line)
+    masked = {name for name in lines
+              if sandbox._pth_names_the_library(tmp_path / f"{name}.pth", places)}
+    assert masked == {"checkout", "relative", "holder", "hook", "inside"}
 
 
 @needs_bwrap
@@ -720,6 +778,62 @@ def test_without_bwrap_run_refuses_and_trusted_runs(tmp_path, workdir, monkeypat
     assert any(note.startswith("trusted") for note in result.notes)
 
 
+_MOUNT_ERROR = ("bwrap: Can't remount readonly on /newroot/tmp/a venv/opd_literate-0.1.0.dist-info:"
+                " No such file or directory")
+_NAMESPACE_ERROR = "bwrap: No permissions to creating new namespace"
+
+
+@pytest.mark.parametrize(("fails", "switches", "said", "trusted_offered"), [  # None: all fail
+    # bwrap works over the machine's own files, not with this sandbox's mounts: a fault of the
+    # set-up, to report; running unsandboxed would hide it.
+    ("--bind", [], "could not mount this sandbox's folders (" + _MOUNT_ERROR, False),
+    ("--unshare-pid", [], "cannot create the sandbox's namespaces here (" + _NAMESPACE_ERROR,
+     True),
+    (None, ["sysctl user.max_user_namespaces = 0"], "cannot create a user namespace here ("
+     + _NAMESPACE_ERROR + "): user namespaces are disabled (sysctl user.max_user_namespaces = 0)",
+     True),
+    (None, [], "though no kernel setting disables them", True)])
+def test_a_failing_bwrap_is_diagnosed_from_smaller_sandboxes(workdir, monkeypatch, fails,
+                                                            switches, said, trusted_offered):
+    """The probe's sandbox fails; the namespaces alone over the machine's own files, then a user
+    namespace alone, tell a failed mount from a machine that forbids namespaces (here a stand-in
+    for bwrap fails every command holding the option ``fails``). Only a machine is offered the
+    trusted mode, and "disabled" is said only where a kernel setting read says so."""
+    def start(command, fds=()):
+        if fails is not None and fails not in command:
+            return None
+        return _MOUNT_ERROR if fails == "--bind" else _NAMESPACE_ERROR
+
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: f"/opd-test/bwrap-{uuid.uuid4().hex}")
+    monkeypatch.setattr(sandbox, "_bwrap_options", lambda bwrap: frozenset())
+    monkeypatch.setattr(sandbox, "_start", start)
+    monkeypatch.setattr(sandbox, "_user_namespace_switches", lambda: switches)
+    reason = sandbox.unavailable_reason()
+    assert said in reason, reason
+    assert ("disabled" in reason) == bool(switches)
+    with pytest.raises(SandboxUnavailable) as refused:
+        sandbox.run([sys.executable, "-c", "pass"], workdir)
+    assert str(refused.value).startswith(f"cannot sandbox untrusted code: {reason}")
+    assert ("trusted=True" in str(refused.value)) is trusted_offered
+
+
+def test_the_kernel_settings_that_disable_user_namespaces_are_named(tmp_path, monkeypatch):
+    (tmp_path / "user").mkdir()
+    (tmp_path / "kernel").mkdir()
+    (tmp_path / "user" / "max_user_namespaces").write_text("0\n")
+    (tmp_path / "kernel" / "unprivileged_userns_clone").write_text("0\n")
+    (tmp_path / "kernel" / "apparmor_restrict_unprivileged_userns").write_text("0\n")
+    # The unprivileged_userns_clone switch (Debian's) does not restrict root.
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: 0)
+    assert sandbox._user_namespace_switches(tmp_path) == ["sysctl user.max_user_namespaces = 0"]
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: _UNPRIVILEGED)
+    assert sandbox._user_namespace_switches(tmp_path) == [
+        "sysctl user.max_user_namespaces = 0", "sysctl kernel.unprivileged_userns_clone = 0"]
+    (tmp_path / "user" / "max_user_namespaces").write_text("63000\n")
+    (tmp_path / "kernel" / "unprivileged_userns_clone").write_text("1\n")
+    assert sandbox._user_namespace_switches(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_trusted_applies_the_limits_and_scrubs_the_environment(workdir, monkeypatch):
     monkeypatch.setenv("OPD_SECRET_TOKEN", "hunter2")
@@ -821,6 +935,90 @@ def test_a_program_invisible_inside_is_refused(tmp_path, workdir):
     program.chmod(0o755)
     with pytest.raises(ValueError, match="not visible inside the sandbox"):
         sandbox.run([str(program)], workdir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python anywhere: a virtual environment under /tmp, in a folder with a space in its name.
+
+
+def _virtual_environment(folder: pathlib.Path, *extra: pathlib.Path) -> pathlib.Path:
+    """A virtual environment at ``folder`` made from this interpreter, whose ``.pth`` file
+    names this interpreter's site folders and those of numpy and torch (its packages, wherever
+    they are installed) and ``extra``; its ``python``."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True,
+                   timeout=120)
+    python = folder / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout.strip()
+    folders = [*site.getsitepackages(), *(sandbox._site_dir_of(n) for n in ("numpy", "torch")),
+               *extra]
+    (pathlib.Path(purelib) / "opd-test-site.pth").write_text("".join(f"{f}\n" for f in folders))
+    return python
+
+
+@pytest.fixture
+def venv_under_tmp():
+    """A virtual environment under /tmp itself (the fresh /tmp of the sandbox once hid such a
+    one), in a folder whose name has a space, which can import this library as installed here
+    (the grader's process imports it; the sandbox must still hide it)."""
+    base = pathlib.Path(tempfile.mkdtemp(dir="/tmp", prefix="opd-venv-"))
+    try:
+        yield _virtual_environment(base / "a venv", REPOSITORY), base
+    finally:
+        shutil.rmtree(base)
+
+
+@needs_bwrap
+def test_the_sandbox_runs_from_a_virtual_environment_under_tmp(venv_under_tmp):
+    python, base = venv_under_tmp
+    (base / "work").mkdir()
+    (base / "work" / "attack.py").write_text(textwrap.dedent(f"""
+        import importlib.util, sys, numpy
+        print(sys.prefix, importlib.util.find_spec("opd_literate"))
+        try:
+            open({str(python.parent.parent / "canary.txt")!r}, "w")
+        except OSError as error:
+            print(type(error).__name__)
+    """))
+    driver = textwrap.dedent(f"""
+        import pathlib, sys
+        from opd_literate.course import sandbox
+        print(sandbox.unavailable_reason())
+        result = sandbox.run([sys.executable, "attack.py"], pathlib.Path({str(base / "work")!r}))
+        print(result.returncode, result.stdout.decode(), result.stderr.decode())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    completed = subprocess.run([str(python), "-c", driver], cwd=base, env=env, timeout=60,
+                               capture_output=True, text=True, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == (f"None\n0 {python.parent.parent} None\nOSError\n \n")
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_a_lab_is_graded_in_the_sandbox_from_a_virtual_environment_under_tmp(venv_under_tmp):
+    """The issue's case end to end: from that environment's python, write the OPD lab, solve
+    Task 1 and grade it in the sandbox (not trusted): Task 1 alone passes."""
+    from opd_literate.course import labs
+    from opd_literate.course.markers import strip_solutions
+
+    python, base = venv_under_tmp
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def course(*args):
+        completed = subprocess.run([str(python), "-m", "opd_literate.course", *args], cwd=base,
+                                   env=env, capture_output=True, text=True, timeout=300)
+        assert completed.returncode == 0, completed.stdout + completed.stderr
+        return completed.stdout
+
+    course(str(base / "opd"), "--lab", "opd")
+    text, _ = strip_solutions(labs.source_of("opd").read_text(), keep={1})
+    (base / "opd" / "opd.py").write_text(labs.flatten_imports(text))
+    report = json.loads(course("grade", str(base / "opd"), "--json", "-"))["labs"][0]
+    assert [t["status"] for t in report["tasks"].values()] == [
+        "passed", "not implemented", "not implemented"]
+    assert (report["score"], report["trusted"]) == (1, False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -12,7 +13,7 @@ import zipfile
 import pytest
 import tomllib
 
-from opd_literate.course import labs
+from opd_literate.course import labs, sandbox
 from opd_literate.course.labs import LABS, PACKAGE, lab_file
 from opd_literate.course.markers import strip_solutions
 
@@ -58,9 +59,11 @@ def _copy_of_the_project(target):
 
 @pytest.mark.slow
 def test_the_installed_wheel_writes_solves_and_grades_a_lab(tmp_path):
-    """Build the wheel, install it (--no-deps: torch and numpy come from the system's site
-    packages) into a fresh virtual environment, and, from a folder that is no checkout, write
-    the labs, solve Task 1 of the OPD lab and grade it: Task 1 alone passes."""
+    """Build the wheel, install it (--no-deps: torch and numpy come from the test environment)
+    into a fresh virtual environment, and, from a folder that is no checkout, write the labs,
+    solve Task 1 of the OPD lab and grade it, in the sandbox where it runs here (the virtual
+    environment is under the temporary folder, /tmp: the sandbox's fresh /tmp must not hide
+    it): Task 1 alone passes."""
     source = tmp_path / "project"
     _copy_of_the_project(source)
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
@@ -75,13 +78,23 @@ def test_the_installed_wheel_writes_solves_and_grades_a_lab(tmp_path):
     assert not any(n.startswith("tests/") or "lab_tests/course" in n for n in names)
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
                               "--no-index", str(wheel)], capture_output=True, text=True,
                              timeout=300)
     assert install.returncode == 0, install.stdout + install.stderr
+    # numpy and torch as this test environment has them, wherever it lives (a virtual
+    # environment's base Python may have neither, so --system-site-packages would not do):
+    # a .pth file names its site folders, after the wheel's own; not the repository.
+    folders = {*map(pathlib.Path, site.getsitepackages()),
+               *(sandbox._site_dir_of(name) for name in ("numpy", "torch"))}
+    assert REPO.resolve() not in {folder.resolve() for folder in folders}
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout.strip()
+    (pathlib.Path(purelib) / "opd-test-site.pth").write_text(
+        "".join(f"{folder}\n" for folder in sorted(folders)))
     shutil.rmtree(source)  # nothing of a checkout is left to read
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     work = tmp_path / "work"
@@ -101,14 +114,13 @@ def test_the_installed_wheel_writes_solves_and_grades_a_lab(tmp_path):
         (REPO / "tests" / "opd" / "test_lab_opd.py").read_text())
     text, _ = strip_solutions(labs.source_of("opd").read_text(), keep={1})
     (opd / "opd.py").write_text(labs.flatten_imports(text))
-    # --trusted where the grader has it (the sandboxed grader); this one is the wheel's own.
-    trusted = ["--trusted"] if "--trusted" in run("-m", "opd_literate.course", "grade",
-                                                  "--help") else []
+    # Sandboxed wherever the sandbox runs for this test's own Python.
+    trusted = sandbox.unavailable_reason() is not None
     report = json.loads(run("-m", "opd_literate.course", "grade", str(opd), "--json", "-",
-                            *trusted))["labs"][0]
+                            *(["--trusted"] if trusted else [])))["labs"][0]
     assert [t["status"] for t in report["tasks"].values()] == [
         "passed", "not implemented", "not implemented"]
-    assert report["score"] == 1 and report["files"] == {}
+    assert report["score"] == 1 and report["files"] == {} and report["trusted"] is trusted
     run("-m", "opd_literate.course", "gs", "--lab", "opd", "--format", "gradescope")
     with zipfile.ZipFile(work / "gs" / "autograder.zip") as archive:
         assert "opd_literate/course/lab_tests/opd/test_lab_opd_hidden.py" in archive.namelist()

@@ -4,8 +4,8 @@ full-vocabulary softmax at the sampling temperature (``engine_toy``'s default tr
 renormalised one of a replayed sampling mask.
 
 TRL (marker ``trl``) is the trl extra's 1.16.0; verl (marker ``verl``) the verl extra's 0.9.1 in
-``.venv-verl`` (``bash tools/env.sh verl .venv-verl``). Each test skips where its framework is not importable.
-The log-prob comparisons are float64 on both sides: equal to ``1e-12``.
+``.venv-verl`` (``bash tools/env.sh verl .venv-verl``). Each test skips where its framework is
+not importable. The log-prob comparisons are float64 on both sides: equal to ``1e-12``.
 """
 
 from __future__ import annotations

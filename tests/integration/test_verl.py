@@ -14,8 +14,8 @@ Masks are compared exactly: a threshold would have to fall within ``1e-8`` of a 
 from a continuous distribution for the two to disagree.
 
 Marker ``verl``: deselected by the README's command, run by ``.ci/run`` in the environment that
-``bash tools/env.sh verl .venv-verl`` builds (verl's pins conflict with the ``trl`` extra's transformers). The
-module is skipped when verl cannot be imported.
+``bash tools/env.sh verl .venv-verl`` builds (verl's pins conflict with the ``trl`` extra's
+transformers). The module is skipped when verl cannot be imported.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pathlib
 import re
-import tomllib
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version

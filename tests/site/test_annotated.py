@@ -49,7 +49,7 @@ def test_every_line_of_code_is_on_the_page_in_order(module):
     shown = [line for block in _code_blocks(page) for line in block.splitlines()
              if line.strip() and not (line.strip().startswith("#")
                                       and not line.strip().startswith("###"))]
-    assert shown == expected
+    assert shown == expected  # committed-exact: lines of source text, strings
 
 
 @pytest.mark.parametrize("module", annotated.MODULES)
