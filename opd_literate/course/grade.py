@@ -313,6 +313,33 @@ def _read_task(folder_fd: int, task: int, calls: dict, inputs: dict, state) -> d
     return {"outputs": outputs}
 
 
+def _read_outcomes(out: pathlib.Path, tasks_numbers: list, spec: dict, arrays: dict,
+                   result, timeout: float) -> dict:
+    """Each task's outcome (``_read_task``) from the runner's output folder ``out``."""
+    folder_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            states = json.loads(_read_file(folder_fd, "runner.json", _RECORD_LIMIT) or "{}")
+        except (_Malformed, ValueError, RecursionError):
+            states = {}
+        states = states if isinstance(states, dict) else {}
+        outcomes = {}
+        for task in tasks_numbers:
+            state = states.get(str(task))
+            if state is None and result.timed_out:
+                state = {"timed_out": timeout}
+            outcomes[task] = _read_task(folder_fd, task, spec["calls"].get(str(task), {}),
+                                        arrays, state)
+    finally:
+        os.close(folder_fd)
+    last = result.stderr.decode(errors="replace").strip().split("\n")[-1][:200]
+    if not states and not result.timed_out and last:  # the runner itself failed
+        for outcome in outcomes.values():
+            if "error" in outcome:
+                outcome["error"] += f"; the runner said: {last}"
+    return outcomes
+
+
 def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).split("\n") if line.strip()] or [""]
     return lines[0][:_MESSAGE_LIMIT]
@@ -415,8 +442,11 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     ``NotImplementedError("Task N: ...")``, *blocked* when its only failures come from another
     task's stub (the student's own code calling it), *timed out* when its calls run past
     ``timeout`` seconds, *error* when the student's code cannot be imported (the message names
-    file and line) or its process ended without a readable result, *no tests* when it has no
-    case, and *failed* otherwise (a wrong value, an exception, a malformed output).
+    file and line), its process ended without a readable result, or the sandbox itself failed
+    (``sandbox.Result.fault``: then no task of the folder is graded, and the next folder is),
+    *no tests* when it has no case, and *failed* otherwise (a wrong value, an exception, a
+    malformed output). The lab folder itself is hidden from the sandbox (``sandbox.run``'s
+    ``hidden``).
 
     Without a working sandbox it raises ``sandbox.SandboxUnavailable`` (naming why, and
     offering ``trusted`` only where the machine cannot run bubblewrap, not where the sandbox's
@@ -480,30 +510,17 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
         limits = sandbox.Limits(wall_seconds=wall, cpu_seconds=math.ceil(wall),
                                 memory_bytes=MEMORY_LIMIT, file_bytes=FILE_LIMIT,
                                 processes=64)  # processes and threads of the runner, together
-        # -s: no user site; the runner drops its own folder from sys.path before student code
+        # -s: no user site; the runner drops its own folder from sys.path before student code.
+        # The student's folder itself is hidden: the sandbox refuses where it would show it.
         result = sandbox.run([sys.executable, "-s", "runner.py"], work, limits=limits,
-                             trusted=trusted, env=_environment())
-        folder_fd = os.open(work / "out", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            try:
-                states = json.loads(_read_file(folder_fd, "runner.json", _RECORD_LIMIT) or "{}")
-            except (_Malformed, ValueError, RecursionError):
-                states = {}
-            states = states if isinstance(states, dict) else {}
-            outcomes = {}
-            for task in tasks_numbers:
-                state = states.get(str(task))
-                if state is None and result.timed_out:
-                    state = {"timed_out": timeout}
-                outcomes[task] = _read_task(folder_fd, task, spec["calls"].get(str(task), {}),
-                                            arrays, state)
-        finally:
-            os.close(folder_fd)
-        last = result.stderr.decode(errors="replace").strip().split("\n")[-1][:200]
-        if not states and not result.timed_out and last:  # the runner itself failed
-            for outcome in outcomes.values():
-                if "error" in outcome:
-                    outcome["error"] += f"; the runner said: {last}"
+                             trusted=trusted, env=_environment(), hidden=[folder])
+        if result.fault is not None:  # nothing this run wrote is to be trusted: no grade
+            outcomes = {task: {"error": f"not graded: the sandbox failed ({result.fault}); "
+                                        "grade this folder again, and report it if it recurs"}
+                        for task in tasks_numbers}
+        else:
+            outcomes = _read_outcomes(work / "out", tasks_numbers, spec, arrays, result,
+                                      timeout)
     finally:
         _remove(work)
     tasks = {}

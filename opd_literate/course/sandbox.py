@@ -11,15 +11,22 @@ and how it ended as a [Result][opd_literate.course.sandbox.Result]. The command 
   ([python_roots][opd_literate.course.sandbox.python_roots]), wherever they are (under
   ``/tmp`` too: they are mounted over the fresh ``/tmp``), with this
   library masked wherever it could be found there (the package folder, its ``.dist-info``, the
-  editable-install finder and ``.pth`` files that name it); a minimal ``/etc`` (the dynamic
+  editable-install finder and ``.pth`` files that name it, in this interpreter's site folders
+  and in every site folder at the usual places under ``/usr`` and each of those folders: a
+  copy in the base Python's site-packages too); a minimal ``/etc`` (the dynamic
   linker's cache and configuration, ``/etc/alternatives``, the time zone, and a synthetic
-  ``passwd``, ``group`` and ``hosts``);
-* fresh: ``/proc`` of its own PID namespace, a minimal ``/dev``, and on ``/tmp`` and
+  ``passwd``, ``group`` and ``hosts``); and the symbolic links on the interpreter's path as
+  written (``sys.executable``) that none of these holds, made as they are;
+* fresh: ``/proc`` of its own PID namespace, mounted read-only (as root the kernel's settings
+  under ``/proc/sys`` would otherwise be writable), a minimal ``/dev``, and on ``/tmp`` and
   ``/dev/shm`` a ``tmpfs`` each of ``file_bytes`` (everything else is read-only, bwrap's own
   root included);
 * nothing else: not the repository, not the instructor's files, not ``$HOME``, no network
   (its own network namespace has only a loopback), its own IPC and UTS namespaces, no
-  capabilities, and (bubblewrap 0.8 or later) no further user namespaces.
+  capabilities, and (bubblewrap 0.8 or later) no further user namespaces. A Python
+  installation whose folder would show what must stay hidden (a home folder, ``/home``,
+  ``/root``, ``/run``, the temporary folder, the repository, the working folder or a folder
+  the caller names in ``hidden``) is refused, checked again for each run.
 
 Resource limits are set by ``setrlimit`` in the sandboxed process before it executes the
 command: address space, file size, CPU seconds, no core files, and the number of processes
@@ -27,7 +34,9 @@ command: address space, file size, CPU seconds, no core files, and the number of
 A wall-clock limit kills the sandbox's PID namespace, and with it every process started in it;
 the sandbox also ends, whatever is still running in it, when the command exits. Standard
 output and standard error are each kept up to ``output_bytes``; the rest is read and
-discarded, so the caller's memory stays bounded.
+discarded, so the caller's memory stays bounded. The launcher that reports the command's wait
+status is not dumpable, so the command cannot open its pipe through ``/proc``; a status that
+is no wait status all the same is no crash but the result's ``fault``.
 
 Where ``bwrap`` is missing or cannot create its namespaces,
 [unavailable_reason][opd_literate.course.sandbox.unavailable_reason] says why, and ``run``
@@ -36,13 +45,17 @@ raises [SandboxUnavailable][opd_literate.course.sandbox.SandboxUnavailable] unle
 same resource limits and a scrubbed environment, and the result says it was not sandboxed.
 Where ``bwrap`` runs but this sandbox could not be set up (a folder that could not be
 mounted), the reason quotes bwrap's error and the refusal offers no trusted mode: that is a
-fault to report, which running unsandboxed would hide.
+fault to report, which running unsandboxed would hide. Nor is it offered where bwrap could
+not be started for a moment (too many open files or processes): that reason says to try
+again, and is not remembered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
+import glob
 import json
 import math
 import os
@@ -99,6 +112,20 @@ def execute():
         print(f"sandbox: cannot run {command[0]!r}: {error}", file=sys.stderr)
         os._exit(127)
 status_fd = config["status_fd"]
+if status_fd is not None:
+    # Not dumpable before the fork, so that the command (the same user) can neither open this
+    # process's descriptors through /proc/PID/fd nor ptrace it to write a status of its own;
+    # the command's exec makes it dumpable again. Where that fails, no status is written (the
+    # return code is then bwrap's, a signal N reading as 128 + N).
+    PR_SET_DUMPABLE = 4
+    try:
+        import ctypes
+        protected = ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    except (ImportError, OSError, AttributeError):
+        protected = False
+    if not protected:
+        os.close(status_fd)
+        status_fd = None
 if status_fd is None:
     execute()
 pid = os.fork()
@@ -178,6 +205,10 @@ class Result:
     """False when the command ran with ``trusted=True``: a plain process, no OS isolation."""
     notes: tuple[str, ...] = ()
     """Guarantees that did not hold for this run, in words (empty when all of them held)."""
+    fault: str | None = None
+    """What went wrong in the sandbox's own machinery, in words, or None: a wait status that
+    its launcher cannot have written (something else reached the launcher's pipe). The
+    ``returncode`` is then bwrap's, and nothing the run wrote is to be trusted."""
 
 
 def _bwrap_path() -> str | None:
@@ -196,14 +227,16 @@ def _bwrap_options(bwrap: str) -> frozenset[str]:
 def unavailable_reason() -> str | None:
     """Why the sandbox cannot run here, or None when ``bwrap`` works.
 
-    Checked by starting a sandbox like ``run``'s (the result is remembered per ``bwrap``
+    Checked by starting a sandbox like ``run``'s (the answer is remembered per ``bwrap``
     executable, so the check costs one start, tens of milliseconds, per process). Where that
-    fails, two smaller sandboxes tell the cause apart: a machine that cannot create the
-    namespaces (no user namespaces: the kernel settings that forbid them are named where
-    they do), or a sandbox whose folders could not be mounted here, a fault to report rather
-    than a machine to work around (see
-    [refusal_message][opd_literate.course.sandbox.refusal_message]). bwrap's own error is
-    quoted either way.
+    fails, smaller sandboxes tell the cause apart: a machine that cannot create the namespaces
+    (no user namespaces: the kernel settings that forbid them are named where they do), one
+    that refuses only ``--disable-userns`` (a container such as Incus or LXD), or a sandbox
+    whose folders could not be mounted here, a fault to report rather than a machine to work
+    around (see [refusal_message][opd_literate.course.sandbox.refusal_message]). bwrap's own
+    error is quoted either way. A bwrap that could not be started at all (too many open files
+    or processes) or a probe that took more than 30 s is a passing failure: the reason says
+    to try again, offers no trusted mode, and is not remembered.
 
     Returns
     -------
@@ -214,11 +247,33 @@ def unavailable_reason() -> str | None:
     if bwrap is None:
         return ("bubblewrap (bwrap) is not installed or not on PATH; install it "
                 "(Debian and Ubuntu: apt-get install bubblewrap)")
-    return _probe(os.path.realpath(bwrap))
+    bwrap = os.path.realpath(bwrap)
+    if bwrap in _PROBED:
+        return _PROBED[bwrap]
+    reason = _probe(bwrap)
+    if not isinstance(reason, _Transient):
+        _PROBED[bwrap] = reason
+    return reason
+
+
+_PROBED: dict[str, str | None] = {}  # unavailable_reason's answers, by bwrap executable
 
 
 class _SetupFailure(str):
     """A reason that is no missing feature of the machine: bwrap runs, this sandbox did not."""
+
+
+class _Transient(_SetupFailure):
+    """A reason that may not hold a moment later (bwrap could not be started): not remembered,
+    and no reason to run unsandboxed."""
+
+
+class _Refused(Exception):
+    """This run's sandbox cannot be set up without breaking a guarantee; ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = _SetupFailure(reason)
 
 
 def refusal_message(reason: str, refusal: str, fallback: str) -> str:
@@ -233,7 +288,7 @@ def refusal_message(reason: str, refusal: str, fallback: str) -> str:
     fallback : str
         How to run unsandboxed (the trusted mode), offered only where the machine cannot run
         bubblewrap: never where the sandbox's own set-up failed, which running unsandboxed
-        would only hide.
+        would only hide, nor where bwrap could not be started for a moment.
 
     Returns
     -------
@@ -250,46 +305,78 @@ def _one_line(stderr: bytes, returncode: int) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
+def _passing(what: str, error: BaseException) -> _Transient:
+    return _Transient(
+        f"{what} ({error}): a passing failure of this machine (too many open files or "
+        "processes, too little memory, or a probe that took more than 30 s), not a missing "
+        "feature; try again")
+
+
 def _start(command: list[str], fds: tuple[int, ...] | list[int] = ()) -> str | None:
-    """Run a probe sandbox: None when it succeeds, else bwrap's error on one line."""
+    """Run a probe sandbox: None when it succeeds, else bwrap's error on one line (a
+    ``_Transient`` one where bwrap could not be started or did not finish)."""
     try:
         completed = subprocess.run(command, capture_output=True, timeout=30, check=False,
                                    pass_fds=fds, env=_base_env({}, []), stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as error:
-        return f"bwrap could not be started: {error}"
+        return _passing("bwrap could not be started", error)
     return None if completed.returncode == 0 else _one_line(completed.stderr,
                                                             completed.returncode)
 
 
-@functools.cache
 def _probe(bwrap: str) -> str | None:
     roots = python_roots()
     problem = _root_problem(roots)
     if problem is not None:
         return _SetupFailure(problem)
+    try:
+        _bwrap_options(bwrap)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return _passing("bwrap could not be started", error)
     python = [sys.executable, "-I", "-S", "-c", "pass"]
     with tempfile.TemporaryDirectory(prefix="opd-sandbox-probe-") as workdir:
         try:
             command, fds, _ = _bwrap_command(bwrap, python, pathlib.Path(workdir), Limits(),
                                              status_fd=None)
+        except _Refused as refused:
+            return refused.reason
         except OSError as error:
-            return f"bwrap could not be prepared: {error}"
+            return _passing("bwrap could not be prepared", error)
         try:
             error = _start(command, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-    if error is None:
-        return None
+    if error is None or isinstance(error, _Transient):
+        return error
     # The same namespaces over the machine's own files: if they work, the mounts failed.
-    over_the_machine = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
-    if _start([*_namespace_command(bwrap), *over_the_machine, "--", *python]) is None:
+    over_the_machine = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--",
+                        *python]
+    namespaces = _namespace_command(bwrap)
+    machine_error = _start([*namespaces, *over_the_machine])
+    if machine_error is None:
         return _SetupFailure(
             f"bwrap runs here, but could not mount this sandbox's folders ({error}; the "
             f"Python installation's folders: {', '.join(repr(str(r)) for r in roots)}): a fault of "
             "the sandbox's set-up for this Python, not a machine without namespaces; "
             "please report it with this message")
+    if isinstance(machine_error, _Transient):
+        return machine_error
+    if "--disable-userns" in namespaces:
+        # Once more without it: a container (Incus, LXD) may refuse only this option.
+        allowed = _start([option for option in namespaces if option != "--disable-userns"]
+                         + over_the_machine)
+        if isinstance(allowed, _Transient):
+            return allowed
+        if allowed is None:
+            return (f"bwrap creates the sandbox's namespaces here, but fails with "
+                    f"--disable-userns ({error}), its option that keeps the sandbox from "
+                    "creating user namespaces of its own: this machine does not let bwrap set "
+                    "user.max_user_namespaces for it, as some containers do not (Incus or "
+                    "LXD, say)")
     user_error = _start([bwrap, "--unshare-user", "--ro-bind", "/", "/", "--", *python])
+    if isinstance(user_error, _Transient):
+        return user_error
     if user_error is None:
         return (f"bwrap cannot create the sandbox's namespaces here ({error}), though it can "
                 "create a user namespace: a container or security policy forbids a PID, "
@@ -348,7 +435,10 @@ def python_roots() -> list[pathlib.Path]:
     another is shown with it, and ``/`` never is (it would show the whole machine). Where a
     folder lies (``/tmp``, a path with spaces, beside the repository) does not matter; where
     one would cover a place the sandbox makes its own (``/tmp``, ``/dev``, ``/proc``, ``/etc``,
-    ``/sandbox``), [unavailable_reason][opd_literate.course.sandbox.unavailable_reason] says so.
+    ``/sandbox``), or hold one it keeps hidden (a home folder, ``/home``, ``/root``, ``/run``,
+    the temporary folder, the repository),
+    [unavailable_reason][opd_literate.course.sandbox.unavailable_reason] says so, and ``run``
+    refuses (it checks again for each run, with its working folder and ``hidden`` folders).
 
     Returns
     -------
@@ -385,8 +475,27 @@ def _site_dir_of(name: str) -> pathlib.Path | None:
 _OWN_PLACES = ("/tmp", "/dev", "/dev/shm", "/proc", "/etc", SANDBOX_DIR)
 
 
-def _root_problem(roots: list[pathlib.Path]) -> str | None:
-    """Why a read-only root cannot be shown without breaking a guarantee, or None."""
+def _private_places(hidden=()) -> list[tuple[str, pathlib.Path]]:
+    """What no shown folder may hold, in words, with its path: the users' homes, ``/run``
+    (its sockets can be connected to through a read-only mount), the temporary folder (other
+    runs' folders), this library's repository, and ``hidden`` (``(words, path)`` pairs)."""
+    places = [("the home folder", os.path.expanduser("~")),
+              ("the users' home folders", "/home"), ("root's home folder", "/root"),
+              ("the machine's run-time files and sockets", "/run"),
+              ("the temporary folder, with other runs' folders", tempfile.gettempdir())]
+    repository = _repository()
+    if repository is not None:
+        places.append(("this library's repository", repository))
+    places += list(hidden)
+    return [(what, pathlib.Path(place).resolve()) for what, place in places
+            if os.path.isabs(place)]
+
+
+def _root_problem(roots: list[pathlib.Path], hidden=()) -> str | None:
+    """Why a read-only root cannot be shown without breaking a guarantee, or None.
+
+    ``hidden``: more ``(words, path)`` pairs that nothing shown may hold (see
+    ``_private_places``); ``/usr`` and the system folders are checked against them too."""
     for root in roots:
         covered = [place for place in _OWN_PLACES if _is_under(pathlib.Path(place), root)]
         if covered:
@@ -404,7 +513,74 @@ def _root_problem(roots: list[pathlib.Path]) -> str | None:
             return (f"the site folder {str(root)!r} (numpy's or torch's) holds "
                     f"{os.pathsep!r}, so it cannot be named on the sandbox's PYTHONPATH; "
                     "install numpy and torch in a folder whose path has none")
+    places = _private_places(hidden)
+    for tree in _shown_trees(roots):
+        held = [(what, place) for what, place in places if _is_under(place, tree)]
+        if held:
+            what, place = held[0]
+            folder = ("the Python installation's folder" if tree in roots
+                      else "the system folder")
+            return (f"{folder} {str(tree)!r} holds {what} ({str(place)!r}), which the sandbox "
+                    "would show; use a Python or virtual environment installed in a folder "
+                    "of its own, apart from homes, /run, the temporary folder and the folders "
+                    "being graded")
     return None
+
+
+def _links_on_the_way(path: str) -> list[tuple[pathlib.Path, str]]:
+    """The symbolic links that resolving ``path`` goes through, in order, as (where the link
+    is, what it holds); OSError (ELOOP) past 40 of them, as the kernel."""
+    links, hops = [], 0
+    pending, current = list(pathlib.PurePosixPath(path).parts[1:]), pathlib.Path("/")
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        if not candidate.is_symlink():
+            current = candidate
+            continue
+        hops += 1
+        if hops > 40:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        target = os.readlink(candidate)
+        links.append((candidate, target))
+        if target.startswith("/"):
+            current = pathlib.Path("/")
+        pending[:0] = [p for p in pathlib.PurePosixPath(target).parts if p != "/"]
+    return links
+
+
+def _links_to_make(roots: list[pathlib.Path], programs) -> list[tuple[pathlib.Path, str]]:
+    """The symbolic links on the way to each of ``programs`` (``(words, path)`` pairs) that
+    the sandbox would not show, to be made there as they are here: (where, what it holds).
+
+    A link inside a shown folder is there already; one in ``/proc``, ``/dev`` or
+    ``/sandbox``, which the sandbox replaces, cannot be, and is refused (``_Refused``)."""
+    shown = [*_shown_trees(roots), *(pathlib.Path(name) for name in _ETC_BINDS
+                                     if os.path.exists(name) and not os.path.islink(name))]
+    remade = {pathlib.Path(name) for name in (*_SYSTEM_DIRS, *_ETC_BINDS) if os.path.islink(name)}
+    wanted = {}
+    for what, program in programs:
+        try:
+            links = _links_on_the_way(program)
+        except OSError as error:
+            raise _Refused(f"{what} goes through a loop of symbolic links ({program!r}: "
+                           f"{error.strerror})") from None
+        for location, target in links:
+            if location in remade or any(_is_under(location, tree) for tree in shown):
+                continue
+            replaced = [place for place in ("/proc", "/dev", SANDBOX_DIR)
+                        if _is_under(location, pathlib.Path(place))
+                        and not _is_under(location, pathlib.Path("/dev/shm"))]
+            if replaced:
+                raise _Refused(
+                    f"{what} goes through a symbolic link ({str(location)!r} -> {target!r}) in "
+                    f"{replaced[0]}, which the sandbox replaces with its own; run it by its "
+                    f"real path, {os.path.realpath(program)!r}")
+            wanted[location] = target
+    return sorted(wanted.items())
 
 
 def _mentions(text: str, place: pathlib.Path) -> bool:
@@ -438,17 +614,47 @@ def _pth_names_the_library(pth: pathlib.Path, places: set[pathlib.Path]) -> bool
     return False
 
 
-def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-    """Folders and files of this library inside the read-only roots: (folders, files)."""
+# Where an installation keeps its site folders, below its prefix: lib/pythonX.Y (lib64 on
+# Fedora, Debian's lib/python3/dist-packages), /usr/local's own, and the environments that a
+# conda or pyenv-virtualenv installation holds under envs/.
+_SITE_PATTERNS = tuple(f"{env}{local}lib*/python*/{kind}" for env in ("", "envs/*/")
+                       for local in ("", "local/") for kind in ("site-packages", "dist-packages"))
+
+
+def _repository() -> pathlib.Path | None:
+    """The checkout this library is imported from, or None where it is installed."""
     repository = _PACKAGE_DIR.parent
-    candidates = {_PACKAGE_DIR}
     if (repository / "pyproject.toml").is_file() or (repository / ".git").exists():
-        candidates.add(repository)
+        return repository
+    return None
+
+
+def _shown_trees(roots: list[pathlib.Path]) -> list[pathlib.Path]:
+    """Every folder of the machine the sandbox shows read-only: ``/usr``, the system folders
+    that are no links (``/lib`` on a system without the merged ``/usr``), and ``roots``."""
+    system = [pathlib.Path(name) for name in _SYSTEM_DIRS
+              if os.path.isdir(name) and not os.path.islink(name)]
+    return [pathlib.Path("/usr"), *system, *roots]
+
+
+def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """Folders and files of this library that the sandbox would show: (folders, files).
+
+    Looked for in this interpreter's site folders and in every site folder at the usual places
+    of everything shown (``_SITE_PATTERNS`` under ``/usr`` and each root): a copy in the base
+    Python's site-packages or in ``/usr/lib/python3/dist-packages`` is as readable as ours."""
+    repository = _repository()
+    candidates = {_PACKAGE_DIR} | ({repository} if repository else set())
+    trees = _shown_trees(roots)
     site_dirs = {pathlib.Path(entry) for entry in sys.path if entry}
     site_dirs.update(pathlib.Path(entry) for entry in site.getsitepackages())
     site_dirs.add(pathlib.Path(site.getusersitepackages()))
     site_dirs.update(folder for folder in map(_site_dir_of, ("numpy", "torch")) if folder)
-    places = {_PACKAGE_DIR, repository}
+    site_dirs.update(roots)  # a root may itself be a site folder (numpy's, say)
+    for tree in trees:
+        for pattern in _SITE_PATTERNS:
+            site_dirs.update(map(pathlib.Path, glob.glob(f"{glob.escape(str(tree))}/{pattern}")))
+    places = {_PACKAGE_DIR, _PACKAGE_DIR.parent}
     for folder in site_dirs:
         try:
             entries = list(folder.iterdir())
@@ -463,7 +669,7 @@ def _library_masks(roots: list[pathlib.Path]) -> tuple[list[pathlib.Path], list[
                     entry, places):
                 candidates.add(entry)
     visible = {path.resolve() for path in candidates
-               if any(_is_under(path.resolve(), root) for root in roots)}
+               if any(_is_under(path.resolve(), tree) for tree in trees)}
     folders = sorted(path for path in visible if path.is_dir())
     files = sorted(path for path in visible if not path.is_dir())
     return folders, files
@@ -502,14 +708,24 @@ def _namespace_command(bwrap: str) -> list[str]:
 
 def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: Limits,
                    status_fd: int | None, info_fd: int | None = None,
+                   hidden: tuple[pathlib.Path, ...] = (),
                    ) -> tuple[list[str], list[int], list[pathlib.Path]]:
-    """The ``bwrap`` command line, the descriptors it reads, and the read-only roots."""
+    """The ``bwrap`` command line, the descriptors it reads, and the read-only roots; raises
+    ``_Refused`` where this run's roots would break a guarantee."""
     options = _bwrap_options(bwrap)
 
     def sized(size: int) -> list[str]:
         return ["--size", str(size)] if "--size" in options else []
 
     roots = python_roots()
+    # Checked for each run, not only by unavailable_reason's remembered probe: the roots may
+    # have changed since, and the working folder and the hidden folders are this run's.
+    problem = _root_problem(roots, [("the working folder, with the folders beside it", workdir),
+                                    *(("a folder the caller hides", path) for path in hidden)])
+    if problem is not None:
+        raise _Refused(problem)
+    links = _links_to_make(roots, [("the interpreter's path", sys.executable),
+                                   ("the program's path", argv[0])])
     mask_folders, mask_files = _library_masks(roots)
     command = _namespace_command(bwrap)
     if info_fd is not None:
@@ -530,22 +746,31 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
     for name, data in _etc_files(os.getuid(), os.getgid()).items():
         fds.append(_data_fd(data))
         command += ["--ro-bind-data", str(fds[-1]), name]
-    command += ["--proc", "/proc", "--dev", "/dev",
+    # /proc read-only as a whole: bwrap covers /proc/sys only where it finds the folder
+    # writable, and as root its files are writable though the folder is not (the kernel's
+    # settings, kernel.core_pattern among them: a way to run code as root outside). Other
+    # machines have other writable files there (/proc/pressure here, /proc/scsi elsewhere).
+    command += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
                 *sized(limits.file_bytes), "--tmpfs", "/dev/shm",
                 *sized(limits.file_bytes), "--tmpfs", "/tmp"]
     # Then the roots, and the masks inside them in path order so that a mask covers what it
     # hides: after the fresh /tmp and /dev/shm, which would otherwise hide a root made there
     # (a virtual environment under /tmp). bwrap makes their mount points in those tmpfs.
+    # The links on the interpreter's way that nothing shown holds are made as they are here.
     mounts = [(root, "root") for root in roots if not _is_under(root, pathlib.Path("/usr"))]
     mounts += [(folder, "folder") for folder in mask_folders]
     mounts += [(file, "file") for file in mask_files]
+    mounts += [(location, "link") for location, _ in links]
+    targets = dict(links)
     for path, kind in sorted(mounts, key=lambda mount: mount[0].parts):
         if kind == "root":
             command += ["--ro-bind", str(path), str(path)]
         elif kind == "folder":
             command += [*sized(4096), "--tmpfs", str(path)]
-        else:
+        elif kind == "file":
             command += ["--ro-bind", "/dev/null", str(path)]
+        else:
+            command += ["--symlink", targets[path], str(path)]
     command += ["--bind", str(workdir), SANDBOX_DIR, "--chdir", SANDBOX_DIR]
     # bwrap's root and /dev are tmpfs of the size of the machine's memory, writable: read-only
     # once the mount points exist, so that only /tmp, /dev/shm and /sandbox can be written.
@@ -769,6 +994,13 @@ def _check_arguments(argv, workdir, limits, env) -> tuple[list[str], pathlib.Pat
     return [os.path.abspath(program), *argv[1:]], workdir, env
 
 
+def _check_hidden(hidden) -> tuple[pathlib.Path, ...]:
+    if not (isinstance(hidden, (list, tuple))
+            and all(isinstance(path, (str, os.PathLike)) for path in hidden)):
+        raise TypeError(f"hidden must be a list of paths, got {hidden!r}")
+    return tuple(pathlib.Path(path).resolve() for path in hidden)
+
+
 def _visible_inside(program: str, roots: list[pathlib.Path]) -> bool:
     real = pathlib.Path(program).resolve()
     visible = [pathlib.Path("/usr"), *roots,
@@ -777,7 +1009,7 @@ def _visible_inside(program: str, roots: list[pathlib.Path]) -> bool:
 
 
 def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
-        trusted: bool = False, env: dict | None = None) -> Result:
+        trusted: bool = False, env: dict | None = None, hidden: list | tuple = ()) -> Result:
     r"""Run ``argv`` in the sandbox, with ``workdir`` as its only lasting writable folder.
 
     Parameters
@@ -800,6 +1032,10 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
     env : dict of str to str, optional
         Variables for the command, over a minimal ``PATH``, ``HOME`` and ``TMPDIR`` (``/tmp``)
         and ``LANG``; nothing of the caller's environment is passed.
+    hidden : list of paths, optional
+        Folders the command must not see (the folder being graded, whose files the caller
+        copied into ``workdir``): ``run`` refuses, as for the home folder, the temporary
+        folder or ``workdir`` itself, where a folder it shows read-only would hold one.
 
     Returns
     -------
@@ -810,10 +1046,13 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
     ------
     SandboxUnavailable
         Without ``trusted``, where ``bwrap`` is missing or cannot create its namespaces
-        (see [unavailable_reason][opd_literate.course.sandbox.unavailable_reason]).
+        (see [unavailable_reason][opd_literate.course.sandbox.unavailable_reason]), or where
+        a folder it would show holds one it must not (a home, ``/run``, the temporary folder,
+        ``workdir``, a ``hidden`` folder), or the interpreter's path goes through a symbolic
+        link in a place the sandbox replaces (``/proc``, ``/dev``).
     TypeError, ValueError
-        A malformed ``argv``, ``workdir``, ``limits`` or ``env``, or an ``argv[0]`` that would
-        not be visible inside the sandbox.
+        A malformed ``argv``, ``workdir``, ``limits``, ``env`` or ``hidden``, or an
+        ``argv[0]`` that would not be visible inside the sandbox.
 
     Examples
     --------
@@ -826,6 +1065,7 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
     (0, b'42\n', False)
     """
     argv, workdir, env = _check_arguments(argv, workdir, limits, env)
+    hidden = _check_hidden(hidden)
     notes = []
     if trusted:
         notes.append("trusted: a plain process, no filesystem, network or PID isolation")
@@ -839,9 +1079,16 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
         rlimits = None
         status_read, status_write = os.pipe()
         info_read, info_write = os.pipe()
-        command_prefix, fds, roots = _bwrap_command(os.path.realpath(bwrap), argv, workdir,
-                                                    limits, status_fd=status_write,
-                                                    info_fd=info_write)
+        try:
+            command_prefix, fds, roots = _bwrap_command(
+                os.path.realpath(bwrap), argv, workdir, limits, status_fd=status_write,
+                info_fd=info_write, hidden=hidden)
+        except BaseException as error:
+            for fd in (status_read, status_write, info_read, info_write):
+                os.close(fd)
+            if isinstance(error, _Refused):
+                raise SandboxUnavailable(_unavailable_message(error.reason)) from None
+            raise
         fds += [status_write, info_write]
         if not _visible_inside(argv[0], roots):
             for fd in (*fds, status_read, info_read):
@@ -956,14 +1203,29 @@ def _supervise(command, workdir, limits, fds, status_read, info_read, cgroup, en
         process.stdout.close()
         process.stderr.close()
         first.close()
-    returncode = process.returncode
-    if bytes(status).isdigit():
-        returncode = os.waitstatus_to_exitcode(int(status))
+    returncode, fault = process.returncode, None
+    code = _exit_code(bytes(status)) if status else None
+    if code is not None:
+        returncode = code
     elif timed_out:
         returncode = -signal.SIGKILL
+    if status and code is None:
+        fault = (f"the launcher's wait status is garbled ({bytes(status)[:40]!r}): something "
+                 "other than the launcher wrote to its pipe")
     return Result(returncode=returncode, stdout=out.value(), stderr=err.value(),
                   timed_out=timed_out, truncated=out.truncated or err.truncated,
-                  sandboxed=sandboxed, notes=notes)
+                  sandboxed=sandboxed, notes=notes, fault=fault)
+
+
+def _exit_code(status: bytes) -> int | None:
+    """The return code of the wait status the launcher wrote (decimal digits of a 16-bit
+    number), or None for anything else: never an exception, whatever reached the pipe."""
+    if not (len(status) <= 5 and status.isdigit() and int(status) <= 0xFFFF):
+        return None
+    try:
+        return os.waitstatus_to_exitcode(int(status))
+    except (ValueError, OverflowError):  # a stopped or continued process, or no status at all
+        return None
 
 
 def _append_capped(buffer: bytearray, data: bytes, cap: int = 4096):

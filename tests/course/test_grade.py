@@ -400,8 +400,9 @@ def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_
     folder = write_lab("opd", tmp_path / "lab")[0]
     seen = {}
 
-    def run(argv, workdir, *, limits, trusted, env):
-        seen.update(limits=limits, files=sorted(p.name for p in workdir.iterdir()), env=env)
+    def run(argv, workdir, *, limits, trusted, env, hidden):
+        seen.update(limits=limits, files=sorted(p.name for p in workdir.iterdir()), env=env,
+                    hidden=hidden)
         return sandbox.Result(returncode=1, stdout=b"", stderr=b"Traceback\nboom\n",
                               timed_out=False, truncated=False)
 
@@ -413,9 +414,43 @@ def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_
     assert limits.wall_seconds == 30 + 2 * (10 + 5)  # 3 tasks, two at a time: two rounds
     assert seen["files"] == ["inputs.npz", "lab", "out", "runner.py", "spec.json"]
     assert "OPD_GRADER_SECRET" not in seen["env"] and seen["env"]["OMP_NUM_THREADS"] == "1"
+    assert seen["hidden"] == [folder]  # the sandbox refuses where it would show the folder
     for task in result["tasks"].values():
         assert task["status"] == "error" and task["messages"] == [
             "the task's process ended without a result; the runner said: boom"]
+
+
+def test_a_forged_sandbox_status_fails_that_lab_only_and_the_batch_is_reported(
+        tmp_path, monkeypatch):
+    """A wait status the sandbox's launcher cannot have written (a student who reached its pipe
+    wrote 40 nines there: the grader stopped with OverflowError, and ``grade DIR --json``
+    wrote no report for anyone) makes that lab's every task an error naming the fault; the
+    next lab is graded. Here a stand-in for sandbox.run feeds the real supervisor such a
+    status for the first lab, and a valid one for the second."""
+    for name in ("a-student", "b-student"):
+        write_lab("opd", tmp_path / "labs" / name)
+    statuses = [b"9" * 40, b"0"]
+
+    def run(argv, workdir, *, limits, trusted, env, hidden=()):
+        read, write = os.pipe()
+        command = [sys.executable, "-c", f"import os; os.write({write}, {statuses.pop(0)!r})"]
+        try:
+            return sandbox._supervise(command, workdir, limits, [write], read, None, None,
+                                      sandbox._base_env({}, []), sandboxed=True, notes=())
+        finally:
+            os.close(read)
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(sandbox, "run", run)
+    report = tmp_path / "report.json"
+    assert cli.main(["grade", str(tmp_path / "labs"), "--json", str(report)]) == 0
+    first, second = json.loads(report.read_text())["labs"]
+    for task in first["tasks"].values():
+        assert task["status"] == "error" and task["messages"][0].startswith(
+            "not graded: the sandbox failed (the launcher's wait status is garbled (b'9999")
+    for task in second["tasks"].values():  # graded: the stand-in ran no runner
+        assert task["messages"] == ["the task's process ended without a result"]
+    assert statuses == []
 
 
 @pytest.mark.parametrize("kwargs, error", [(dict(trusted="yes"), TypeError),

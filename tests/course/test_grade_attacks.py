@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from opd_literate.course import labs, sandbox
+from opd_literate.course import cli, labs, sandbox
 from opd_literate.course.grade import format_grade, grade
 from opd_literate.course.labs import PACKAGE, REPO, write_lab
 from opd_literate.course.markers import strip_solutions
@@ -433,6 +433,34 @@ def test_stopping_the_grader_leaves_no_process_behind(tmp_path):
     while [p for p in _processes_with(marker) if _process_state(p) not in (None, "Z")]:
         assert time.monotonic() < deadline, "a student process outlived its grader"
         time.sleep(0.1)
+
+
+# At import, what the review's student did: write 40 nines into every pipe the sandbox's
+# launcher (PID 2) holds, through /proc/2/fd; carry on quietly where that is refused.
+PIPE_FORGER = """
+import os as _os
+try:
+    for _fd in _os.listdir("/proc/2/fd"):
+        if _fd not in ("0", "1", "2") and _os.readlink(f"/proc/2/fd/{_fd}").startswith("pipe:"):
+            with open(f"/proc/2/fd/{_fd}", "w") as _pipe:
+                _pipe.write("9" * 40)
+except OSError:
+    pass
+"""
+
+
+def test_a_student_who_writes_to_the_launchers_pipe_stops_no_grade(tmp_path):
+    """The review's batch: such a student once stopped the grader (OverflowError) and
+    ``grade DIR --json`` wrote no report for anyone. The launcher is not dumpable, so the pipe
+    cannot be reached: both folders are graded as their code deserves."""
+    for name, appended in (("a-student", PIPE_FORGER), ("b-student", "")):
+        folder = write_lab("opd", tmp_path / "labs" / name)[0]
+        _student(folder, "opd", {}, keep={1}, appended=appended)
+    report = tmp_path / "report.json"
+    assert cli.main(["grade", str(tmp_path / "labs"), "--json", str(report)]) == 0
+    graded = json.loads(report.read_text())["labs"]
+    assert [[task["status"] for task in lab["tasks"].values()] for lab in graded] == [
+        ["passed", "not implemented", "not implemented"]] * 2
 
 
 @pytest.mark.parametrize("lab", ["opd", "mismatch"])

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import site
@@ -304,6 +305,164 @@ def test_a_pth_file_is_masked_when_it_can_import_the_library(tmp_path):
 
 
 @needs_bwrap
+def test_proc_cannot_be_written_the_kernels_settings_above_all(workdir):
+    """As root the files of /proc/sys are writable though their folder is not, and bwrap covers
+    the folder only where it finds it writable: ``kernel.core_pattern`` would run a program of
+    the command's as root outside. Every file of /proc but the processes' own is opened for
+    writing (opened only, never written): none opens."""
+    argv = _script(workdir, """
+        import errno, json, os, stat
+        def opens(path):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY))
+                return "opened"
+            except OSError as error:
+                return errno.errorcode[error.errno]
+        print(opens("/proc/sys/kernel/core_pattern"), os.getuid())
+        paths = []
+        for top in os.listdir("/proc"):
+            if not top.isdigit() and top not in ("self", "thread-self"):
+                paths.append(f"/proc/{top}")
+                for folder, _, files in os.walk(f"/proc/{top}"):
+                    paths += [os.path.join(folder, name) for name in files]
+        regular = [path for path in paths if os.path.isfile(path) and not os.path.islink(path)]
+        print(json.dumps([path for path in regular if opens(path) == "opened"]), len(regular))
+    """)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    core_pattern, opened = result.stdout.decode().splitlines()
+    # EROFS: /proc is mounted read-only (another user than root may be refused before that).
+    assert core_pattern in (["EROFS 0"] if os.getuid() == 0 else
+                            [f"EROFS {os.getuid()}", f"EACCES {os.getuid()}"])
+    opened, tried = opened.rsplit(" ", 1)
+    assert json.loads(opened) == [] and int(tried) > 100  # /proc/sys alone holds hundreds
+
+
+def _fake_installation(base: pathlib.Path) -> list[pathlib.Path]:
+    """Copies of the library in the site folders of a fake Python installation at ``base``
+    (a base Python's site-packages, Debian's dist-packages, /usr/local's, Fedora's lib64, a
+    pyenv-virtualenv or conda environment): what each leaves, as the sandbox should mask it."""
+    left = []
+    for site_folder in ("lib/python3.11/site-packages", "lib/python3/dist-packages",
+                        "local/lib/python3.12/dist-packages", "lib64/python3.11/site-packages",
+                        "envs/other/lib/python3.11/site-packages"):
+        folder = base / site_folder
+        (folder / "opd_literate" / "course").mkdir(parents=True)
+        (folder / "opd_literate" / "course" / "grade.py").write_text("REFERENCE = 'secret'\n")
+        (folder / "opd_literate-0.1.0.dist-info").mkdir()
+        (folder / "opd_literate-0.1.0.dist-info" / "RECORD").write_text("opd_literate/opd.py\n")
+        (folder / "__editable___opd_literate_0_1_0_finder.py").write_text("MAPPING = 'secret'\n")
+        (folder / "other.pth").write_text(f"{folder}\n")  # names a folder holding the package
+        left += [folder / "opd_literate", folder / "opd_literate-0.1.0.dist-info",
+                 folder / "__editable___opd_literate_0_1_0_finder.py", folder / "other.pth"]
+    return left
+
+
+def test_the_library_is_masked_in_every_site_folder_of_what_is_shown(tmp_path):
+    """Not only in this interpreter's site folders: the base Python's whole prefix and /usr
+    are shown, and a copy installed in any of their site folders is as readable."""
+    base = tmp_path / "base"
+    left = _fake_installation(base)
+    folders, files = sandbox._library_masks([*sandbox.python_roots(), base])
+    assert set(left) - set(folders) - set(files) == set()
+    assert {path for path in [*folders, *files] if base in path.parents} == set(left)
+
+
+@needs_bwrap
+def test_a_copy_of_the_library_in_the_base_pythons_site_folders_cannot_be_read(
+        tmp_path, workdir, monkeypatch):
+    """The review's case: a base Python (here a fake one, shown as the base prefix is) with a
+    copy of the library in its site-packages, and in the other site folders it may hold."""
+    base = tmp_path / "base"
+    left = _fake_installation(base)
+    real = sandbox.python_roots
+    monkeypatch.setattr(sandbox, "python_roots", lambda: sorted([*real(), base]))
+    targets = [str(path / "course" / "grade.py") if path.name == "opd_literate" else str(path)
+               for path in left]
+    argv = _script(workdir, f"""
+        import os
+        for path in {targets!r}:
+            try:
+                if os.path.isdir(path):
+                    print(path, "lists", os.listdir(path))
+                else:
+                    print(path, "holds", len(open(path, "rb").read()))
+            except OSError as error:
+                print(path, "refused", type(error).__name__)
+    """)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert result.returncode == 0, result.stderr
+    outcome = dict(line.split(" ", 1) for line in result.stdout.decode().splitlines())
+    assert set(outcome) == set(targets)
+    # A masked folder is empty; a masked file is /dev/null on a nodev mount, which no one opens.
+    assert {path: what for path, what in outcome.items() if what not in (
+        "lists []", "refused FileNotFoundError", "refused PermissionError")} == {}
+
+
+def test_a_root_that_holds_a_home_run_the_temporary_folder_or_the_repository_is_refused(
+        tmp_path, monkeypatch):
+    """A Python built with ``--prefix=$HOME`` would show ``~/.ssh`` and every folder beside
+    it; ``/run`` holds sockets, which a read-only mount does not stop a connection to; the
+    temporary folder holds other runs' folders; the repository the reference; a hidden folder
+    (the one being graded) is the caller's to name. A root inside any of them is fine."""
+    monkeypatch.setenv("HOME", str(tmp_path / "prefix" / "alice"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch" / "tmp"))
+    refused = {tmp_path / "prefix": "holds the home folder",
+               pathlib.Path("/home"): "holds the users' home folders",
+               pathlib.Path("/root"): "holds root's home folder",
+               pathlib.Path("/run"): "holds the machine's run-time files and sockets",
+               tmp_path / "scratch": "holds the temporary folder"}
+    if (REPOSITORY / "pyproject.toml").is_file():  # a checkout, not an installed library
+        refused[REPOSITORY.parent] = "holds this library's repository"
+    for root, said in refused.items():
+        problem = sandbox._root_problem([root])
+        assert problem is not None and said in problem, (root, problem)
+        assert problem.startswith(f"the Python installation's folder {str(root)!r} ")
+    hidden = [("a folder the caller hides", tmp_path / "labs" / "student-b")]
+    problem = sandbox._root_problem([tmp_path / "labs"], hidden)
+    assert problem is not None and "holds a folder the caller hides" in problem
+    for root in (tmp_path / "prefix" / "alice" / ".pyenv" / "versions" / "3.11",
+                 tmp_path / "scratch" / "venv", tmp_path / "labs-venv", REPOSITORY / ".venv"):
+        assert sandbox._root_problem([root], hidden) is None, root
+    # /usr is shown whatever the Python: a hidden folder there is refused too.
+    problem = sandbox._root_problem([], [("a folder the caller hides", "/usr/share/labs/b")])
+    assert problem is not None and problem.startswith("the system folder '/usr' holds")
+
+
+@needs_bwrap
+def test_a_python_installed_over_the_home_folder_is_refused(tmp_path, workdir, monkeypatch):
+    """The review's case, with a fake installation whose prefix holds the home folder (its
+    ``.ssh``) and another student's folder: refused, without offering the trusted mode."""
+    prefix = tmp_path / "prefix"
+    key = prefix / "home" / ".ssh" / "id_ed25519"
+    key.parent.mkdir(parents=True)
+    key.write_text("secret key")
+    monkeypatch.setenv("HOME", str(prefix / "home"))
+    real = sandbox.python_roots
+    monkeypatch.setattr(sandbox, "python_roots", lambda: sorted([*real(), prefix]))
+    with pytest.raises(SandboxUnavailable, match="holds the home folder") as refused:
+        sandbox.run([sys.executable, "-c", f"print(open({str(key)!r}).read())"], workdir)
+    assert "trusted=True" not in str(refused.value)
+
+
+@needs_bwrap
+def test_the_roots_are_checked_again_for_each_run(workdir, monkeypatch):
+    """unavailable_reason's answer is remembered; a root that changed since (numpy found in a
+    folder that covers /tmp, say) is refused by the run itself."""
+    assert sandbox.unavailable_reason() is None
+    real = sandbox.python_roots
+    monkeypatch.setattr(sandbox, "python_roots", lambda: sorted([*real(), pathlib.Path("/tmp")]))
+    with pytest.raises(SandboxUnavailable, match="would cover the sandbox's own /tmp"):
+        sandbox.run([sys.executable, "-c", "import os; print(os.listdir('/tmp'))"], workdir)
+
+
+@pytest.mark.parametrize("hidden", ["/tmp/lab", [1], None])
+def test_run_rejects_hidden_that_is_no_list_of_paths(workdir, hidden):
+    with pytest.raises(TypeError, match="hidden must be a list of paths"):
+        sandbox.run([sys.executable, "-c", "pass"], workdir, hidden=hidden)
+
+
+@needs_bwrap
 @pytest.mark.slow
 def test_numpy_and_torch_are_importable(workdir):
     argv = _script(workdir, """
@@ -426,6 +585,52 @@ def test_a_process_of_the_caller_cannot_be_signalled(workdir):
     finally:
         victim.kill()
         victim.wait()
+
+
+@needs_bwrap
+def test_the_command_cannot_reach_the_launchers_status_pipe(workdir):
+    """The launcher (PID 2) writes the command's wait status to the grader through a pipe. A
+    command of the same user could open that pipe through /proc/2/fd and write 40 nines (the
+    grader then stopped with OverflowError), or ptrace the launcher to write it; the launcher
+    is not dumpable, so it can do neither."""
+    argv = _script(workdir, """
+        import ctypes, errno, os
+        try:
+            for fd in os.listdir("/proc/2/fd"):
+                if os.readlink(f"/proc/2/fd/{fd}").startswith("pipe:"):
+                    with open(f"/proc/2/fd/{fd}", "w") as pipe:
+                        pipe.write("9" * 40)
+                    print("wrote to", fd)
+        except OSError as error:
+            print("refused", type(error).__name__)
+        libc = ctypes.CDLL(None, use_errno=True)
+        PTRACE_ATTACH = 16
+        print("ptrace", libc.ptrace(PTRACE_ATTACH, 2, 0, 0), errno.errorcode[ctypes.get_errno()])
+    """)
+    result = sandbox.run(argv, workdir, limits=QUICK)
+    assert (result.returncode, result.fault) == (0, None), result.stderr
+    assert result.stdout == b"refused PermissionError\nptrace -1 EPERM\n"
+
+
+@pytest.mark.parametrize("status", [b"9" * 40, b"4991", b"70000", b"12ab", b"-1"])
+def test_a_garbled_wait_status_is_a_fault_of_the_run_not_a_crash(workdir, status):
+    """Whatever reaches the status pipe (here a stand-in for the launcher writes it: 40 nines,
+    a stopped process's status, more than 16 bits, no number), the run ends with bwrap's
+    return code and a fault that says so."""
+    read, write = os.pipe()
+    command = [sys.executable, "-c", f"import os; os.write({write}, {status!r}); os._exit(3)"]
+    try:
+        result = sandbox._supervise(command, workdir, QUICK, [write], read, None, None,
+                                    sandbox._base_env({}, []), sandboxed=True, notes=())
+    finally:
+        os.close(read)
+    assert result.returncode == 3 and result.stderr == b""
+    assert result.fault is not None and "wait status is garbled" in result.fault
+
+
+def test_the_launchers_wait_status_gives_the_return_code():
+    assert [sandbox._exit_code(status) for status in (b"0", b"768", b"9", b"137")] == [
+        0, 3, -9, -9]
 
 
 @needs_bwrap
@@ -834,6 +1039,75 @@ def test_the_kernel_settings_that_disable_user_namespaces_are_named(tmp_path, mo
     assert sandbox._user_namespace_switches(tmp_path) == []
 
 
+@pytest.mark.parametrize("failure", [OSError(24, "Too many open files"),
+                                     subprocess.TimeoutExpired(["bwrap"], 30)])
+def test_a_bwrap_that_could_not_be_started_is_a_passing_failure(workdir, monkeypatch, failure):
+    """Too many open files, or a probe that did not finish: no property of the machine. The
+    reason says to try again, offers no trusted mode, and is not remembered: once bwrap
+    starts, the same process sandboxes."""
+    bwrap = f"/opd-test/bwrap-{uuid.uuid4().hex}"
+    real = subprocess.run
+    starts, failing = [], [failure]
+
+    def starting(command, **options):
+        if command[0] != bwrap:
+            return real(command, **options)
+        starts.append(command)
+        if failing[0] is None:
+            return subprocess.CompletedProcess(command, 0, b"", b"")
+        raise failing[0]
+
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: bwrap)
+    monkeypatch.setattr(sandbox, "_bwrap_options", lambda bwrap: frozenset())
+    monkeypatch.setattr(sandbox.subprocess, "run", starting)
+    reason = sandbox.unavailable_reason()
+    assert reason.startswith("bwrap could not be started (") and reason.endswith("try again")
+    assert len(starts) == 1  # no diagnosis from sandboxes that cannot start either
+    with pytest.raises(SandboxUnavailable) as refused:
+        sandbox.run([sys.executable, "-c", "pass"], workdir)
+    assert str(refused.value) == f"cannot sandbox untrusted code: {reason}"  # no trusted=True
+    failing[0] = None
+    assert sandbox.unavailable_reason() is None
+
+
+def test_a_machine_that_refuses_only_disable_userns_is_told_apart(monkeypatch):
+    """In an Incus container bwrap runs, but not with ``--disable-userns``: one more sandbox
+    without it says that this is what fails."""
+    error = "bwrap: cannot open /proc/sys/user/max_user_namespaces: Permission denied"
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: f"/opd-test/bwrap-{uuid.uuid4().hex}")
+    monkeypatch.setattr(sandbox, "_bwrap_options", lambda bwrap: frozenset({"--disable-userns"}))
+    monkeypatch.setattr(sandbox, "_start", lambda command, fds=(): error
+                        if "--disable-userns" in command else None)
+    reason = sandbox.unavailable_reason()
+    assert reason.startswith("bwrap creates the sandbox's namespaces here, but fails with "
+                             f"--disable-userns ({error})"), reason
+    assert not isinstance(reason, sandbox._SetupFailure)  # the machine's: trusted is offered
+
+
+@needs_bwrap
+def test_a_real_bwrap_that_refuses_only_disable_userns_is_told_apart(tmp_path, monkeypatch):
+    """The same with bubblewrap itself behind a stand-in that refuses the option, as bwrap
+    does where it cannot set user.max_user_namespaces."""
+    if "--disable-userns" not in sandbox._bwrap_options(os.path.realpath(sandbox._bwrap_path())):
+        pytest.skip("this bubblewrap has no --disable-userns (it is new in 0.8.0)")
+    stand_in = tmp_path / "bwrap"
+    stand_in.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for option in "$@"; do
+            if [ "$option" = --disable-userns ]; then
+                echo "bwrap: cannot open /proc/sys/user/max_user_namespaces: Permission denied" >&2
+                exit 1
+            fi
+        done
+        exec {shlex.quote(os.path.realpath(sandbox._bwrap_path()))} "$@"
+    """))
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: str(stand_in))
+    reason = sandbox.unavailable_reason()
+    assert reason is not None and "but fails with --disable-userns (bwrap: cannot open " \
+        "/proc/sys/user/max_user_namespaces: Permission denied)" in reason, reason
+
+
 @pytest.mark.slow
 def test_trusted_applies_the_limits_and_scrubs_the_environment(workdir, monkeypatch):
     monkeypatch.setenv("OPD_SECRET_TOKEN", "hunter2")
@@ -993,6 +1267,46 @@ def test_the_sandbox_runs_from_a_virtual_environment_under_tmp(venv_under_tmp):
                                capture_output=True, text=True, check=False)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == (f"None\n0 {python.parent.parent} None\nOSError\n \n")
+
+
+@needs_bwrap
+def test_an_interpreter_reached_through_a_symbolic_link_is_sandboxed(tmp_path):
+    """``sys.executable`` as written goes through a link (here to the Python installation's
+    folder) that no folder the sandbox shows holds: the link is made there as it is here, and
+    nothing else of the folder that holds it appears."""
+    if pathlib.Path(sys.prefix) not in pathlib.Path(sys.executable).parents:
+        pytest.skip(f"the interpreter {sys.executable} is not in its prefix {sys.prefix}")
+    prefix = pathlib.Path(sys.prefix).resolve()
+    link = tmp_path / "link"
+    link.symlink_to(prefix, target_is_directory=True)
+    python = link / pathlib.Path(sys.executable).relative_to(sys.prefix)
+    (tmp_path / "work").mkdir()
+    driver = textwrap.dedent(f"""
+        import pathlib, sys
+        sys.path.insert(0, {str(REPOSITORY)!r})
+        from opd_literate.course import sandbox
+        print(sandbox.unavailable_reason())
+        command = "import os, sys; print(sys.executable, os.listdir({str(tmp_path)!r}))"
+        result = sandbox.run([sys.executable, "-c", command], pathlib.Path({str(tmp_path)!r},
+                             "work"))
+        print(result.returncode, result.stdout.decode().strip(), result.stderr.decode())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    completed = subprocess.run([str(python), "-c", driver], env=env, timeout=60,
+                               capture_output=True, text=True, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == f"None\n0 {python} ['link'] \n"
+
+
+def test_a_link_in_a_place_the_sandbox_replaces_is_refused_by_name():
+    """A link in /proc (or /dev, /sandbox) cannot be made as it is here: refused up front,
+    naming it, rather than a failure of bwrap to execute the interpreter."""
+    with pytest.raises(sandbox._Refused) as refused:
+        sandbox._links_to_make(sandbox.python_roots(),
+                               [("the interpreter's path", "/proc/self/exe")])
+    assert str(refused.value).startswith(
+        "the interpreter's path goes through a symbolic link ('/proc/self' -> ")
+    assert "in /proc, which the sandbox replaces with its own" in str(refused.value)
 
 
 @needs_bwrap

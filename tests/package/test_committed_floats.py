@@ -593,8 +593,8 @@ class Module:
             self.used_opt_outs.update(opted)
             return
         self.findings.add((node.lineno, f"{kind} of a computed value with committed data: use "
-                                        f"{HELPER} (tests/helpers/committed.py) with its tolerance and "
-                                        "why, or `# committed-exact: <reason>`"))
+                                        f"{HELPER} (tests/helpers/committed.py) with its "
+                                        "tolerance and why, or `# committed-exact: <reason>`"))
 
     def _Call(self, node, scope):
         args = [self.eval(arg, scope) for arg in node.args]
@@ -697,8 +697,8 @@ def test_the_toy_is_the_committed_one():
 def test_a_planted_exact_comparison_is_flagged_at_its_line():
     found = findings(PLANTED, "planted.py")
     assert found == [f"planted.py:14: an exact comparison of a computed value with committed "
-                     f"data: use {HELPER} (tests/helpers/committed.py) with its tolerance and why, or "
-                     "`# committed-exact: <reason>`"]
+                     f"data: use {HELPER} (tests/helpers/committed.py) with its tolerance and "
+                     "why, or `# committed-exact: <reason>`"]
 
 
 @pytest.mark.parametrize("comparison", [
@@ -775,8 +775,8 @@ def test_a_committed_file_written_by_the_run_is_computed():
     "assert kurtosis == record['kurtosis']  # committed-exact: planted, to test the opt-out",
 ])
 def test_near_misses_are_not_flagged(comparison):
-    source = PLANTED.replace("import pathlib\n", "import pathlib\n\nfrom tests.helpers.committed import "
-                             "assert_matches_committed\n")
+    source = PLANTED.replace("import pathlib\n", "import pathlib\n\nfrom tests.helpers.committed "
+                             "import assert_matches_committed\n")
     source = source.replace('    assert kurtosis == record["toy_b"]["ar_toy"]["kurtosis"]\n',
                             f"    {comparison}\n")
     assert findings(source) == []
