@@ -40,6 +40,9 @@ EXPERIMENT_RERUNS = DOCS / "data" / "experiment" / "reruns"
 COMMITTED_MACHINE = "committed: 2 cores, AVX-512"
 TINYLM_MISMATCH = DOCS / "data" / "experiment" / "tinylm_mismatch.json"
 MISMATCH_TRAINING = DOCS / "data" / "mismatch_experiment" / "mismatch_training.json"
+# The training study's machine (machine.json beside its record) and its reruns on other kernels:
+# one folder each, with machine.json, mismatch_training.json and tinylm_mismatch.json.
+MISMATCH_RERUNS = DOCS / "data" / "mismatch_experiment" / "reruns"
 
 
 def _write(name: str, data) -> None:
@@ -728,6 +731,42 @@ def _mismatch_training():
     with tempfile.TemporaryDirectory() as tmp:
         path = write_mismatch_plot(record, pathlib.Path(tmp) / "mismatch_training_curves.svg")
         _write("mismatch_training_curves.svg", path.read_bytes())
+    _write("mismatch_training_machines.md", _mismatch_machines_table(record) + "\n")
+
+
+def mismatch_training_machines():
+    """``[(machine, record)]``: the committed training record with the machine.json beside it,
+    then each rerun's, in the order machine.json gives (then by folder name)."""
+    reruns = sorted(((path.parent, json.loads(path.read_text()))
+                     for path in MISMATCH_RERUNS.glob("*/machine.json")),
+                    key=lambda rerun: (rerun[1].get("order", 0), rerun[0].name))
+    committed = json.loads((MISMATCH_TRAINING.parent / "machine.json").read_text())
+    return [(committed, json.loads(MISMATCH_TRAINING.read_text()))] + [
+        (machine, json.loads((folder / "mismatch_training.json").read_text()))
+        for folder, machine in reruns]
+
+
+def _mismatch_machines_table(committed):
+    """One row a machine and method: the paired differences the chapter's statements use."""
+    from opd_literate.experiment.mismatch_training import mismatch_summary
+
+    level = committed["config"]["correction_level"]
+    columns = [(f"{name} none", "difference", f"`{name}` against `fp32`")
+               for name in committed["config"]["levels"][1:]]
+    columns += [(f"{level} decoupled_{name}", "against_uncorrected",
+                 f"{words} against `{level} none`")
+                for name, words in (("token_is", "token TIS"), ("seq_is", "sequence TIS"))]
+    lines = ["| machine | method | " + " | ".join(title for _, _, title in columns) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in columns) + " |"]
+    for machine, record in mismatch_training_machines():
+        for method, rows in mismatch_summary(record).items():
+            rows = {row["name"]: row for row in rows}
+            cells = []
+            for name, key, _ in columns:
+                stat = rows[name][key]
+                cells.append(f"{stat['mean']:.3f} [{stat['low']:.3f}, {stat['high']:.3f}]")
+            lines.append(f"| {machine['label']} | `{method}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose

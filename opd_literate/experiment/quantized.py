@@ -9,9 +9,15 @@ are enumerable ([opd_literate.experiment.exact][]: 2,380 prefixes a prompt), eve
 is one of
 
 * ``fp32``: the same weights, forward pass in float32 (another kernel's rounding, the floor);
-* ``bf16``, ``fp16``: weights and every activation cast to bfloat16 or float16, the LM head's
-  logits rounded to that type (then the softmax in float64: an engine's sampler computes it in
-  float32 from the rounded logits);
+* ``bf16``, ``fp16``: weights and every activation rounded to bfloat16 or float16, the LM
+  head's logits rounded to that type (then the softmax in float64: an engine's sampler
+  computes it in float32 from the rounded logits). The exact studies compute this engine with
+  [opd_literate.experiment.quantized.rounded_half_forward][]: each operation's output rounded
+  to the half type from its float64 value (through float32, as a kernel accumulating in
+  float32 rounds it), so its numbers depend on the weights, not on the CPU's half-precision
+  kernels. [opd_literate.experiment.quantized.ensemble_sampler][], the sampler of the training
+  study, runs torch's own ``bfloat16`` and ``float16`` kernels, which round differently on
+  different CPUs;
 * ``int8``, ``int4``: **weight-only, symmetric, per output channel, round to nearest**
   ([opd_literate.experiment.quantized.quantize_per_channel][]) for the weight of every
   ``nn.Linear`` (the LM head included); embeddings and biases stay as they are, and the
@@ -58,11 +64,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .exact import answer_states, reach_log_probs, state_logits
+from .exact import answer_states, reach_log_probs, state_contexts, state_logits
 from .tinylm import EOS, PAD, EnsembleLM, answer_tokens, make_prompts
 
 __all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "ensemble_sampler",
-           "engine_logits",
+           "rounded_half_forward", "engine_logits",
            "token_mismatch", "answer_toy", "sampler_states", "tinylm_answer_toy",
            "full_parameter_bias",
            "toy_token_mismatch", "matched_toy_mismatch", "average_ranks", "rank_correlation",
@@ -220,14 +226,92 @@ def ensemble_sampler(ensemble, sampler):
     return copy
 
 
+def _round_half(x, dtype):
+    """``x`` (float64) rounded to float32, then to ``dtype``, returned exactly in float64."""
+    return x.to(torch.float32).to(dtype).to(torch.float64)
+
+
+@torch.no_grad()
+def rounded_half_forward(engine, context, position):
+    r"""The logits of a ``bf16`` or ``fp16`` copy of a TinyLM as a kernel that accumulates in
+    float32 computes them, with arithmetic that does not depend on the CPU.
+
+    ``engine`` is [opd_literate.experiment.quantized.sampler_copy][] at ``"bf16"`` or
+    ``"fp16"``: its weights are the half-precision roundings of the model's. Every operation's
+    output is rounded to the half type, as an engine stores its activations:
+
+    $$
+    h_{\ell+1} = \mathrm{r}\Bigl(\mathrm{GELU}\bigl(\mathrm{r}(h_\ell W_\ell + b_\ell)\bigr)
+    \Bigr), \qquad z = \mathrm{r}(h_L W_L + b_L), \qquad
+    \mathrm{r}(x) = \mathrm{half}\bigl(\mathrm{float32}(x)\bigr),
+    $$
+
+    each rounding to nearest, ties to even. The products and sums, the bias and the GELU
+    ($x\,\Phi(x)$, with float64's $\mathrm{erf}$, good to an ulp or two of float64) are
+    computed in float64: a product of two half-precision numbers is exact there, and the sum of
+    a layer's $k$ of them is off by at most about $k \cdot 1.1 \times 10^{-16}$ times the sum of
+    their magnitudes, whatever the order of the sum ($2 \times 10^{-14}$ for the students' 160
+    inputs). So $\mathrm{float32}(x)$ is the float32 rounding of the exact value (what a
+    float32 accumulator holds at best) unless the exact value lies within that distance of a
+    halfway point between two float32 numbers. The logits therefore depend on the weights only, not
+    on the CPU's half-precision kernels, which differ by instruction set: on an AMD EPYC with
+    AVX2, torch's own ``float16`` and ``bfloat16`` matrix products and GELUs give other bits
+    with its AVX2 kernels than with its baseline ones (``ATEN_CPU_CAPABILITY=default``), and
+    each differs from this rounding in some outputs.
+
+    Parameters
+    ----------
+    engine : opd_literate.experiment.tinylm.TinyLM
+        A ``bfloat16`` or ``float16`` TinyLM (not an ensemble).
+    context, position : torch.Tensor
+        ``(..., 9)`` and ``(...)`` long, as ``engine(context, position)`` takes them.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(..., V)`` float64, every entry a number of the half type.
+
+    Examples
+    --------
+    >>> from opd_literate.experiment.tinylm import TinyLM, make_prompts
+    >>> _ = torch.manual_seed(0)
+    >>> engine = sampler_copy(TinyLM(hidden=8, layers=1), "fp16")
+    >>> context = torch.cat([make_prompts(torch.tensor([[1, 2]])), torch.full((1, 3), PAD)], -1)
+    >>> z = rounded_half_forward(engine, context, torch.zeros(1, dtype=torch.long))
+    >>> z.dtype, bool((z.half().double() == z).all())
+    (torch.float64, True)
+    """
+    dtype = engine.mlp[-1].weight.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or hasattr(engine, "models"):
+        raise TypeError(f"engine must be a bfloat16 or float16 TinyLM (sampler_copy), got a "
+                        f"{type(engine).__name__} in {dtype}")
+    wide = torch.float64
+    slots = engine.token_embedding.weight.to(wide)[context].flatten(-2)
+    h = torch.cat([slots, engine.position_embedding.weight.to(wide)[position]], dim=-1)
+    for layer in engine.mlp:
+        if isinstance(layer, nn.Linear):
+            h = _round_half(h @ layer.weight.to(wide).T + layer.bias.to(wide), dtype)
+        elif isinstance(layer, nn.GELU) and layer.approximate == "none":
+            h = _round_half(torch.nn.functional.gelu(h), dtype)
+        else:
+            raise TypeError(f"rounded_half_forward knows nn.Linear and nn.GELU, got {layer!r}")
+    return h
+
+
 @torch.no_grad()
 def engine_logits(model, sampler, prompts, states):
     r"""The logits ``(N, V)`` at every state, computed by ``sampler``, returned in float64.
 
-    Low-precision logits are rounded to their type first (the engine's LM head), then widened
-    exactly to float64.
+    ``bf16`` and ``fp16``: [opd_literate.experiment.quantized.rounded_half_forward][] (every
+    operation rounded to the half type, the arithmetic independent of the CPU's kernels), its
+    logits numbers of the half type. The others: the forward pass of
+    [opd_literate.experiment.quantized.sampler_copy][] in float32, widened exactly to float64.
     """
-    return state_logits(sampler_copy(model, sampler), prompts, states).double()
+    engine = sampler_copy(model, sampler)
+    if sampler in ("bf16", "fp16"):
+        return rounded_half_forward(engine, state_contexts(engine, prompts, states),
+                                    states["position"])
+    return state_logits(engine, prompts, states).double()
 
 
 def _weighted_quantiles(values, weights, qs):
@@ -571,7 +655,6 @@ def full_parameter_bias(model, pairs, toy, names=None, parameter_names=None):
         $\lVert \bar g - \nabla J \rVert / \lVert \nabla J \rVert$ over every parameter.
     """
     from ..mismatch.estimators import REGISTRY, estimator_weights
-    from .exact import state_contexts
 
     trainer = sampler_copy(model, "float64")
     prompts = make_prompts(pairs, model.digits)
@@ -790,7 +873,7 @@ def mismatch_study_record(config, prompts=20, cache="read"):
     settings it came from.
 
     Written by ``python -m opd_literate.experiment --tinylm-mismatch --out docs/data/experiment``
-    (about six minutes on 2 cores); the docs build reads it.
+    (282 s on a 2-core AMD EPYC with AVX2, the teacher cached); the docs build reads it.
     """
     from .exact import CLAMP_STUDY_KEYS
     from .run import prepare

@@ -76,6 +76,119 @@ def test_sampler_copies_leave_the_model_alone_and_the_float64_copy_is_the_traine
         sampler_copy(torch.nn.Linear(2, 2), "int8")
 
 
+def _bf16_from_float32(x):
+    """float32 -> bfloat16 (kept as float32), round to nearest, ties to even, from the bits."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _scalar_half_engine(engine, context, position, half):
+    """The rounded engine written another way: Python floats, math.fsum (the correctly rounded
+    sum) and math.erf per output, numpy's float32 and ``half`` roundings."""
+    import math
+
+    def r(values):
+        return half(np.float32(values)).astype(np.float64)
+
+    def params(layer):
+        return layer.weight.detach().double().numpy(), layer.bias.detach().double().numpy()
+
+    tokens = engine.token_embedding.weight.detach().double().numpy()
+    places = engine.position_embedding.weight.detach().double().numpy()
+    h = np.concatenate([tokens[int(c)] for c in context] + [places[int(position)]])
+    for layer in engine.mlp:
+        if isinstance(layer, torch.nn.Linear):
+            W, b = params(layer)
+            h = r([math.fsum([*(W[o] * h), b[o]]) for o in range(len(b))])
+        else:
+            h = r([0.5 * x * (1 + math.erf(x / math.sqrt(2))) for x in h])
+    return h
+
+
+@pytest.mark.parametrize("sampler", ["bf16", "fp16"])
+def test_the_rounded_half_engine_is_its_definition_and_ignores_the_order_of_its_sums(sampler):
+    """rounded_half_forward: against a scalar implementation of the same definition (exact
+    sums, numpy's roundings), bit for bit; and the same logits, bit for bit, from a copy of the
+    model whose hidden units are permuted (the same function, every sum in another order)."""
+    from opd_literate.experiment.exact import state_contexts
+    from opd_literate.experiment.quantized import rounded_half_forward
+
+    torch.manual_seed(3)
+    model = TinyLM(hidden=16, layers=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.4)
+    prompts = make_prompts(torch.tensor([[12, 34], [90, 7]]))
+    states = answer_states(prompts, model.max_answer)
+    engine = sampler_copy(model, sampler)
+    contexts = state_contexts(engine, prompts, states)
+    z = rounded_half_forward(engine, contexts, states["position"])
+    half = {"bf16": _bf16_from_float32, "fp16": np.float16}[sampler]
+    assert torch.equal(z.to(engine.mlp[0].weight.dtype).double(), z)  # numbers of the type
+    for row in (0, 1, 50, len(z) - 1):
+        expected = _scalar_half_engine(engine, contexts[row], states["position"][row], half)
+        assert np.array_equal(z[row].numpy(), expected), row
+    permuted = sampler_copy(model, sampler)
+    with torch.no_grad():
+        for first, second in ((0, 2), (2, 4)):  # permute layer `first`'s outputs
+            order = torch.randperm(16)
+            permuted.mlp[first].weight.copy_(permuted.mlp[first].weight[order])
+            permuted.mlp[first].bias.copy_(permuted.mlp[first].bias[order])
+            permuted.mlp[second].weight.copy_(permuted.mlp[second].weight[:, order])
+    assert torch.equal(rounded_half_forward(permuted, contexts, states["position"]), z)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        rounded_half_forward(sampler_copy(model, "fp32"), contexts, states["position"])
+
+
+_KERNELS_SCRIPT = """
+import hashlib, sys, torch
+from opd_literate.experiment.exact import answer_states, state_contexts, state_logits
+from opd_literate.experiment.quantized import rounded_half_forward, sampler_copy
+from opd_literate.experiment.tinylm import TinyLM, make_prompts
+model = TinyLM(hidden=128, layers=2)
+model.load_state_dict(torch.load(sys.argv[1], weights_only=True))
+prompts = make_prompts(torch.tensor([[12, 34], [90, 7], [55, 55]]))
+states = answer_states(prompts, model.max_answer)
+out = [torch.backends.cpu.get_cpu_capability()]
+for sampler in ("bf16", "fp16"):
+    engine = sampler_copy(model, sampler)
+    z = rounded_half_forward(engine, state_contexts(engine, prompts, states), states["position"])
+    torch_own = state_logits(engine, prompts, states).double()
+    out += [hashlib.sha256(x.numpy().tobytes()).hexdigest() for x in (z, torch_own)]
+print(" ".join(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_rounded_half_engine_gives_the_same_bits_with_torchs_baseline_kernels(tmp_path):
+    """What rounded_half_forward is for: the same logits, bit for bit, with the kernels torch
+    picks for this CPU and with its baseline ones (``ATEN_CPU_CAPABILITY=default``, another
+    process). torch's own half-precision forward pass is printed beside it, not asserted (on a
+    CPU whose best kernels are the baseline it agrees with itself)."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(5)
+    model = TinyLM(hidden=128, layers=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    runs = {}
+    for name, extra in (("picked", {}), ("baseline", {"ATEN_CPU_CAPABILITY": "default"})):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | extra
+        done = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "model.pt")],
+                              env=env, capture_output=True, text=True, timeout=300, check=True)
+        runs[name] = done.stdout.split()
+    picked, baseline = runs["picked"], runs["baseline"]
+    assert baseline[0] == "DEFAULT"
+    print(f"torch's kernels {picked[0]}: its own bf16 and fp16 forward pass "
+          f"{'the same' if picked[2::2] == baseline[2::2] else 'other'} bits with the baseline")
+    assert picked[1::2] == baseline[1::2]  # bf16, fp16: the rounded engine's logits
+
+
 # ---------------------------------------------------------------------------------------------
 # The measured mismatch
 # ---------------------------------------------------------------------------------------------

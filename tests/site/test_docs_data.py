@@ -29,6 +29,7 @@ from opd_literate.experiment.tinylm import V, answer_mask, answer_tokens
 from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch.opd_mismatch import opd_mismatch_table
 from opd_literate.mismatch.toy import make_toy
+from tests.helpers.committed import FLOAT64_SUMS, assert_matches_committed
 
 # The configurations as results.json records them (ExperimentConfig.as_dict)
 DEFAULTS, LONG = DEFAULT_CONFIG.as_dict(), LONG_CONFIG.as_dict()
@@ -489,7 +490,7 @@ def test_run_times_are_stated_once_and_agree():
     assert _stated_times(defaults_doc) == default_times
     assert _stated_times(quick_doc) == quick_times
     help_text = " ".join(build_parser().format_help().split())
-    assert _stated_times(help_text) == quick_times
+    assert _stated_times(help_text) == quick_times  # committed-exact: strings of cli.py's help
 
 
 def test_mismatch_page_claims():
@@ -664,6 +665,10 @@ def test_every_display_is_a_paragraph_of_its_own():
 
 
 TINYLM_MISMATCH = ROOT / "docs/data/experiment/tinylm_mismatch.json"
+# The mismatch chapter's studies rerun with other kernels: one folder a machine, each with its
+# machine.json, mismatch_training.json and tinylm_mismatch.json
+MISMATCH_RERUNS = ROOT / "docs/data/mismatch_experiment/reruns"
+MISMATCH_RERUN_NAMES = sorted(path.parent.name for path in MISMATCH_RERUNS.glob("*/machine.json"))
 
 
 def _tinylm_mismatch_claims(record):
@@ -725,8 +730,7 @@ def _tinylm_mismatch_claims(record):
     for r in est["fp16"]["tinylm"]:
         if r["name"] in ("seq_is", "seq_tis", "seq_mis"):
             assert r["rel_bias_all"] < 1e-10
-        elif r["name"] != "gspo":
-            assert 0.0009 <= r["rel_bias_all"] <= 0.0011
+    # the others at fp16: their spread across machines, _tinylm_fp16_rel_bias_all below
     rows = by_name("int4")
     assert rows["token_is"]["rel_bias_all"] > rows["naive"]["rel_bias_all"]
     biased = [r["rel_bias_all"] for r in rows.values() if r["rel_bias_all"] > 1e-10]
@@ -738,6 +742,61 @@ def _tinylm_mismatch_claims(record):
         assert recipe[("sampler", "token_tis")] > recipe[("trainer", "token_tis")]
         assert recipe[("trainer", "token_is")] > 1e-4
         assert recipe[("trainer", "prefix_is")] < 1e-12 and recipe[("trainer", "seq_is")] < 1e-12
+
+
+def _tinylm_fp16_rel_bias_all(record):
+    """``{name: rel_bias_all}`` at fp16 of the biased estimators but gspo (the sequence ratios
+    are exact there): the values the chapter states with their spread across machines."""
+    return {r["name"]: r["rel_bias_all"] for r in record["estimators"]["fp16"]["tinylm"]
+            if r["name"] not in ("seq_is", "seq_tis", "seq_mis", "gspo")}
+
+
+# The stated range of the fp16 relative biases over every parameter, parsed from the page
+FP16_RANGE = r"and between (0\.\d+) and (0\.\d+) over both\. At the first student's"
+
+
+def _tinylm_records():
+    """The committed tinylm_mismatch.json, then each rerun's (under the training study's
+    reruns, one folder a machine)."""
+    return [("committed", json.loads(TINYLM_MISMATCH.read_text()))] + [
+        (name, json.loads((MISMATCH_RERUNS / name / "tinylm_mismatch.json").read_text()))
+        for name in MISMATCH_RERUN_NAMES]
+
+
+@pytest.mark.parametrize("name", MISMATCH_RERUN_NAMES)
+def test_every_tinylm_mismatch_rerun_backs_the_chapter(name):
+    """Each rerun of ``--tinylm-mismatch`` (docs/data/mismatch_experiment/reruns/NAME/) is of the
+    current configuration, and every claim of the section holds on it."""
+    from opd_literate.experiment.exact import CLAMP_STUDY_KEYS
+    from opd_literate.experiment.quantized import SAMPLERS
+
+    record = json.loads((MISMATCH_RERUNS / name / "tinylm_mismatch.json").read_text())
+    expected = {k: getattr(DEFAULT_CONFIG, k) for k in CLAMP_STUDY_KEYS}
+    assert record["config"] == json.loads(json.dumps(expected))
+    assert record["samplers"] == SAMPLERS and record["prompts"] == 20
+    _tinylm_mismatch_claims(record)
+
+
+def test_the_tinylm_fp16_sentence_states_the_machines_spread():
+    """"At `fp16` ... on each of the two records ... within a factor of 1.3 of each other, and
+    between 0.00080 and 0.00104 over both. At the first student's per-token KL, below 1e-6,
+    ... an estimator's value moves by up to 14% between them": each end of the range is one
+    record's value (a range wider than the records would hide a change)."""
+    page = " ".join((ROOT / "docs/mismatch.md").read_text().split())
+    records = _tinylm_records()
+    assert len(records) == 2 and "on each of the two records named at the end" in page
+    values = [_tinylm_fp16_rel_bias_all(record) for _, record in records]
+    assert all(max(v.values()) < 1.3 * min(v.values()) for v in values)
+    low, high = re.search(FP16_RANGE, page).groups()
+    everything = [x for v in values for x in v.values()]
+    digits = len(low) - 2
+    assert (f"{min(everything):.{digits}f}", f"{max(everything):.{digits}f}") == (low, high)
+    assert all(record["mismatch"]["fp16"][0]["kl"] < 1e-6 for _, record in records)
+    moved = max(abs(v[name] / values[0][name] - 1) for v in values[1:] for name in v)
+    assert f"an estimator's value moves by up to {round(100 * moved)}% between them" in page
+    assert ("`ATEN_CPU_CAPABILITY=default` (torch's baseline kernels, teacher and students "
+            "trained afresh with them) wrote `docs/data/mismatch_experiment/reruns/"
+            f"{MISMATCH_RERUN_NAMES[0]}/tinylm_mismatch.json`") in page
 
 
 def test_committed_tinylm_mismatch_uses_the_current_defaults_and_backs_the_chapter():
@@ -779,146 +838,168 @@ def test_a_sample_of_the_committed_tinylm_mismatch_recomputed_from_its_toys():
     from opd_literate.mismatch.toy import make_ar_toy
 
     record = json.loads(TINYLM_MISMATCH.read_text())
-    assert toy_token_mismatch(make_ar_toy(mismatch=0.3)) == record["toy_b"]["ar_toy"]
+    # numpy's exp and log kernels differ in the last bit between CPUs (the kurtosis moved in
+    # its last bit on an AVX-512 machine): each column is a few hundred float64 operations on
+    # the toy's log-probabilities, without cancellation, so it holds to FLOAT64_SUMS.
+    why = "float64 moments and quantiles of a toy's log-ratios; exp/log kernels vary by CPU"
+    assert_matches_committed(toy_token_mismatch(make_ar_toy(mismatch=0.3)),
+                             record["toy_b"]["ar_toy"], rtol=FLOAT64_SUMS, why=why,
+                             where="toy_b.ar_toy")
+    # eps was matched by bisection on log(eps) to its last bit, so its KL is the student's to
+    # rounding (the KL grows like eps**2: twice eps's relative error)
     eps = record["estimators"]["int4"]["ar_toy_eps"]
-    assert toy_token_mismatch(make_ar_toy(mismatch=eps))["kl"] == pytest.approx(
-        record["mismatch"]["int4"][0]["kl"], rel=1e-9)
+    assert_matches_committed(toy_token_mismatch(make_ar_toy(mismatch=eps))["kl"],
+                             record["mismatch"]["int4"][0]["kl"], rtol=FLOAT64_SUMS,
+                             why="the KL at the bisected eps: float64, to rounding")
     rows = E.comparison_table(make_ar_toy(mismatch=eps), names=["naive", "token_is", "seq_tis"])
     committed = {r["name"]: r for r in record["estimators"]["int4"]["ar_toy"]}
-    for row in rows:
-        assert row["rel_bias"] == pytest.approx(committed[row["name"]]["rel_bias"], rel=1e-12)
+    for row in rows:  # biased by 3% to 35% of the gradient: the bias loses at most two digits
+        assert_matches_committed(row["rel_bias"], committed[row["name"]]["rel_bias"],
+                                 rtol=FLOAT64_SUMS, where=row["name"],
+                                 why="exact float64 moments over the enumerated sequences")
 
 
 @pytest.mark.slow
 def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
     """Recomputed on this machine (the students' weights differ across CPUs by rounding): the
-    same claims, and on the machine that wrote the file the same numbers."""
+    same claims; fp16's relative biases, which follow the weights' last bits, within a band
+    set by their measured spread; naive's int4 bias near the committed one."""
     from opd_literate.experiment.quantized import mismatch_study_record
 
     record = mismatch_study_record(DEFAULT_CONFIG)
     _tinylm_mismatch_claims(record)
+    # fp16: the engine's arithmetic does not depend on the CPU (rounded_half_forward), but the
+    # students' weights do, and at fp16's KL (below 1e-6) the bias is set by the rounding
+    # pattern of those weights: between the two committed records (torch's AVX2 and baseline
+    # kernels) an estimator's value moved by up to 14%, and they span 0.00080 to 0.00104. A run
+    # on a 2-core AVX-512 machine reported 0.00065 (with torch's own fp16 kernels, before the
+    # rounded engine), 19% below that range. A factor of 2 beyond the records' range either way
+    # takes all of these in, and still fails if fp16's bias changed its size by more (an
+    # operation left unrounded, or rounded to bfloat16, whose biases here are 3 to 7 times
+    # fp16's, all above the band).
+    page = " ".join((ROOT / "docs/mismatch.md").read_text().split())
+    low, high = (float(x) for x in re.search(FP16_RANGE, page).groups())
+    values = _tinylm_fp16_rel_bias_all(record)
+    assert all(low / 2 <= v <= 2 * high for v in values.values()), values
     committed = json.loads(TINYLM_MISMATCH.read_text())
-    assert record["estimators"]["int4"]["tinylm"][0]["rel_bias"] == pytest.approx(
-        committed["estimators"]["int4"]["tinylm"][0]["rel_bias"], rel=0.2)
+    # Not rounding: the students are trained here in float32, and int4's grid turns a last-bit
+    # difference of a weight into a step of the sampler. The rerun with torch's baseline kernels
+    # moved it by 5e-6 of itself; 0.2 is the test's sanity bound for CPUs not measured (naive's
+    # int4 bias, 0.37, within 0.07), not a measured spread.
+    assert_matches_committed(record["estimators"]["int4"]["tinylm"][0]["rel_bias"],
+                             committed["estimators"]["int4"]["tinylm"][0]["rel_bias"], rtol=0.2,
+                             why="students trained here in float32, then quantized to int4")
 
 
 MISMATCH_TRAINING = ROOT / "docs/data/mismatch_experiment/mismatch_training.json"
+MISMATCH_PAGE = ROOT / "docs/mismatch.md"
 
 
-def _mismatch_training_claims(record, exact=None, page=None):
-    """The sentences of the mismatch chapter's section "Training under the mismatch". With
-    ``exact`` (tinylm_mismatch.json), those that compare the training with the exact tables;
-    with ``page`` (the chapter), each number written there is the record's, rounded."""
+def _training_record(name):
+    """One machine's training study: ``dict(name, machine, record, exact, table)``, with the
+    same machine's tinylm_mismatch.json as ``exact`` and ``mismatch_summary`` by name."""
     from opd_literate.experiment.mismatch_training import mismatch_summary
 
-    table = {method: {row["name"]: row for row in rows}
-             for method, rows in mismatch_summary(record).items()}
-    rl, opd = table["rl"], table["opd_sampled"]
-    text = None if page is None else " ".join(page.split())
+    folder = MISMATCH_TRAINING.parent if name == "committed" else MISMATCH_RERUNS / name
+    record = json.loads((folder / "mismatch_training.json").read_text())
+    exact = TINYLM_MISMATCH if name == "committed" else folder / "tinylm_mismatch.json"
+    return dict(name=name, machine=json.loads((folder / "machine.json").read_text()),
+                record=record, exact=json.loads(exact.read_text()),
+                table={method: {row["name"]: row for row in rows}
+                       for method, rows in mismatch_summary(record).items()})
 
-    def says(phrase):
-        if text is not None:
-            assert phrase in text, phrase
+
+@pytest.fixture(scope="module")
+def training_records():
+    """Every machine's training study: the committed record first, then the reruns."""
+    return [_training_record(name) for name in ["committed"] + MISMATCH_RERUN_NAMES]
+
+
+def _contains_0(stat):
+    return stat["low"] <= 0 <= stat["high"]
+
+
+def _span(values, digits=3):
+    """``"a to b"``, the smallest and the largest of ``values`` as the page writes them, or
+    ``"a"`` when the two agree to the digits written."""
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low} to {high}"
+
+
+def _corrections(rows, geo=True):
+    """The correction conditions of a table (``int4 decoupled_*``), geometric rejection or not."""
+    return [n for n in rows if "decoupled" in n and (geo or "geo_rs" not in n)]
+
+
+def _mismatch_training_claims(record, exact=None, table=None):
+    """What the section "Training under the mismatch" says of every machine, checked on one
+    record. ``exact``: the same machine's tinylm_mismatch.json, for the sentences that compare
+    the training with the exact tables. The numbers the page writes are the records' spread
+    (test_the_training_sentences_state_the_machines_spread)."""
+    from opd_literate.experiment.mismatch_training import mismatch_summary
+
+    if table is None:
+        table = {method: {row["name"]: row for row in rows}
+                 for method, rows in mismatch_summary(record).items()}
+    rl, opd = table["rl"], table["opd_sampled"]
 
     def mean(rows, name, key="final_accuracy"):
         return rows[name][key]["mean"]
 
-    def contains_0(stat):
-        return stat["low"] <= 0 <= stat["high"]
-
-    corrections = [n for n in rl if n.startswith("int4 decoupled")]
-    kept_corrections = [n for n in corrections if "geo_rs" not in n]
-    # the mismatch in training changes little, and bf16 / int8 show no measurable loss
+    # the mismatch in training changes little over training
     for method in ("rl", "opd_sampled"):
         runs = record["methods"][method]
         for level in ("bf16", "int8", "int4"):
             curve = np.mean([seed[1:] for seed in runs[f"{level} none"]["mismatch_kl"]], axis=0)
             assert curve.max() / curve.min() < 1.5
+    # bf16 and int8: every paired interval contains 0 (the bound on the means: the spread test)
     for rows in (rl, opd):
         for level in ("bf16", "int8"):
-            difference = rows[f"{level} none"]["difference"]
-            assert abs(difference["mean"]) <= 0.014 and contains_0(difference)
-    low = min(rl[f"{level} none"]["difference"]["low"] for level in ("bf16", "int8"))
-    says(f"reach down to $-{-low:.3f}$, so a loss of up to {round(-100 * low)} points")
-    # int4
+            assert _contains_0(rows[f"{level} none"]["difference"])
+    # int4: a KL of about 0.1, more than 1,000 times bf16's; RL's loss measurable, OPD's smaller
     for rows in (rl, opd):
         kl = mean(rows, "int4 none", "mismatch_kl")
         assert 0.05 < kl < 0.15 and kl > 1000 * mean(rows, "bf16 none", "mismatch_kl")
-    words = []
-    for rows in (rl, opd):
-        d = rows["int4 none"]["difference"]
-        words.append(f"{-d['mean']:.3f} below the on-policy run" if rows is rl
-                     else f"{-d['mean']:.3f} below")
-        words.append(f"({-d['high']:.3f} to {-d['low']:.3f})" if rows is opd
-                     else f"(interval {-d['high']:.3f} to {-d['low']:.3f})")
-    says(f"RL ends {words[0]} {words[1]}, sampled-token OPD {words[2]} {words[3]}")
-    ratio = rl["int4 none"]["difference"]["mean"] / opd["int4 none"]["difference"]["mean"]
-    says(f"OPD loses {int(ratio)} times less")
-    # against the uncorrected int4 run
-    gains = {(m, n): rows[n]["against_uncorrected"] for m, rows in (("rl", rl), ("opd", opd))
-             for n in kept_corrections}
-    measurable = [key for key, stat in gains.items() if stat["low"] > 0]
-    assert measurable == [("rl", "int4 decoupled_token_is")]
-    token = gains[("rl", "int4 decoupled_token_is")]
-    says(f"it ends {token['mean']:.3f} higher (interval {token['low']:.3f} to "
-         f"{token['high']:.3f})")
-    for key in (("rl", "int4 decoupled_seq_is"), ("opd", "int4 decoupled_token_is"),
-                ("opd", "int4 decoupled_seq_is")):
-        assert contains_0(gains[key])
-    says(f"RL's sequence TIS ends {gains[('rl', 'int4 decoupled_seq_is')]['mean']:.3f} higher, "
-         f"OPD's token and sequence TIS {gains[('opd', 'int4 decoupled_token_is')]['mean']:.3f} "
-         f"and {gains[('opd', 'int4 decoupled_seq_is')]['mean']:.3f} higher")
+    assert rl["int4 none"]["difference"]["high"] < 0
+    assert rl["int4 none"]["difference"]["mean"] < opd["int4 none"]["difference"]["mean"] < 0
+    # against the uncorrected int4 run: RL's token and sequence TIS higher on average, the
+    # sequence TIS's interval containing 0; OPD's two each containing 0, and each within its
+    # interval of the on-policy run, below it on average
+    against = {(m, n): rows[n]["against_uncorrected"] for m, rows in (("rl", rl), ("opd", opd))
+               for n in _corrections(rl)}
     for name in ("int4 decoupled_token_is", "int4 decoupled_seq_is"):
+        assert against[("rl", name)]["mean"] > 0
+        assert _contains_0(against[("opd", name)])
         difference = opd[name]["difference"]
-        assert abs(difference["mean"]) < 0.01 and contains_0(difference)
-    assert not contains_0(opd["int4 none"]["difference"])
-    for rows in (rl, opd):  # IcePop and sequence rejection: no gain
+        assert difference["mean"] < 0 and _contains_0(difference)
+    assert _contains_0(against[("rl", "int4 decoupled_seq_is")])
+    # IcePop and sequence rejection: no interval above 0
+    for m in ("rl", "opd"):
         for name in ("int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"):
-            assert abs(rows[name]["against_uncorrected"]["mean"]) < 0.02
-            assert contains_0(rows[name]["against_uncorrected"])
-    for name, words in (("int4 decoupled_token_icepop", "IcePop's band sets the weight of"),
-                        ("int4 decoupled_seq_is_rs", "the sequence band that of")):
-        zero = [100 * (1 - rows[name]["kept_fraction"]["mean"]) for rows in (rl, opd)]
-        says(f"{words} {round(min(zero))} to {round(max(zero))}%")
-    # geometric rejection
-    kept = [100 * rows["int4 decoupled_geo_rs"]["kept_fraction"]["mean"] for rows in (rl, opd)]
-    says(f"gives a weight to {kept[0]:.1f}% of RL's tokens and {kept[1]:.1f}% of OPD's")
+            assert against[(m, name)]["low"] <= 0
+    # geometric rejection: the largest loss of the study
+    for rows in (rl, opd):
+        assert mean(rows, "int4 decoupled_geo_rs") == min(mean(rows, n) for n in rows)
     for runs in record["methods"].values():  # the same five students in every condition
         starts = {tuple(seed[0] for seed in runs[name]["accuracy"]) for name in runs["conditions"]}
         assert len(starts) == 1 and len(next(iter(starts))) == 5
-    start = {round(float(np.mean([seed[0] for seed in runs["fp32 none"]["accuracy"]])), 3)
-             for runs in record["methods"].values()}
-    assert len(start) == 1
-    start = start.pop()
-    says(f"The accuracy falls from {start:.3f} to {mean(rl, 'int4 decoupled_geo_rs'):.3f} (RL) "
-         f"and {mean(opd, 'int4 decoupled_geo_rs'):.3f} (OPD), the largest loss of the study")
+    # the sampler's log-probs in the OPD reward cost more than the mismatch itself
+    assert opd["int4 none, sampler reward"]["difference"]["mean"] < opd["int4 none"][
+        "difference"]["mean"]
+    # the model the sampler runs: every correction serves a worse int4 model on average; the
+    # float32 weights above their int4 model for each correction but geometric rejection; the
+    # loss measurable for IcePop and sequence rejection (both methods) and RL's sequence TIS,
+    # not for OPD's sequence TIS
     for rows in (rl, opd):
-        assert mean(rows, "int4 decoupled_geo_rs") == min(mean(rows, n) for n in rows)
-    # the sampler's log-probs in the reward
-    bug = opd["int4 none, sampler reward"]["difference"]["mean"]
-    assert bug < opd["int4 none"]["difference"]["mean"]
-    says(f"That run ends {-bug:.3f} below the on-policy run, against "
-         f"{-opd['int4 none']['difference']['mean']:.3f} with the trainer's")
-    # the model the sampler runs
-    int4_start = np.mean([seed[0] for seed in
-                          record["methods"]["rl"]["int4 none"]["sampler_accuracy"]])
-    says(f"answer {int4_start:.3f} of the test prompts, against {start:.3f} for their float32")
-    says(f"the `int4` model ends at {mean(rl, 'int4 none', 'final_sampler_accuracy'):.3f} (RL) "
-         f"and {mean(opd, 'int4 none', 'final_sampler_accuracy'):.3f} (OPD)")
-    ranges = {}
-    for method, rows in (("rl", rl), ("opd", opd)):
         none = mean(rows, "int4 none", "final_sampler_accuracy")
-        assert all(mean(rows, n, "final_sampler_accuracy") < none for n in corrections)
-        assert all(rows[n]["sampler_against_uncorrected"]["mean"] < 0 for n in corrections)
-        assert all(mean(rows, n) > mean(rows, n, "final_sampler_accuracy") for n in corrections)
-        values = sorted(mean(rows, n, "final_sampler_accuracy") for n in kept_corrections)
-        ranges[method] = f"{values[0]:.3f} and {values[-1]:.3f}"
-    says(f"RL's corrected `int4` models end between {ranges['rl']} (geometric rejection aside), "
-         f"OPD's between {ranges['opd']}")
-    below = {(m, n) for m, rows in (("rl", rl), ("opd", opd)) for n in kept_corrections
-             if rows[n]["sampler_against_uncorrected"]["high"] < 0}
-    assert below == {(m, f"int4 decoupled_{c}") for m in ("rl", "opd")
-                     for c in ("token_icepop", "seq_is_rs")} | {("rl", "int4 decoupled_seq_is")}
+        assert all(mean(rows, n, "final_sampler_accuracy") < none for n in _corrections(rows))
+        assert all(rows[n]["sampler_against_uncorrected"]["mean"] < 0 for n in _corrections(rows))
+        assert all(mean(rows, n) > mean(rows, n, "final_sampler_accuracy")
+                   for n in _corrections(rows, geo=False))
+        for name in ("int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"):
+            assert rows[name]["sampler_against_uncorrected"]["high"] < 0
+    assert rl["int4 decoupled_seq_is"]["sampler_against_uncorrected"]["high"] < 0
+    assert _contains_0(opd["int4 decoupled_seq_is"]["sampler_against_uncorrected"])
     if exact is not None:
         for rows in (rl, opd):
             for level in ("bf16", "int8", "int4"):
@@ -926,28 +1007,199 @@ def _mismatch_training_claims(record, exact=None, page=None):
                 assert 1 / 1.5 < mean(rows, f"{level} none", "mismatch_kl") / reference < 1.5
         geo = {r["name"]: r for r in exact["estimators"]["int4"]["tinylm"]}["geo_rs"]
         assert round(geo["rel_bias"], 3) == 1.0 and 0.5e-6 < 1 - geo["seq_frac"] < 2e-6
-        says("(relative bias 1.000)")
         for sampler in ("bf16", "fp16", "int8", "int4"):
             recipe = {(r["logp"], r["weight"]): r["rel_bias"] for r in exact["opd"][sampler]}
             assert recipe[("sampler", "none")] > recipe[("trainer", "none")]
 
 
-def test_committed_mismatch_training_uses_the_current_defaults_and_backs_the_chapter():
+def test_the_training_reruns_are_there_and_describe_their_machine():
+    """The committed record's machine.json and at least one rerun's, each describing the CPU, the
+    kernels and the versions the section's "Two kernel sets, one study" names."""
+    page = " ".join(MISMATCH_PAGE.read_text().split())
+    assert len(MISMATCH_RERUN_NAMES) >= 1
+    machines = [json.loads((MISMATCH_TRAINING.parent / "machine.json").read_text())] + [
+        json.loads((MISMATCH_RERUNS / name / "machine.json").read_text())
+        for name in MISMATCH_RERUN_NAMES]
+    for machine in machines:
+        for key in ("label", "cpu_model", "cpus", "simd_flags", "avx512", "ATEN_CPU_CAPABILITY",
+                    "torch_cpu_capability", "torch", "numpy", "python", "commands", "seconds"):
+            assert key in machine, (machine.get("label"), key)
+        assert machine["cpus"] == 2 and machine["cpu_model"] == "AMD EPYC"
+        assert "avx2" in machine["simd_flags"] and machine["avx512"] is False
+        assert f"torch {machine['torch'].split('+')[0]} and numpy {machine['numpy']}" in page
+        assert set(machine["commands"]) == {"mismatch_training", "tinylm_mismatch"}
+    assert "this project's 2-core AMD EPYC (a KVM guest) with AVX2 and no AVX-512" in page
+    assert machines[0]["ATEN_CPU_CAPABILITY"] is None
+    assert machines[0]["torch_cpu_capability"] == "AVX2" and "repeated" in machines[0]
+    for name, machine in zip(MISMATCH_RERUN_NAMES, machines[1:]):
+        assert machine["ATEN_CPU_CAPABILITY"] == "default" == machine[
+            "torch_cpu_capability"].lower()
+        assert all(command.startswith("ATEN_CPU_CAPABILITY=default python -m ")
+                   and command.endswith(f"--out docs/data/mismatch_experiment/reruns/{name}")
+                   for command in machine["commands"].values())
+    assert "rerun there with `ATEN_CPU_CAPABILITY=default`" in page
+    assert "committed under `docs/data/mismatch_experiment/reruns/`" in page
+    assert '--8<-- "generated/mismatch_training_machines.md"' in page
+
+
+@pytest.mark.parametrize("name", ["committed"] + MISMATCH_RERUN_NAMES)
+def test_every_training_record_is_of_the_current_study_and_backs_the_chapter(name):
+    """The committed record and every rerun: the current configuration, every condition's curve
+    for every seed, and every claim of the section (with the same machine's exact tables)."""
     from opd_literate.experiment.mismatch_training import MISMATCH_DEFAULT, conditions
 
-    record = json.loads(MISMATCH_TRAINING.read_text())
+    machine = _training_record(name)
+    record = machine["record"]
     assert record["config"] == json.loads(json.dumps(MISMATCH_DEFAULT.as_dict()))
     assert record["config"]["experiment"] == json.loads(json.dumps(DEFAULT_CONFIG.as_dict()))
     for method, runs in record["methods"].items():
         assert runs["conditions"] == [c.name for c in conditions(MISMATCH_DEFAULT, method)]
         assert runs["samples"][-1] == MISMATCH_DEFAULT.steps * DEFAULT_CONFIG.batch_size
-        for name in runs["conditions"]:
-            assert all(len(seed) == len(runs["samples"]) for seed in runs[name]["accuracy"])
-            assert len(runs[name]["accuracy"]) == DEFAULT_CONFIG.seeds
-    page = (ROOT / "docs/mismatch.md").read_text()
-    _mismatch_training_claims(record, json.loads(TINYLM_MISMATCH.read_text()), page)
-    assert f"it took {round(record['run']['wall_seconds'])} s" in page
+        for condition in runs["conditions"]:
+            assert all(len(seed) == len(runs["samples"])
+                       for seed in runs[condition]["accuracy"])
+            assert len(runs[condition]["accuracy"]) == DEFAULT_CONFIG.seeds
     assert record["run"]["workers"] == 2 and record["run"]["cpus"] == 2
+    _mismatch_training_claims(record, machine["exact"], machine["table"])
+
+
+def test_the_training_sentences_state_the_machines_spread(training_records):
+    """Every number the section writes is the spread of the records (each end one machine's
+    figure, so that a range wider than the runs would not hide a change), and what differs
+    between the machines is said of the right one."""
+    text = " ".join(MISMATCH_PAGE.read_text().split())
+    assert len(training_records) == 2 and "Each statement below holds on both records" in text
+    by_kernels = {r["machine"]["torch_cpu_capability"]: r["table"] for r in training_records}
+    assert set(by_kernels) == {"AVX2", "DEFAULT"}
+
+    def says(phrase):
+        assert phrase in text, phrase
+
+    tables = [r["table"] for r in training_records]
+    methods = (("rl", "RL"), ("opd_sampled", "OPD"))
+
+    def stats(method, name, key="difference"):
+        return [t[method][name][key] for t in tables]
+
+    def means(method, name, key="difference"):
+        return [s["mean"] for s in stats(method, name, key)]
+
+    # bf16 and int8 against fp32
+    levels = ("bf16 none", "int8 none")
+    paired = {m: [s for n in levels for s in stats(m, n)] for m, _ in methods}
+    largest = max(abs(s["mean"]) for m, _ in methods for s in paired[m])
+    says(f"the mean final accuracy is within {np.ceil(largest * 1000) / 1000:.3f} of the "
+         "on-policy run's, and every paired interval contains 0")
+    low, high = min(s["low"] for s in paired["rl"]), max(s["high"] for s in paired["rl"])
+    says(f"RL's intervals reach from ${low:.3f}$ to ${high:.3f}$, so neither a loss of up to "
+         f"{round(-100 * low)} points nor a gain of up to {round(100 * high)} is excluded")
+    low, high = (min(s["low"] for s in paired["opd_sampled"]),
+                 max(s["high"] for s in paired["opd_sampled"]))
+    says(f"OPD's lie within ${low:.3f}$ and ${high:.3f}$")
+    seeds = len(paired["rl"][0]["per_seed"])
+    sd = {m: max(np.std(s["per_seed"], ddof=1) for s in paired[m]) for m, _ in methods}
+    se = {m: sd[m] / np.sqrt(seeds) for m in sd}
+    says(f"with a standard deviation of up to {sd['rl']:.3f} for RL and {sd['opd_sampled']:.3f} "
+         f"for OPD, so the standard error of a mean of five seeds is up to {se['rl']:.3f} and "
+         f"{se['opd_sampled']:.3f}: a mean of up to {2 * se['rl']:.3f} (RL) or "
+         f"{2 * se['opd_sampled']:.3f} (OPD) either way is within two standard errors")
+    fp32 = [np.array([seed[-1] for seed in r["record"]["methods"]["rl"]["fp32 none"]["accuracy"]])
+            for r in training_records]
+    apart = max(float(np.abs(f - fp32[0]).max()) for f in fp32[1:])
+    int4 = means("rl", "int4 none", "final_accuracy")
+    # "about as much": no seed's bf16 or int8 difference from fp32 exceeds the kernels' own
+    assert max(abs(x) for s in paired["rl"] for x in s["per_seed"]) <= apart
+    says(f"the same `fp32` run ends up to {apart:.3f} apart seed by seed with the two kernel sets, "
+         f"and the uncorrected `int4` run {max(int4) - min(int4):.3f} apart on average")
+    # int4
+    rl_loss, opd_loss = ([-x for x in means(m, "int4 none")] for m in ("rl", "opd_sampled"))
+    says(f"RL ends {_span(rl_loss)} below the on-policy run, depending on the kernels, with each "
+         f"interval below 0; sampled-token OPD ends {_span(opd_loss)} below, its interval below 0 "
+         "with one kernel set and containing 0 with the other")
+    assert by_kernels["AVX2"]["opd_sampled"]["int4 none"]["difference"]["high"] < 0
+    assert _contains_0(by_kernels["DEFAULT"]["opd_sampled"]["int4 none"]["difference"])
+    ratio = [a / b for a, b in zip(rl_loss, opd_loss)]
+    says(f"OPD loses {int(min(ratio))} to {int(max(ratio))} times less")
+    # the corrections against the uncorrected int4 run
+    token, sequence = "int4 decoupled_token_is", "int4 decoupled_seq_is"
+    says(f"RL's token TIS ends {_span(means('rl', token, 'against_uncorrected'))} higher, its "
+         "interval above 0 with the AVX2 kernels and containing 0 with the baseline ones")
+    assert by_kernels["AVX2"]["rl"][token]["against_uncorrected"]["low"] > 0
+    assert _contains_0(by_kernels["DEFAULT"]["rl"][token]["against_uncorrected"])
+    says(f"RL's sequence TIS ends {_span(means('rl', sequence, 'against_uncorrected'))} higher")
+    gains = means("opd_sampled", token, "against_uncorrected")
+    assert min(gains) < 0 < max(gains)
+    says(f"OPD's token TIS ends between {-min(gains):.3f} lower and {max(gains):.3f} higher, its "
+         f"sequence TIS {_span(means('opd_sampled', sequence, 'against_uncorrected'))} higher")
+    below = [-x for n in (token, sequence) for x in means("opd_sampled", n)]
+    says(f"With OPD, token and sequence TIS end {_span(below)} below the on-policy run, and each "
+         "interval against it contains 0")
+    # IcePop and sequence rejection
+    icepop, rejection = "int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"
+    for name, words in ((icepop, "IcePop's band sets the weight of"),
+                        (rejection, "the sequence band that of")):
+        zero = [100 * (1 - x) for m, _ in methods for x in means(m, name, "kept_fraction")]
+        says(f"{words} {round(min(zero))} to {round(max(zero))}%")
+    moved = [x for m, _ in methods for n in (icepop, rejection)
+             for x in means(m, n, "against_uncorrected")]
+    assert min(moved) < 0 < max(moved)
+    says(f"their mean final accuracy is from {-min(moved):.3f} lower to {max(moved):.3f} higher, "
+         "and no paired interval lies above 0: with the AVX2 kernels each contains 0, with the "
+         "baseline kernels three of the four lie below 0 (RL's sequence rejection, and both with "
+         "OPD)")
+    for kernels, expected in (("AVX2", set()), ("DEFAULT", {("rl", rejection), (
+            "opd_sampled", icepop), ("opd_sampled", rejection)})):
+        table = by_kernels[kernels]
+        assert {(m, n) for m, _ in methods for n in (icepop, rejection)
+                if table[m][n]["against_uncorrected"]["high"] < 0} == expected, kernels
+    # geometric rejection
+    geo = "int4 decoupled_geo_rs"
+    kept = {m: [100 * x for x in means(m, geo, "kept_fraction")] for m, _ in methods}
+    says(f"gives a weight to {_span(kept['rl'], 1)}% of RL's tokens and "
+         f"{_span(kept['opd_sampled'], 1)}% of OPD's")
+    starts = {round(float(np.mean([seed[0] for seed in runs["fp32 none"]["accuracy"]])), 3)
+              for r in training_records for runs in r["record"]["methods"].values()}
+    assert len(starts) == 1  # the same students on every machine
+    start = starts.pop()
+    falls = {m: means(m, geo, "final_accuracy") for m, _ in methods}
+    says(f"The accuracy falls from {start:.3f} to between {min(falls['rl']):.3f} and "
+         f"{max(falls['rl']):.3f} (RL) and between {min(falls['opd_sampled']):.3f} and "
+         f"{max(falls['opd_sampled']):.3f} (OPD), the largest loss of the study with both kernel "
+         "sets")
+    says("(relative bias 1.000)")
+    # the sampler's log-probs in the OPD reward
+    bug = [-x for x in means("opd_sampled", "int4 none, sampler reward")]
+    says(f"That run ends {_span(bug)} below the on-policy run, against {_span(opd_loss)} with the "
+         "trainer's")
+    # the model the sampler runs
+    int4_starts = {round(float(np.mean([seed[0] for seed in r["record"]["methods"]["rl"][
+        "int4 none"]["sampler_accuracy"]])), 3) for r in training_records}
+    assert len(int4_starts) == 1
+    says(f"answer {int4_starts.pop():.3f} of the test prompts, against {start:.3f} for their "
+         "float32 weights")
+    served = {m: means(m, "int4 none", "final_sampler_accuracy") for m, _ in methods}
+    says(f"the `int4` model ends at {_span(served['rl'])} (RL) and "
+         f"{_span(served['opd_sampled'])} (OPD)")
+    corrected = {m: [x for n in _corrections(tables[0][m], geo=False)
+                     for x in means(m, n, "final_sampler_accuracy")] for m, _ in methods}
+    says(f"RL's corrected `int4` models end between {min(corrected['rl']):.3f} and "
+         f"{max(corrected['rl']):.3f} (geometric rejection aside), OPD's between "
+         f"{min(corrected['opd_sampled']):.3f} and {max(corrected['opd_sampled']):.3f}")
+    says("for token TIS, with both methods, with the baseline kernels only; OPD's sequence "
+         "TIS's intervals contain 0 with both")
+    for kernels, measurable in (("AVX2", False), ("DEFAULT", True)):
+        for m, _ in methods:
+            stat = by_kernels[kernels][m][token]["sampler_against_uncorrected"]
+            assert (stat["high"] < 0) is measurable, (kernels, m)
+    says("`bf16` runs torch's own `bfloat16` CPU kernels, at every step of training")
+    says(f"it took {round(training_records[0]['record']['run']['wall_seconds'])} s")
+
+
+def test_the_training_sections_setup_is_the_studys():
+    """The setup the section describes: the students, the steps, the optimizer, the presets."""
+    from opd_literate.experiment.mismatch_training import MISMATCH_DEFAULT
+
+    page = MISMATCH_PAGE.read_text()
     assert DEFAULT_CONFIG.warmup_steps == 30
     for text in ("the same five\nstudents for 600 steps of 64 answers",
                  "warm-up over the first 30 steps",
@@ -970,22 +1222,46 @@ def test_committed_mismatch_training_uses_the_current_defaults_and_backs_the_cha
 
 
 @pytest.mark.slow
-def test_the_mismatch_training_rerun_here_keeps_the_chapters_robust_claims():
-    """The default study recomputed on this machine (three minutes): its trajectories differ
-    from the committed ones by rounding, so only the claims with room to spare are checked."""
+def test_the_mismatch_training_rerun_here_keeps_the_chapters_robust_claims(training_records):
+    """The default study recomputed on this machine (three minutes with the teacher cached, on 2
+    cores): its trajectories differ from the records' wherever its kernels round differently,
+    so only the claims that the records leave room for are checked, each bound from their
+    measured spread (the records: torch's AVX2 and baseline kernels on a 2-core AMD EPYC)."""
     from opd_literate.experiment.mismatch_training import mismatch_summary, run_mismatch_training
 
     record = run_mismatch_training(progress=False, workers=2)
-    for rows in mismatch_summary(record).values():
-        rows = {row["name"]: row for row in rows}
+    table = {method: {row["name"]: row for row in rows}
+             for method, rows in mismatch_summary(record).items()}
+    seeds = len(record["methods"]["rl"]["fp32 none"]["accuracy"])
+    for method, rows in table.items():
+        recorded = [r["table"][method] for r in training_records]
+        # bf16 and int8 against fp32: no effect that the seeds can tell. Under no effect, the
+        # mean of the seeds' paired differences has the standard error sd / sqrt(seeds); sd is
+        # the largest measured on the records (0.087 for RL, 0.022 for OPD). Four standard
+        # errors (0.156 and 0.039): an sd estimated from five seeds can be 1.5 times too small,
+        # which still leaves 2.7 standard errors. A run on a 2-core AVX-512 machine reported a
+        # mean 0.065 from fp32 for one of these: 1.7 of RL's standard errors; were it OPD's, 6.6
+        # of OPD's, and this fails, as it should (the records' seeds do not explain it).
+        sd = max(np.std(t[f"{level} none"]["difference"]["per_seed"], ddof=1)
+                 for t in recorded for level in ("bf16", "int8"))
         for level in ("bf16", "int8"):
-            assert abs(rows[f"{level} none"]["difference"]["mean"]) < 0.05
-        assert rows["int4 none"]["mismatch_kl"]["mean"] > 100 * rows["int8 none"][
-            "mismatch_kl"]["mean"]
+            assert abs(rows[f"{level} none"]["difference"]["mean"]) <= 4 * sd / np.sqrt(seeds), (
+                method, level, rows[f"{level} none"]["difference"])
+        # int4's per-token KL is set by the quantization grid at the states visited: on the
+        # records it moved by 4% at most between the kernels (0.094 to 0.103), and it is 1,300
+        # to 1,900 times bf16's and 337 to 445 times int8's; a factor 100 over int8 leaves 3.4
+        kl = rows["int4 none"]["mismatch_kl"]["mean"]
+        assert kl > 100 * rows["int8 none"]["mismatch_kl"]["mean"]
+        assert min(t["int4 none"]["mismatch_kl"]["mean"] for t in recorded) / 1.5 < kl < 1.5 * max(
+            t["int4 none"]["mismatch_kl"]["mean"] for t in recorded)
+        # geometric rejection: the records end at 0.013 to 0.063 from 0.708, weighting 1.1% to
+        # 2.2% of the tokens: a collapse, far from these bounds
         assert rows["int4 decoupled_geo_rs"]["final_accuracy"]["mean"] < 0.3
         assert rows["int4 decoupled_geo_rs"]["kept_fraction"]["mean"] < 0.1
+        # sequence rejection's band: 68% to 72% of the tokens kept on the records
         assert 0.5 < rows["int4 decoupled_seq_is_rs"]["kept_fraction"]["mean"] < 0.9
-    rl = {row["name"]: row for row in mismatch_summary(record)["rl"]}
-    assert rl["int4 none"]["difference"]["high"] < 0
-    opd = {row["name"]: row for row in mismatch_summary(record)["opd_sampled"]}
-    assert opd["int4 none, sampler reward"]["difference"]["mean"] < -0.1
+    # RL's loss at int4: on the records its mean is 3.7 and 7 standard errors below 0
+    assert table["rl"]["int4 none"]["difference"]["mean"] < 0
+    # the sampler's log-probs in OPD's reward: -0.274 and -0.227 on the records, each more than
+    # 3 standard errors (0.04) below -0.1
+    assert table["opd_sampled"]["int4 none, sampler reward"]["difference"]["mean"] < -0.1
