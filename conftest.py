@@ -66,18 +66,10 @@ def _stable_numerics(doctest_namespace):
 
 
 # The two longest test files of the fast tier (on 2 cores: the one-chapter site build and the
-# browser, about 13 s; the snippets, 10 s) go first, so that pytest-xdist, which hands out the
-# groups in collection order (--no-loadscope-reorder, in pyproject.toml), starts them on
-# different workers and fills both with the rest after. Only the order changes.
+# browser, about 14 s; the snippets, 9 s) go first, so that pytest-xdist, which hands out the
+# files in collection order (--dist loadfile --no-loadscope-reorder, in pyproject.toml), starts
+# them on different workers and fills both with the rest after. Only the order changes.
 _LONG_FIRST = ("tests/site/test_site.py", "tests/course/test_lift.py")
-
-
-# pytest-xdist hands out a group as one unit (--dist loadgroup, in pyproject.toml). Every file is
-# a group of its own, as with --dist loadfile: its module fixtures (a site build, a trained model,
-# a browser) run once. The files of these folders test functions without costly fixtures and
-# are handed out test by test instead, so that their long property files do not finish on one
-# worker while the other waits.
-_TEST_BY_TEST = ("tests/mismatch/", "tests/large_vocab/", "tests/opd/", "tests/package/")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,7 +78,3 @@ def pytest_collection_modifyitems(config, items):
         return _LONG_FIRST.index(path) if path in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: the order within each file is kept
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        if not path.startswith(_TEST_BY_TEST):
-            item.add_marker(pytest.mark.xdist_group(path))
