@@ -11,8 +11,8 @@
 #             flash attention and a CUDA torch, and its transformers conflicts with the trl
 #             extra's), then the few packages that verl.trainer.ppo.rollout_corr_helper and
 #             core_algos import on a CPU machine: the verl extra of pyproject.toml
-#   nbgrader  nbgrader 0.9.6 and what the lab notebooks import (numpy, torch), for the slow
-#             tier's nbgrader test ($OPD_NBGRADER)
+#   nbgrader  nbgrader 0.9.6 and what the lab notebooks need (numpy, torch, and pytest, which
+#             their check cells run), for the slow tier's nbgrader test ($OPD_NBGRADER)
 #
 # Every environment takes torch==2.13.0 first, the CPU build: a looser requirement can pull a
 # CUDA build of several GB. --newest keeps that one pin (the newest torch that pip serves here is
@@ -52,5 +52,5 @@ PY
         grep -v '^verl==' <<<"$extra" | xargs "${pip[@]}" install --quiet "${lock[@]}"
         "$folder/bin/python" -c "import torch, verl.trainer.ppo.rollout_corr_helper, verl.trainer.ppo.core_algos; print('verl', verl.__version__, 'torch', torch.__version__)"
         ;;
-    nbgrader) "${pip[@]}" install --quiet "${lock[@]}" torch==2.13.0 numpy "nbgrader==0.9.6";;
+    nbgrader) "${pip[@]}" install --quiet "${lock[@]}" torch==2.13.0 numpy pytest "nbgrader==0.9.6";;
 esac

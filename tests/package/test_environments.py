@@ -91,6 +91,8 @@ def test_every_requirement_is_locked_to_a_version_it_admits(env):
         assert req.specifier.contains(pins[name], prereleases=True), (
             f"requirements/{env}.txt pins {name}=={pins[name]}, which {req} does not admit")
     assert pins["torch"] == Version("2.13.0")  # the CPU build: no local label in a lock
+    # the notebooks' check(N) cells run pytest; tools/env.sh installs it beside nbgrader
+    assert "pytest" in pins and "numpy" in pins
 
 
 def test_a_bad_lock_is_caught(tmp_path):
