@@ -68,6 +68,15 @@ argument; a half-precision input is computed in float32; positions with ``mask =
 anything (``-inf``, NaN) and are selected away with ``torch.where`` before any arithmetic, so
 they are exactly 0 in every value and every gradient. A valid position must hold finite
 log-probabilities: a sampled token has probability $> 0$ under the sampler that drew it.
+The DPPO and DRO losses also refuse a log-probability above 0 where ``mask`` is 1 (a
+``ValueError`` naming the argument and the position): DPPO reads $p = e^{\log p}$ as a
+probability ($p - q$, and $1 - p$ inside a logarithm, where verl would take the logarithm of a
+negative number), and DRO's value is the log-likelihood $A \log \pi_\theta(y_t)$ pulled toward
+$\log \mu(y_t)$. The other functions accept any finite value, as verl's do: the weights, masks,
+KL penalties and the PPO and GSPO losses read only $\log \pi_\theta - \log \mu$, so a log-ratio
+may stand as ``trainer_logp`` with ``sampler_logp = 0``; the perplexities of
+[opd_literate.mismatch.correction.offpolicy_metrics][] and the values of CISPO and REINFORCE
+read $\log \pi_\theta$ itself, as DRO's does, and take it above 0 all the same.
 
 **Source.** Every "verl" below is the verl release ``VERL_VERSION`` (0.9.1, from the package
 index), whose functions ``tests/integration/test_verl.py`` calls on the same batches as this
@@ -315,10 +324,21 @@ def importance_weights(trainer_logp, sampler_logp, mask, rollout_is="token", *,
           capped);
         * ``rollout_is_ratio_fraction_high`` / ``_low``: the share of tokens (or responses)
           whose ratio is above $h$ / below $l'$;
-        * ``rollout_is_std`` and ``rollout_is_eff_sample_size`` of $\min(w, h)$ over the
-          tokens: the standard deviation (population, 0 for one token) and
-          $\bar u^2 / \overline{u^2}$ with $u = \min(w, h)$, in $(0, 1]$ (0 when every weight
-          is 0, where verl's formula gives $\infty$);
+        * ``rollout_is_std`` and ``rollout_is_eff_sample_size`` of $u = \min(w, h)$ over the
+          $n$ valid tokens: the standard deviation (population, 0 for one token) and the
+          effective sample size per token $\bar u^2 / \overline{u^2}$, in $(0, 1]$ when some
+          weight is above 0 (computed on $u / \max u$, whose squares cannot underflow). Where
+          every weight is 0 (IcePop with every ratio outside its band) that is $0 / 0$, and
+          this library reports 0: no token carries weight. verl computes
+          $1 / \overline{(u / (\bar u_v + 10^{-8}))^2}_v = (\bar u_v + 10^{-8})^2 /
+          \overline{u^2}_v$, its means dividing by $n + 10^{-8}$ ($\bar x_v = \sum x /
+          (n + 10^{-8})$): this one times $(1 + 10^{-8} (1 + 10^{-8} / n) / \bar u)^2 /
+          (1 + 10^{-8} / n)$, to first order larger by a relative
+          $2 \cdot 10^{-8} / \bar u - 10^{-8} / n$. Where every weight is 0, verl divides the
+          Python float 1.0 by 0.0 and raises ``ZeroDivisionError`` (``compute_is_metrics``,
+          ``verl/trainer/ppo/rollout_corr_helper.py`` line 758 in ``VERL_VERSION``), which
+          its trainer's call in decoupled mode (``compute_rollout_correction_and_add_to_batch``)
+          does not catch;
         * ``rollout_is_seq_mean``, ``_seq_std`` (with $n - 1$), ``_seq_max``, ``_seq_min``,
           ``_seq_max_deviation`` ($\max |\bar w_b - 1|$) of the per-response mean weight
           $\bar w_b$, and ``rollout_is_seq_fraction_high`` / ``_low``, the share of
@@ -475,9 +495,16 @@ def _is_metrics(weights, ratio, log_r, mask, level, low, high):
     n_tokens = int(mask.sum())
     metrics["rollout_is_std"] = (float(torch.sqrt((mean_square - mean.square()).clamp_min(0.0)))
                                  if n_tokens > 1 else 0.0)
-    # ESS / n = mean(u)^2 / mean(u^2); 0 (not 0/0) when every weight is 0
-    metrics["rollout_is_eff_sample_size"] = (float(mean.square() / mean_square)
-                                             if float(mean_square) > 0 else 0.0)
+    # ESS / n = mean(u)^2 / mean(u^2), scale-free: on v = u / max u in [0, 1] (one v is 1, so
+    # mean(v^2) >= 1/n, where u^2 could underflow: u = 1e-30 in float32), at most 1 by
+    # Cauchy-Schwarz (min absorbs the rounding); 0, not 0/0, when every weight is 0
+    top = capped[mask].max()
+    if float(top) > 0:
+        v = capped / top
+        ess = min(float(masked_mean(v, mask).square() / masked_mean(v.square(), mask)), 1.0)
+    else:
+        ess = 0.0
+    metrics["rollout_is_eff_sample_size"] = ess
     lengths_ = lengths(mask, weights.dtype)
     seq_weight = (weights.sum(dim=1) / lengths_)[has_token]  # (responses,) mean weight
     seq_ratio = (ratio.sum(dim=1) / lengths_)[has_token]  # mean ratio, before the cap
@@ -1194,9 +1221,11 @@ def reinforce_loss(trainer_logp, advantages, mask, weights=None, *, reduction="t
     check_float_tensor("weights", weights, 2)
     mask, dtype = _check_batch(trainer_logp, trainer_logp.detach(), mask)
     check_same_shape("trainer_logp", trainer_logp, "weights", weights)
-    bad = mask & ~torch.isfinite(weights)
+    bad = mask & ~torch.isfinite(weights.detach())
     if bool(bad.any()):
-        raise ValueError("weights must be finite where mask is 1")
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"weights must be finite where mask is 1, got {weights[b, t].item()!r} "
+                         f"at position ({b}, {t})")
     check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)
     w = select(mask, weights.detach().to(dtype))
@@ -1224,15 +1253,24 @@ def _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_
     return low, high, min(cap, math.exp(SAFETY_BOUND + 1.0))
 
 
-def _check_log_probabilities(mask, **log_probs):
-    """Refuse a log-probability above 0 where mask is 1: the binary KL needs 1 - p >= 0."""
+_LOG_PROBABILITY_USE = {
+    "tv": "DPPO-TV reads p = exp(log p) as a probability",
+    "kl": "DPPO-KL's binary KL needs 1 - p >= 0",
+    "dro": "DRO's value is the log-likelihood of the sampled token",
+}
+
+
+def _check_log_probabilities(mask, use, **log_probs):
+    """Refuse a log-probability above 0 where mask is 1 (``use``: why the loss needs one).
+
+    Off the mask anything goes (it is selected away); NaN was refused by ``_check_batch``."""
     for name, logp in log_probs.items():
         bad = mask & (logp.detach() > 0)
         if bool(bad.any()):
             b, t = (int(i) for i in bad.nonzero()[0])
             raise ValueError(
-                f"{name} must be <= 0 where mask is 1 (a log-probability: DPPO-KL's binary KL "
-                f"needs 1 - p >= 0), got {logp[b, t].item()!r} at position ({b}, {t})")
+                f"{name} must be <= 0 where mask is 1 (a log-probability: "
+                f"{_LOG_PROBABILITY_USE[use]}), got {logp[b, t].item()!r} at position ({b}, {t})")
 
 
 def _binary_kl(log_q, log_p):
@@ -1297,7 +1335,9 @@ def dppo_tv_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
     $$
 
     $|p_t - q_t|$ is the total variation between the two distributions of "the token $y_t$ or
-    another" under $\pi_\theta$ and $\mu$, which the full-vocabulary TV bounds from above. The
+    another" under $\pi_\theta$ and $\mu$, which the full-vocabulary TV bounds from above:
+    merging the other tokens into one outcome never increases a TV,
+    $|p_t - q_t| \le \frac12 \sum_v |\pi_\theta(v \mid s_t) - \mu(v \mid s_t)|$. The
     region is one-sided, like PPO's clip: a token leaves it only once its probability has
     moved by more than $\delta$ in the direction its advantage pushes it. The gradient is the
     weight $w_t = \min(r_t, c)\, m_t$ of [opd_literate.mismatch.estimators.dppo_tv][] times
@@ -1321,6 +1361,10 @@ def dppo_tv_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
     ``verl/trainer/ppo/v1/trainer_base.py``), which keeps the actor's ``loss_mode``; the legacy
     trainer (``trainer.use_v1: false``) replaces ``loss_mode`` by ``"bypass_mode"``
     (``apply_bypass_mode``), so DPPO never sees the sampler there.
+
+    $p_t$ and $q_t$ are read as probabilities, so both log-probabilities must be $\le 0$
+    inside the mask: a ``ValueError`` names the one that is not (verl reads $p_t > 1$ as
+    given).
 
     Returns
     -------
@@ -1348,6 +1392,7 @@ def dppo_tv_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
     (0.333333, 0.333333)
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    _check_log_probabilities(mask, "tv", trainer_logp=trainer_logp, sampler_logp=sampler_logp)
     low, high, cap = _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high,
                                          clip_ratio_c)
     check_reduction(reduction)
@@ -1363,9 +1408,8 @@ def dppo_kl_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
 
     [opd_literate.mismatch.correction.dppo_tv_loss][] with the divergence
     $\mathrm{KL}(q_t \,\|\, p_t)$ between the two distributions of "the token $y_t$ or
-    another" under $\mu$ and $\pi_\theta$ (which the full-vocabulary
-    $\mathrm{KL}(\mu_t \,\|\, \pi_t)$ bounds from above), in verl's form, with
-    $\epsilon = 10^{-8}$ (``BINARY_KL_EPS`` of ``_numerics``):
+    another" under $\mu$ and $\pi_\theta$, in verl's form, with $\epsilon = 10^{-8}$
+    (``BINARY_KL_EPS`` of ``_numerics``):
 
     $$
     \begin{aligned}
@@ -1380,6 +1424,32 @@ def dppo_kl_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
     weight of [opd_literate.mismatch.estimators.dppo_kl][]. Where TV weighs every unit of
     probability alike, the KL is large for a rare token that became likely and small for a
     frequent one that moved by as much.
+
+    **The full-vocabulary bound, and what $\epsilon$ does to it.** Without $\epsilon$,
+    $D^0_t = q_t \log \frac{q_t}{p_t} + (1 - q_t) \log \frac{1 - q_t}{1 - p_t}$ is at most the
+    full-vocabulary $\mathrm{KL}(\mu_t \,\|\, \pi_t) = \sum_v \mu(v \mid s_t)
+    \log \frac{\mu(v \mid s_t)}{\pi_\theta(v \mid s_t)}$ (data processing: merging the other
+    tokens into one outcome never increases a KL), with equality for two tokens. verl's
+    $\epsilon$ changes the second term only:
+
+    $$
+    D_t - D^0_t = (1 - q_t) \Big[\log\Big(1 + \frac{\epsilon}{1 - q_t}\Big)
+    - \log\Big(1 + \frac{\epsilon}{1 - p_t}\Big)\Big],
+    $$
+
+    which is $\le 0$ where $p_t \ge q_t$, so there $D_t \le \mathrm{KL}(\mu_t \,\|\, \pi_t)$.
+    Where $p_t < q_t < 1$ it is positive (at $q_t = 1$ it is 0), and by
+    $\frac{x}{1 + x} \le \log(1 + x) \le x$
+
+    $$
+    0 < D_t - D^0_t \le \epsilon\, \frac{q_t - p_t + \epsilon}{1 - p_t + \epsilon} < \epsilon,
+    $$
+
+    so there the full-vocabulary KL bounds $D_t$ only up to that excess: with two tokens and
+    $(q_t, p_t) = (0.6, 0.5)$, $D_t$ exceeds the full KL by $2.0 \cdot 10^{-9}$. The region
+    reads $D_t$ on that side only for $A \le 0$ (a token whose probability fell), where a token
+    whose full-vocabulary KL is exactly $\delta_l$ can be outside it. These are statements of
+    exact arithmetic; the computed $D_t$ adds its rounding.
 
     verl: ``loss_mode: dppo_kl`` (``compute_policy_loss_dppo_kl``, same commit, release,
     options, defaults and anchor as [opd_literate.mismatch.correction.dppo_tv_loss][]; verl's
@@ -1405,7 +1475,7 @@ def dppo_kl_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2
     dppo_kl_loss [-1.35, 0.0]
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
-    _check_log_probabilities(mask, trainer_logp=trainer_logp, sampler_logp=sampler_logp)
+    _check_log_probabilities(mask, "kl", trainer_logp=trainer_logp, sampler_logp=sampler_logp)
     low, high, cap = _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high,
                                          clip_ratio_c)
     check_reduction(reduction)
@@ -1441,7 +1511,9 @@ def dro_loss(trainer_logp, sampler_logp, advantages, mask, *, dro_beta,
     appropriate for its soft off-policy formulation". The anchor is verl's ``old_log_prob``,
     as for [opd_literate.mismatch.correction.dppo_tv_loss][]: $\pi_{\mathrm{old}}$ in
     decoupled mode, the sampler with ``bypass_mode: true`` in the default (v1) trainer, never
-    the sampler in the legacy one.
+    the sampler in the legacy one. Both arguments are log-likelihoods of the sampled token and
+    must be $\le 0$ inside the mask: a ``ValueError`` names the one that is not (verl computes
+    the loss of any finite value).
 
     Returns
     -------
@@ -1463,6 +1535,7 @@ def dro_loss(trainer_logp, sampler_logp, advantages, mask, *, dro_beta,
     (-0.306853, -0.693147)
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    _check_log_probabilities(mask, "dro", trainer_logp=trainer_logp, sampler_logp=sampler_logp)
     beta = check_finite_number("dro_beta", dro_beta, positive=True)
     check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)

@@ -520,3 +520,101 @@ def test_kl_penalties_and_their_gradients_are_verls(kind):
     our_loss, our_grad, _ = _grad(ours, trainer)
     assert our_loss == pytest.approx(loss, rel=REL, abs=ABS)
     torch.testing.assert_close(our_grad, grad, rtol=REL, atol=ABS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where verl and this package differ on purpose (correction's docstrings): IcePop's effective
+# sample size, DPPO-KL's epsilon against the full-vocabulary KL, log-probabilities above 0
+# ---------------------------------------------------------------------------------------------
+def _helper_line(number):
+    path = pathlib.Path(helper.__file__)
+    return path.read_text().splitlines()[number - 1]
+
+
+def test_verls_icepop_ess_raises_zero_division_where_every_weight_is_0():
+    """Every ratio is 10, outside the preset's band [0.5, 5]: every IcePop weight is 0. verl's
+    trainer call (compute_rollout_correction_and_add_to_batch, decoupled mode) raises
+    ZeroDivisionError at rollout_corr_helper.py line 758, 1.0 / <a Python float 0.0>; this
+    package reports an effective sample size of 0."""
+    from verl import DataProto
+
+    assert _helper_line(758).strip() == (
+        "1.0 / verl_F.masked_mean(is_weights_normalized.square(), response_mask).item()")
+    f64 = torch.float64
+    trainer = torch.full((2, 3), math.log(10.0), dtype=f64)
+    sampler, mask = torch.zeros(2, 3, dtype=f64), torch.tensor([[1.0, 1, 1], [1, 1, 0]], dtype=f64)
+    batch = DataProto.from_dict({"old_log_probs": trainer, "rollout_log_probs": sampler,
+                                 "response_mask": mask})
+    config = RolloutCorrectionConfig.decoupled_token_icepop()
+    with pytest.raises(ZeroDivisionError):
+        helper.compute_rollout_correction_and_add_to_batch(batch, config)
+    c = C.rollout_correction(trainer, sampler, mask, **C.PRESETS["decoupled_token_icepop"])
+    assert c.metrics["rollout_corr/rollout_is_eff_sample_size"] == 0.0
+    assert not bool(c.weights.any())
+
+
+@pytest.mark.parametrize("cap", [1e-6, 2.0])
+def test_verls_ess_is_the_documented_formula(cap):
+    """verl's ESS is (mean_v(u) + 1e-8)^2 / mean_v(u^2), mean_v dividing by n + 1e-8; this
+    package's mean(u)^2 / mean(u^2); their ratio is importance_weights' factor
+    (1 + 1e-8 (1 + 1e-8 / n) / mean(u))^2 / (1 + 1e-8 / n), to first order 1 + 2e-8 / mean(u)
+    - 1e-8 / n. At the cap 1e-6 every weight is 1e-6: 1 here, 1.0201 in verl."""
+    trainer, sampler, mask, _ = _batch(0, 0.4)
+    c = C.rollout_correction(trainer, sampler, mask, rollout_is="token",
+                             rollout_is_threshold=cap)
+    _, _, metrics = _verl(trainer, sampler, mask, rollout_is="token", rollout_is_threshold=cap)
+    u, n, eps = c.weights[mask > 0], float(mask.sum()), 1e-8
+    assert torch.all(u <= cap)
+    theirs = (float(u.sum()) / (n + eps) + eps) ** 2 / (float(u.square().sum()) / (n + eps))
+    ours = float(u.sum()) ** 2 / (n * float(u.square().sum()))
+    assert metrics["rollout_is_eff_sample_size"] == pytest.approx(theirs, rel=1e-12)
+    assert _ours(c)["rollout_is_eff_sample_size"] == pytest.approx(ours, rel=1e-12)
+    mean = float(u.mean())
+    factor = (1 + eps * (1 + eps / n) / mean) ** 2 / (1 + eps / n)
+    assert metrics["rollout_is_eff_sample_size"] / _ours(c)["rollout_is_eff_sample_size"] == (
+        pytest.approx(factor, rel=1e-12))
+    if cap == 2.0:  # the first-order form, where (1e-8 / mean)^2 is negligible
+        assert factor - 1 == pytest.approx(2 * eps / mean - eps / n, rel=1e-6)
+    if cap == 1e-6:
+        assert torch.all(u == cap) and ours == pytest.approx(1.0, rel=1e-15)
+        assert theirs == pytest.approx(1.0201, abs=1e-4)
+
+
+def test_verls_dppo_kl_removes_a_fallen_token_whose_full_kl_is_delta_low():
+    """Two tokens, so the exact binary KL is the full-vocabulary one. A token that fell from
+    q = 0.6 to p = 0.5 with A = -1: at clip_ratio_low = its full KL verl's 1e-8 puts it 2e-9
+    outside the region; at clip_ratio_low + 1e-8 it is inside (the bound of dppo_kl_loss's
+    docstring). This package does the same."""
+    source = inspect.getsource(core_algos.compute_policy_loss_dppo_kl)
+    assert "(1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)" in source
+    assert C.BINARY_KL_EPS == 1e-8
+    f64 = torch.float64
+    trainer = torch.tensor([[math.log(0.5)]], dtype=f64)
+    sampler = torch.tensor([[math.log(0.6)]], dtype=f64)
+    A, mask = torch.tensor([[-1.0]], dtype=f64), torch.ones(1, 1, dtype=f64)
+    kl = 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.5)
+    for delta, outside in ((kl, 1.0), (kl + 1e-8, 0.0)):
+        config = _actor(1, clip_low=delta, clip_high=0.2, loss_mode="dppo_kl")
+        _, theirs = core_algos.compute_policy_loss_dppo_kl(sampler, trainer, A, mask,
+                                                           config=config)
+        _, ours = C.dppo_kl_loss(trainer, sampler, A, mask, clip_ratio_low=delta)
+        # verl's masked mean divides by the count + 1e-8
+        assert ours["actor/pg_clipfrac"] == outside, delta
+        assert theirs["actor/pg_clipfrac"] == pytest.approx(outside, rel=REL, abs=ABS), delta
+
+
+@pytest.mark.parametrize("loss_mode, options", [("dppo_tv", DPPO_CASES[0][1]),
+                                                ("dppo_kl", DPPO_CASES[3][1]),
+                                                ("dro", DPPO_CASES[6][1])])
+def test_a_log_probability_above_0_verl_takes_is_refused_here(loss_mode, options):
+    """verl computes DPPO and DRO on log pi = 0.3 without a word (DPPO-KL then takes the
+    logarithm of a negative 1 - p + 1e-8); this package names the argument and the position."""
+    trainer, sampler, mask, advantages = _log_probabilities(0, 0.4)
+    trainer = trainer.clone()
+    trainer[0, 0] = 0.3
+    verl_fn, config, ours_fn = _dppo_or_dro(loss_mode, options, trainer.shape[0])
+    loss, _ = verl_fn(sampler, trainer, advantages, mask, config=config)
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match=r"^trainer_logp must be <= 0 where mask is 1 \(a "
+                                         r"log-probability: .*\), got 0.3 at position \(0, 0\)$"):
+        ours_fn(trainer, sampler, advantages, mask, **options)

@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 
+import mpmath
 import numpy as np
 import pytest
 import torch
@@ -679,13 +680,49 @@ def test_huge_log_ratios_are_clamped_not_overflowed():
     (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=0.0), ValueError, "dro_beta must be > 0"),
     (lambda t, s, m, a: C.dro_loss(t, s, a, m, dro_beta=None), TypeError, "dro_beta"),
     (lambda t, s, m, a: C.dro_loss(t, s, a, m), TypeError, "dro_beta"),
-    (lambda t, s, m, a: C.dro_loss(t.float(), s.float() + 100.0, a, m, dro_beta=1e35),
+    (lambda t, s, m, a: C.dro_loss(t.float() - 100.0, s.float(), a, m, dro_beta=1e35),
      ValueError, "dro_loss overflows torch.float32"),
 ])
 def test_bad_input_gets_a_clear_error(call, error, message):
     trainer, sampler, mask, A = _random_batch()
     with pytest.raises(error, match=message):
         call(trainer, sampler, mask, A)
+
+
+def test_only_dppo_and_dro_refuse_a_log_probability_above_0():
+    """The module docstring's conventions: DPPO and DRO refuse log pi > 0 inside the mask; the
+    other functions take any finite pair, and those that read only log pi - log mu give the
+    same result for log-ratios passed as trainer_logp with sampler_logp = 0. Multiples of 1/8
+    below 8 and the shift 8 are exact in float64, so the two calls compute the same floats."""
+    g = torch.Generator().manual_seed(30)
+    trainer = -torch.randint(0, 64, (3, 4), generator=g).double() / 8
+    sampler = -torch.randint(0, 64, (3, 4), generator=g).double() / 8
+    mask, A = torch.ones(3, 4), torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    shifted = trainer - sampler, torch.zeros_like(sampler)  # log rho in [-8, 8], mu = 1
+    assert (shifted[0] > 0).any()
+    same = {
+        "log_ratios": lambda t, s: C.log_ratios(t, s, mask, "sequence"),
+        "importance_weights": lambda t, s: C.importance_weights(t, s, mask, "token")[0],
+        "rejection_mask": lambda t, s: C.rejection_mask(t, s, mask, "token_k1,seq_mean_k3",
+                                                        "0.5_2,0.5")[0],
+        "veto_mask": lambda t, s: C.veto_mask(t, s, mask, veto_threshold=0.1),
+        "ppo_clip_loss": lambda t, s: C.ppo_clip_loss(t, s, A, mask)[0],
+        "gspo_loss": lambda t, s: C.gspo_loss(t, s, A, mask, clip_ratio_low=0.5,
+                                              clip_ratio_high=0.5)[0],
+        "kl_penalty": lambda t, s: C.kl_penalty(t, s, mask, "k3"),
+    }
+    for name, fn in same.items():
+        assert torch.equal(fn(trainer, sampler), fn(*shifted)), name
+    # the others read log pi itself, and take it above 0 all the same
+    for out in (C.cispo_loss(*shifted, A, mask)[0], C.reinforce_loss(shifted[0], A, mask),
+                C.rollout_correction(*shifted, mask, rollout_is="token").weights):
+        assert torch.isfinite(out).all()
+    assert all(math.isfinite(v) for v in C.offpolicy_metrics(*shifted, mask).values())
+    for fn, options in ((C.dppo_tv_loss, {}), (C.dppo_kl_loss, {}),
+                        (C.dro_loss, {"dro_beta": 0.5})):
+        fn(trainer, sampler, A, mask, **options)  # log-probabilities: accepted
+        with pytest.raises(ValueError, match=r"^trainer_logp must be <= 0 where mask is 1"):
+            fn(*shifted, A, mask, **options)
 
 
 def test_batch_normalised_weights_average_one():
@@ -720,11 +757,12 @@ def test_metric_names_are_verls():
     names = {n.removeprefix(FIXTURE["metric_prefix"]) for n in c.metrics}
     assert all(n.startswith(FIXTURE["metric_prefix"]) for n in c.metrics)
     assert names <= _verl_metric_names(options.split(","))
-    for fn in (C.ppo_clip_loss, C.cispo_loss, C.gspo_loss, C.dppo_tv_loss):
+    for fn in (C.ppo_clip_loss, C.cispo_loss, C.gspo_loss):
         assert set(fn(trainer, sampler, A, mask)[1]) <= set(FIXTURE["actor_metrics"])
-    assert set(C.dppo_kl_loss(trainer, sampler.clamp_max(0.0), A, mask)[1]) <= set(
-        FIXTURE["actor_metrics"])
-    assert set(C.dro_loss(trainer, sampler, A, mask, dro_beta=0.1)[1]) <= set(
+    logp = sampler.clamp_max(0.0)  # DPPO and DRO take log-probabilities (<= 0)
+    for fn in (C.dppo_tv_loss, C.dppo_kl_loss):
+        assert set(fn(trainer, logp, A, mask)[1]) <= set(FIXTURE["actor_metrics"])
+    assert set(C.dro_loss(trainer, logp, A, mask, dro_beta=0.1)[1]) <= set(
         FIXTURE["actor_metrics"])
 
 
@@ -849,11 +887,33 @@ def test_an_empty_rejection_band_is_an_error_not_a_rejection_of_everything(optio
         C.rejection_mask(trainer, sampler, mask, option, threshold)
 
 
-def test_every_weight_rejected_gives_a_zero_ess_not_inf():
+def test_every_weight_rejected_gives_this_librarys_ess_of_0():
+    """IcePop with every ratio outside its band: ESS = 0 / 0, reported as 0 here (verl 0.9.1
+    raises ZeroDivisionError: tests/integration/test_verl.py)."""
     trainer, sampler, mask, _ = _random_batch(24)
     _, m = C.importance_weights(trainer, sampler, mask, rollout_is_threshold="100_200")
     assert m["rollout_is_eff_sample_size"] == 0.0 and m["rollout_is_mean"] == 0.0
     assert all(math.isfinite(v) for v in m.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_ess_is_scale_free_and_at_most_1(dtype):
+    """Equal weights have an ESS of exactly 1, whatever their size: at the cap 1e-30 (whose
+    square underflows to 0 in float32) and at 0.1, where mean(u)^2 / mean(u^2) computed on u
+    itself rounds above 1 (on 11 tokens in float32, 3 in float64)."""
+    for n in (1, 3, 11, 48):
+        x = torch.zeros(1, n, dtype=dtype)
+        for cap in (1e-30, 0.1):
+            _, m = C.importance_weights(x, x, torch.ones(1, n), rollout_is_threshold=cap)
+            assert m["rollout_is_eff_sample_size"] == 1.0, (n, cap)
+    n = 11 if dtype == torch.float32 else 3
+    u = torch.full((n,), 0.1, dtype=dtype)
+    assert float(u.mean().square() / u.square().mean()) > 1.0  # the reason for u / max u
+    # two weights 1 and 2: (3 / 2)^2 / (5 / 2) = 0.9
+    trainer = torch.tensor([[0.0, math.log(2.0)]], dtype=dtype)
+    _, m = C.importance_weights(trainer, torch.zeros_like(trainer), torch.ones(1, 2),
+                                rollout_is_threshold=math.inf)
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(0.9, rel=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(C.PRESETS))
@@ -881,3 +941,105 @@ def test_the_perplexity_metrics_by_hand():
     d = [math.log(0.25 / 0.125 ** 0.5), math.log(2.0)]
     assert m["log_ppl_diff"] == pytest.approx(sum(d) / 2, rel=1e-12)
     assert m["ppl_ratio"] == pytest.approx((math.exp(d[0]) + math.exp(d[1])) / 2, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# DPPO's binary divergences against the full-vocabulary ones (the docstrings of dppo_tv_loss and
+# dppo_kl_loss): the exact statements in 50-digit arithmetic (mpmath, a dependency of torch's
+# sympy), on distributions whose float64 probabilities are read as exact numbers
+# ---------------------------------------------------------------------------------------------
+VERL_EPS = 1e-8  # verl's literal in compute_policy_loss_dppo_kl (tests/integration/test_verl.py)
+
+
+def _distributions(seed, V):
+    """(mu, pi) over V tokens: Dirichlet draws, some peaked (a probability near 1)."""
+    g = np.random.default_rng(seed)
+    alpha = 0.3 if seed % 2 else 2.0
+    mu, pi = (0.95 * g.dirichlet(np.full(V, alpha)) + 0.05 / V for _ in range(2))
+    return mu / mu.sum(), pi / pi.sum()
+
+
+def _binary_kl_mp(q, p, eps):
+    q, p = mpmath.mpf(q), mpmath.mpf(p)
+    return q * mpmath.log(q / p) + (1 - q) * mpmath.log((1 - q + eps) / (1 - p + eps))
+
+
+CASES = [(seed, V) for V in (2, 3, 10, 100) for seed in range(6)]
+
+
+@pytest.mark.parametrize("seed, V", CASES)
+def test_the_binary_divergences_are_at_most_the_full_vocabulary_ones_without_epsilon(seed, V):
+    """Data processing: |p - q| <= TV(mu, pi) and D^0 <= KL(mu || pi) for every token, with
+    equality for two tokens (and for TV wherever every other token moved the same way): to the
+    1e-45 of the 50-digit arithmetic."""
+    mu, pi = _distributions(seed, V)
+    with mpmath.workdps(50):
+        tol = mpmath.mpf(10) ** -45
+        m, p = [mpmath.mpf(x) for x in mu], [mpmath.mpf(x) for x in pi]
+        total = sum(m), sum(p)
+        m, p = [x / total[0] for x in m], [x / total[1] for x in p]  # exact distributions
+        kl = sum(a * mpmath.log(a / b) for a, b in zip(m, p))
+        tv = sum(abs(a - b) for a, b in zip(m, p)) / 2
+        for q_y, p_y in zip(m, p):
+            d0 = _binary_kl_mp(q_y, p_y, 0)
+            assert d0 <= kl + tol and abs(p_y - q_y) <= tv + tol
+            if V == 2:
+                assert abs(d0 - kl) < tol and abs(abs(p_y - q_y) - tv) < tol
+            else:  # a third token carries mass, and the merge loses some KL
+                assert d0 < kl
+
+
+@pytest.mark.parametrize("seed, V", CASES)
+def test_verls_epsilon_exceeds_the_full_kl_only_where_p_is_below_q_and_by_at_most_the_bound(
+        seed, V):
+    """D_t - D^0_t <= 0 where p >= q; 0 < D_t - D^0_t <= eps (q - p + eps) / (1 - p + eps) < eps
+    where p < q (exactly, in mpmath); the module's float64 D_t is that number to rounding."""
+    mu, pi = _distributions(seed, V)
+    computed = C._binary_kl(torch.from_numpy(np.log(mu)), torch.from_numpy(np.log(pi)))
+    with mpmath.workdps(50):
+        eps = mpmath.mpf(VERL_EPS)
+        for q, p, got in zip(np.exp(np.log(mu)), np.exp(np.log(pi)), computed.tolist()):
+            # q, p: the probabilities the module reads (exp of the float64 log-probabilities)
+            d, d0 = _binary_kl_mp(q, p, eps), _binary_kl_mp(q, p, 0)
+            excess = d - d0
+            if p >= q:
+                assert excess <= 0
+            else:
+                bound = eps * (mpmath.mpf(q) - p + eps) / (1 - mpmath.mpf(p) + eps)
+                assert 0 < excess <= bound < eps
+            assert abs(got - d) <= 1e-15 * max(1.0, float(d))
+
+
+def test_the_docstrings_excess_of_2e_9():
+    """Two tokens, (q, p) = (0.6, 0.5): D_t exceeds KL(mu || pi) = D^0_t by 2.0e-9."""
+    assert r"$2.0 \cdot 10^{-9}$" in C.dppo_kl_loss.__doc__
+    d = C._binary_kl(torch.tensor(0.6, dtype=torch.float64).log(),
+                     torch.tensor(0.5, dtype=torch.float64).log()).item()
+    with mpmath.workdps(50):
+        q, p = mpmath.mpf("0.6"), mpmath.mpf("0.5")
+        kl = q * mpmath.log(q / p) + (1 - q) * mpmath.log((1 - q) / (1 - p))
+        assert float(mpmath.mpf(d) - kl) == pytest.approx(2.0e-9, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_fn", [C.dppo_tv_loss, C.dppo_kl_loss])
+def test_a_token_on_its_full_divergence_is_inside_except_a_fallen_one_under_the_kl(loss_fn):
+    """Two tokens, so the binary divergence is the full one. A fell from q = 0.6 to p = 0.5
+    (A = -1): at delta_l = its full divergence TV keeps it and verl's KL removes it (its D_t is
+    2e-9 above); at delta_l + 1e-8 both keep it. A rose from 0.5 to 0.6 (A = 1): at delta_h =
+    its full divergence both keep it (D_t is below D^0_t there)."""
+    f64 = torch.float64
+    tv = 0.1
+    kl_down = 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.5)
+    kl_up = 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4)
+    divergence = "kl" if loss_fn is C.dppo_kl_loss else "tv"
+    for q, p, A, delta, side in ((0.6, 0.5, -1.0, kl_down, "clip_ratio_low"),
+                                 (0.5, 0.6, 1.0, kl_up, "clip_ratio_high")):
+        delta = delta if divergence == "kl" else tv
+        trainer = torch.tensor([[math.log(p)]], dtype=f64)
+        sampler = torch.tensor([[math.log(q)]], dtype=f64)
+        for slack, outside in ((0.0, divergence == "kl" and A < 0), (VERL_EPS, False)):
+            # the TV case at slack 0 is |0.5 - 0.6| = 0.1 read in floats: keep a margin of 1e-12
+            d = delta + (slack if divergence == "kl" else 1e-12)
+            _, m = loss_fn(trainer, sampler, torch.tensor([A], dtype=f64), torch.ones(1, 1),
+                           **{side: d})
+            assert m["actor/pg_clipfrac"] == (1.0 if outside else 0.0), (q, p, slack)

@@ -273,6 +273,30 @@ def test_weights_rejection_and_metrics(case, is_opts, rs, veto, data):
             half_matches_float32(fn, case, *args, **kwargs)
 
 
+@pytest.mark.properties
+@given(batches(), is_options())
+def test_the_effective_sample_size_is_in_0_1_and_0_only_without_weight(case, is_opts):
+    """importance_weights' docstring: mean(u)^2 / mean(u^2) of the applied weights, in (0, 1]
+    when one is above 0 (whatever their scale: caps down to 5e-324), 0 when none is."""
+    opts = dict(is_opts, rollout_is_batch_normalize=False)  # the metrics' weights, returned
+    dtype = compute_dtype(case["trainer"].dtype, case["sampler"].dtype)
+    if is_error(opts, dtype):
+        return
+    w, metrics = C.importance_weights(case["trainer"], case["sampler"], case["mask"], **opts)
+    mask = case["bool_mask"]
+    if not mask.any():
+        assert metrics == {}
+        return
+    u, ess = w[mask].double(), metrics["rollout_is_eff_sample_size"]
+    if not (u > 0).any():
+        assert ess == 0.0
+        return
+    v = u / u.max()
+    expected = float(v.mean() ** 2 / v.square().mean())
+    assert 0 < ess <= 1
+    assert ess == pytest.approx(expected, rel=1e-5 if dtype == torch.float32 else 1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # Properties: the losses and the KL penalty
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +397,152 @@ def test_kl_penalty(case, kind, shift, data):
     assert torch.equal(out, out2) and torch.equal(grad, grad2), kind
     if trainer.dtype in HALF or ref.dtype in HALF:
         half_matches_float32(C.kl_penalty, case, mask, kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties: DPPO and DRO
+# ---------------------------------------------------------------------------------------------
+DPPO_DRO = ("dppo_tv_loss", "dppo_kl_loss", "dro_loss")
+
+
+@st.composite
+def dppo_dro_options(draw, name):
+    if name == "dro_loss":
+        return {"dro_beta": draw(st.sampled_from([1e-3, 0.05, 1.0, 100.0]))}
+    return {"clip_ratio_low": draw(st.sampled_from([0.0, 0.01, 0.2, 1.0, math.inf])),
+            "clip_ratio_high": draw(st.sampled_from([0.0, 0.01, 0.2, 1.0, math.inf])),
+            "clip_ratio_c": draw(st.sampled_from([1e-6, 1.0, 3.0, 1e39, math.inf]))}
+
+
+def normaliser(mask, reduction):
+    """d loss / d (token b, t's loss) of each reduction, written out (as in test_correction)."""
+    B, T = mask.shape
+    mask = mask.double()
+    n_b = mask.sum(1, keepdim=True).clamp_min(1)
+    return {
+        "token-mean": torch.full_like(mask, 1.0 / max(float(mask.sum()), 1.0)),
+        "seq-mean-token-sum": torch.full_like(mask, 1.0 / max(B, 1)),
+        "seq-mean-token-mean": (1.0 / (max(B, 1) * n_b)).expand(B, T),
+        "seq-mean-token-sum-norm": torch.full_like(mask, 1.0 / max(B * T, 1)),
+        "sum": torch.ones_like(mask),
+        "token-sum": torch.ones_like(mask),
+        "token-sum-norm": torch.full_like(mask, 1.0 / max(T, 1)),
+    }[reduction] * mask
+
+
+def float64_case(case):
+    """The case's tensors in float64 (exact copies): the properties below compare to 1e-12."""
+    return dict(case, trainer=case["trainer"].double(), sampler=case["sampler"].double(),
+                advantages=case["advantages"].double())
+
+
+@pytest.mark.properties
+@given(batches(), st.sampled_from(DPPO_DRO), st.sampled_from(["trainer_logp", "sampler_logp"]),
+       st.sampled_from([1e-3, 0.5, 30.0, 1e4]), st.data())
+def test_dppo_and_dro_refuse_a_positive_log_probability_inside_the_mask_only(case, name,
+                                                                            argument, value,
+                                                                            data):
+    """A value above 0 at one position inside the mask is refused, naming the argument and the
+    position; the same value at every position off the mask changes no bit of the loss, the
+    metrics or the gradient."""
+    fn, options = getattr(C, name), data.draw(dppo_dro_options(name))
+    key = {"trainer_logp": "trainer", "sampler_logp": "sampler"}[argument]
+    mask = case["bool_mask"]
+    args = (case["advantages"], case["mask"])
+    out, grad = run(fn, case["trainer"], case["sampler"], *args, **options)
+    padding = {k: case[k].masked_fill(~mask, value) for k in ("trainer", "sampler")}
+    out2, grad2 = run(fn, padding["trainer"], padding["sampler"], *args, **options)
+    assert same(out, out2) and torch.equal(grad, grad2), name
+    if not mask.any():
+        return
+    b, t = data.draw(st.sampled_from(mask.nonzero().tolist()))
+    bad = dict(case)
+    bad[key] = case[key].clone()
+    bad[key][b, t] = value
+    with pytest.raises(ValueError, match=rf"^{argument} must be <= 0 where mask is 1 \(a "
+                                         rf"log-probability: .*\), got .* at position "
+                                         rf"\({b}, {t}\)$"):
+        fn(bad["trainer"], bad["sampler"], *args, **options)
+
+
+@pytest.mark.properties
+@given(batches(), st.sampled_from(DPPO_DRO), st.data())
+def test_dppo_and_dro_reductions_agree_response_by_response(case, name, data):
+    """A response's loss and gradient depend on its own tokens only (the loss under a mask of
+    that row alone), and every reduction is its formula of the per-response sums S_b, its
+    gradient the gradient of "sum" times the normaliser (float64, to 1e-12)."""
+    case = float64_case(case)
+    fn, options = getattr(C, name), data.draw(dppo_dro_options(name))
+    trainer, sampler, A, mask = (case[k] for k in ("trainer", "sampler", "advantages",
+                                                   "bool_mask"))
+    B, T = mask.shape
+    (total, _), grad_sum = run(fn, trainer, sampler, A, case["mask"], reduction="sum",
+                               **options)
+    S = torch.zeros(B, dtype=torch.float64)
+    for b in range(B):
+        row = torch.zeros_like(mask)
+        row[b] = mask[b]
+        (loss, _), grad = run(fn, trainer, sampler, A, row, reduction="sum", **options)
+        S[b] = loss.detach()
+        assert (grad[~row] == 0).all() and torch.equal(grad[row], grad_sum[row]), name
+    n = mask.sum(1).clamp_min(1).double()
+    N, B1, T1 = max(float(mask.sum()), 1.0), max(B, 1), max(T, 1)
+    expected = {"sum": S.sum(), "token-sum": S.sum(), "token-mean": S.sum() / N,
+                "seq-mean-token-sum": S.sum() / B1, "seq-mean-token-mean": (S / n).sum() / B1,
+                "seq-mean-token-sum-norm": S.sum() / (B1 * T1), "token-sum-norm": S.sum() / T1}
+    scale = 1e-12 * max(1.0, float(S.abs().sum()), float(grad_sum.abs().sum()))
+    torch.testing.assert_close(total.detach(), S.sum(), rtol=1e-12, atol=scale)
+    for reduction in REDUCTIONS:
+        (loss, _), grad = run(fn, trainer, sampler, A, case["mask"], reduction=reduction,
+                              **options)
+        torch.testing.assert_close(loss.detach(), expected[reduction], rtol=1e-12, atol=scale)
+        torch.testing.assert_close(grad, grad_sum * normaliser(mask, reduction), rtol=1e-12,
+                                   atol=scale)
+
+
+@pytest.mark.properties
+@given(batches(), st.sampled_from(["dppo_tv_loss", "dppo_kl_loss"]),
+       st.sampled_from([0.0, 0.01, 0.1, 1.0]), st.data())
+def test_dppo_weights_are_0_or_the_truncated_ratio_and_a_wider_region_keeps_more(case, name,
+                                                                                  widen, data):
+    """-grad / A (reduction "sum") is 0 or min(r_t, c) with r_t = exp(clamp(log rho_t, +-20));
+    widening both thresholds keeps every token it kept, and an infinite region removes none."""
+    case = float64_case(case)
+    fn, options = getattr(C, name), data.draw(dppo_dro_options(name))
+    trainer, sampler, mask = case["trainer"], case["sampler"], case["bool_mask"]
+    B, T = mask.shape
+    A = case["advantages"]
+    A = (A[:, None].expand(B, T) if A.ndim == 1 else A).masked_fill(~mask, 0.0)
+    ratio = torch.exp((trainer - sampler).clamp(-20.0, 20.0)).masked_fill(~mask, 0.0)
+    truncated = torch.clamp(ratio, max=min(options["clip_ratio_c"], math.exp(21.0)))
+    kept = {}
+    for extra in (0.0, widen, math.inf):
+        wider = dict(options, clip_ratio_low=options["clip_ratio_low"] + extra,
+                     clip_ratio_high=options["clip_ratio_high"] + extra)
+        (_, metrics), grad = run(fn, trainer, sampler, case["advantages"], case["mask"],
+                                 reduction="sum", **wider)
+        moved = mask & (A != 0)
+        weight = torch.where(moved, -grad / torch.where(moved, A, 1.0), 0.0)
+        inside = moved & (weight != 0)
+        torch.testing.assert_close(weight[inside], truncated[inside], rtol=1e-12, atol=0)
+        kept[extra] = inside, metrics["actor/pg_clipfrac"]
+    assert not (kept[0.0][0] & ~kept[widen][0]).any() and kept[widen][1] <= kept[0.0][1]
+    assert kept[math.inf][1] == 0.0 and torch.equal(kept[math.inf][0], mask & (A != 0))
+
+
+@pytest.mark.properties
+@given(batches(), st.sampled_from([1e-3, 0.05, 1.0, 100.0]))
+def test_dro_gradient_is_minus_a_plus_beta_times_the_log_ratio(case, beta):
+    """Reduction "sum": -A + beta (log pi - log mu) on every valid token, 0 off the mask."""
+    case = float64_case(case)
+    trainer, sampler, mask = case["trainer"], case["sampler"], case["bool_mask"]
+    B, T = mask.shape
+    A = case["advantages"]
+    A = A[:, None].expand(B, T) if A.ndim == 1 else A
+    _, grad = run(C.dro_loss, trainer, sampler, case["advantages"], case["mask"],
+                  dro_beta=beta, reduction="sum")
+    expected = torch.where(mask, -A + beta * (trainer - sampler), 0.0)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,6 +801,81 @@ MALFORMED = [
 def test_a_malformed_call_gets_an_error_naming_the_problem(call, error, message):
     with pytest.raises(error, match=message):
         call(*_batch())
+
+
+# ---------------------------------------------------------------------------------------------
+# DPPO and DRO: every refusal, compared whole
+# ---------------------------------------------------------------------------------------------
+def _set(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+_WHY = {"dppo_tv_loss": r"DPPO-TV reads p = exp\(log p\) as a probability",
+        "dppo_kl_loss": r"DPPO-KL's binary KL needs 1 - p >= 0",
+        "dro_loss": r"DRO's value is the log-likelihood of the sampled token"}
+_FINITE = r"must be finite where mask is 1 \(a sampled token has a probability > 0\), got "
+# (what is changed in the valid batch of _batch(), the error, the whole message as a regex)
+_DPPO_DRO_REFUSALS = [
+    ("trainer numpy", TypeError, r"trainer_logp must be a torch.Tensor, got ndarray"),
+    ("sampler long", TypeError, r"sampler_logp must have a floating dtype, got torch.int64"),
+    ("trainer 1-D", ValueError,
+     r"trainer_logp must have 2 dimensions, got shape \(3,\) \(1 dimensions\)"),
+    ("sampler (2, 2)", ValueError,
+     r"sampler_logp must have the same shape as trainer_logp \(2, 3\), got \(2, 2\)"),
+    ("mask (2, 2)", ValueError, r"mask must have the shape of trainer_logp \(2, 3\), got \(2, 2\)"),
+    ("mask list", TypeError, r"mask must be a torch.Tensor, got list"),
+    ("mask 2", ValueError, r"mask values must be 0 or 1, found 2"),
+    ("trainer nan", ValueError, r"trainer_logp " + _FINITE + r"nan at position \(0, 1\)"),
+    ("sampler -inf", ValueError, r"sampler_logp " + _FINITE + r"-inf at position \(1, 0\)"),
+    ("trainer 0.5", ValueError, r"trainer_logp must be <= 0 where mask is 1 \(a "
+     r"log-probability: {why}\), got 0.5 at position \(0, 1\)"),
+    ("sampler 2", ValueError, r"sampler_logp must be <= 0 where mask is 1 \(a "
+     r"log-probability: {why}\), got 2.0 at position \(1, 0\)"),
+    ("advantages (3,)", ValueError, r"advantages must have shape \(B, T\) = \(2, 3\) or "
+     r"\(B,\) = \(2,\), got \(3,\)"),
+    ("advantages long", TypeError, r"advantages must have a floating dtype, got torch.int64"),
+    ("advantages nan", ValueError,
+     r"advantages must be finite where mask is 1, got nan at position \(1, 0\)"),
+    ("reduction mean", ValueError, r"reduction must be one of .*, got 'mean'"),
+]
+
+
+def _refusal_call(change, t, s, m, a):
+    """The arguments of _batch() with one change: every other check passes."""
+    tensors = {"trainer": t, "sampler": s, "mask": m, "advantages": a}
+    what, how = change.split(" ", 1)
+    kwargs = {}
+    if what == "reduction":
+        kwargs["reduction"] = how
+    elif how == "numpy":
+        tensors[what] = tensors[what].numpy()
+    elif how == "long":
+        tensors[what] = tensors[what].long()
+    elif how == "list":
+        tensors[what] = tensors[what].tolist()
+    elif how == "1-D":
+        tensors[what] = tensors[what][0]
+    elif how in ("(2, 2)", "(3,)"):
+        tensors[what] = (tensors[what][:, :2] if how == "(2, 2)"
+                         else torch.zeros(3, dtype=torch.float64))
+    else:  # a value at a position inside the mask ((0, 1) or (1, 0); row 1 of a is (1, 0))
+        index = {"trainer": (0, 1), "sampler": (1, 0), "mask": (0, 1), "advantages": 1}[what]
+        tensors[what] = _set(tensors[what], index, float(how))
+    return (tensors["trainer"], tensors["sampler"], tensors["advantages"], tensors["mask"]), kwargs
+
+
+@pytest.mark.parametrize("name", DPPO_DRO)
+@pytest.mark.parametrize("change, error, message", _DPPO_DRO_REFUSALS)
+def test_every_dppo_and_dro_refusal_names_the_argument(name, change, error, message):
+    fn = getattr(C, name)
+    options = {"dro_beta": 0.5} if name == "dro_loss" else {}
+    args, kwargs = _refusal_call(change, *_batch())
+    fn(*_refusal_call("reduction sum", *_batch())[0], **options)  # the valid call passes
+    with pytest.raises(error) as caught:
+        fn(*args, **options, **kwargs)
+    assert re.fullmatch(message.format(why=_WHY[name]), str(caught.value)), str(caught.value)
 
 
 # ---------------------------------------------------------------------------------------------
