@@ -16,8 +16,9 @@ the exponential of a log-ratio that refuses to overflow (numpy).
 The modules that document them re-export them under the same name.
 
 The numpy-only modules import this file, so it imports no third-party package at import time:
-the torch helpers import torch inside the function, and the numpy helper takes numpy from its
-argument (``x.__array_namespace__()`` is the ``numpy`` module for a numpy array).
+the torch helpers import torch inside the function, ``exp_ratio`` takes numpy from its argument
+(``x.__array_namespace__()`` is the ``numpy`` module for a numpy array), and ``check_real_array``
+imports numpy when it is called (a list has no array namespace).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "check_finite_number",
     "check_band",
     "check_reduction",
+    "check_real_array",
     "compute_dtype",
     "select",
     "masked_mean",
@@ -336,3 +338,52 @@ def exp_ratio(log_ratio, level: str, toy: dict):
             "some sequences a probability that underflows; use a smaller mismatch"
         )
     return np.exp(log_ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks of real numbers in lists and arrays (numpy, imported when called)
+# ---------------------------------------------------------------------------------------------
+def check_real_array(name: str, values, ndim: int | None = 1, *, min_size: int = 0,
+                     finite: bool = True):
+    """``values`` as a float64 numpy array, or a ``TypeError`` / ``ValueError`` naming ``name``.
+
+    A list, tuple, numpy array or torch tensor of real numbers: ``bool``, complex, strings and
+    ``None`` are refused (a ``TypeError``: ``[True, False]`` is a mistake, not a list of
+    numbers); so is a ragged list. A ``ValueError`` unless it has ``ndim`` dimensions (None:
+    any), at least ``min_size`` entries and (``finite``) no NaN or inf; the message gives the
+    shape or the first bad entry. numpy is imported here, when called, not at the top (see the
+    module docstring): a list has no array namespace to take it from.
+
+    Examples
+    --------
+    >>> check_real_array("values", [1, 2.5]).tolist()
+    [1.0, 2.5]
+    >>> check_real_array("values", [1.0, float("nan")])
+    Traceback (most recent call last):
+    ...
+    ValueError: values must be finite, got nan at index 1
+    """
+    import numpy as np
+
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor, bf16 included
+        if values.is_complex() or str(values.dtype) == "torch.bool":
+            raise TypeError(f"{name} must hold real numbers, got a tensor of {values.dtype}")
+        values = values.detach().cpu().double().numpy()
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as error:  # a ragged list, or entries numpy cannot read
+        raise ValueError(f"{name} must be a rectangular array of real numbers ({error})") from None
+    if array.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must hold real numbers, got dtype {array.dtype} (a bool, a "
+                        "complex number, a string or None?)")
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension{'s' if ndim != 1 else ''}, got "
+                         f"shape {array.shape}")
+    if array.size < min_size:
+        raise ValueError(f"{name} must have at least {min_size} entries, got {array.size}")
+    array = array.astype(np.float64)
+    if finite and not np.isfinite(array).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        where = bad[0] if len(bad) == 1 else bad
+        raise ValueError(f"{name} must be finite, got {float(array[bad])!r} at index {where}")
+    return array

@@ -51,10 +51,11 @@ the loss is not 0 (``kept_fraction``: a rejection, or IcePop's band, sets it to 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from .._numerics import check_float_tensor, check_same_shape
+from .._numerics import check_finite_number, check_float_tensor, check_same_shape
 from ..mismatch.correction import PRESETS, reinforce_loss, rollout_correction
 from ..opd import full_vocab_reverse_kl, reverse_kl_rewards
 from . import tinylm as lm
@@ -182,6 +183,8 @@ MISMATCH_QUICK = MismatchTrainingConfig(experiment=QUICK, steps=60, eval_every=3
 def conditions(config, method):
     """The conditions of ``method``: each level without a correction, then each correction at
     ``correction_level``, then (``opd_sampled``) the sampler's log-probs in the reward."""
+    if not isinstance(config, MismatchTrainingConfig):
+        raise TypeError(f"config must be a MismatchTrainingConfig, got {type(config).__name__}")
     if method not in STUDY_METHODS:
         raise ValueError(f"method must be one of {', '.join(STUDY_METHODS)}, got {method!r}")
     out = [Condition(level) for level in config.levels]
@@ -228,6 +231,16 @@ def engine_sample(sampler, prompts, uniforms):
         raise TypeError(f"prompts must be an (M, B, L) long tensor, got "
                         f"{getattr(prompts, 'dtype', type(prompts).__name__)} of shape "
                         f"{tuple(getattr(prompts, 'shape', ()))}")
+    if not (callable(sampler) and hasattr(sampler, "max_answer")
+            and hasattr(sampler, "context_at")):
+        raise TypeError(f"sampler must be an EnsembleLM (or a model with max_answer and "
+                        f"context_at), got {type(sampler).__name__}")
+    # an EnsembleLM reads token v of slot j as row j * V + v: an id outside [0, V) would read
+    # another slot's row without a word
+    outside = (prompts < 0) | (prompts >= lm.V)
+    if bool(outside.any()):
+        raise ValueError(f"prompts must hold token ids in [0, {lm.V}), got "
+                         f"{int(prompts[outside][0])}")
     models = getattr(sampler, "models", prompts.shape[0])
     if prompts.shape[0] != models:
         raise ValueError(f"prompts must have one batch per model of the sampler ({models}), got "
@@ -393,6 +406,14 @@ def train_under_mismatch(method, run, bar=None):
     """
     if method not in STUDY_METHODS:
         raise ValueError(f"method must be one of {', '.join(STUDY_METHODS)}, got {method!r}")
+    if not isinstance(run, _Run):
+        raise TypeError(f"run must be a _Run(prepared, config) of this module, got "
+                        f"{type(run).__name__}")
+    if not isinstance(run.config, MismatchTrainingConfig):
+        raise TypeError(f"run.config must be a MismatchTrainingConfig, got "
+                        f"{type(run.config).__name__}")
+    if bar is not None and not callable(getattr(bar, "update", None)):
+        raise TypeError(f"bar must be None or have an update(n) method, got {type(bar).__name__}")
     prepared, config = run.prepared, run.config
     ex = config.experiment
     S, B = ex.seeds, ex.batch_size
@@ -557,6 +578,80 @@ def _stat(values):
     return dict(mean=sum(values) / len(values), low=low, high=high, per_seed=list(values))
 
 
+_CURVES = {"accuracy": (0.0, 1.0), "sampler_accuracy": (0.0, 1.0),
+           "reverse_kl": (-math.inf, math.inf), "mismatch_kl": (0.0, math.inf),
+           "kept_fraction": (0.0, 1.0)}
+"""The curves of a condition and the range of their values (the KLs: any finite number for the
+teacher's, >= 0 for the exact one)."""
+
+
+def _numbers(label, values, length, low=-math.inf, high=math.inf, start=0):
+    """``values`` as a list of ``length`` entries, finite real numbers in [low, high] from index
+    ``start`` on, or a named error (plain Python: this module loads no numpy)."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{label} must be a list of numbers, got {type(values).__name__}")
+    if len(values) != length:
+        raise ValueError(f"{label} must have {length} entries (one per evaluation), got "
+                         f"{len(values)}")
+    for i, v in enumerate(values[start:], start):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{label} must hold real numbers (None at step 0 only), got {v!r} at "
+                            f"index {i}")
+        if not math.isfinite(v) or not low <= v <= high:
+            raise ValueError(f"{label} must hold finite numbers in [{low}, {high}], got {v!r} at "
+                             f"index {i}")
+    return list(values)
+
+
+def _check_record(results):
+    """Raise unless ``results`` is a record mismatch_summary can read (see there)."""
+    if not isinstance(results, dict) or "methods" not in results or "config" not in results:
+        raise ValueError("results must be a record of run_mismatch_training (with 'config' and "
+                         "'methods')")
+    if not isinstance(results["config"], dict) or not isinstance(results["methods"], dict):
+        raise TypeError("results['config'] and results['methods'] must be dicts")
+    level = results["config"].get("correction_level")
+    if level not in SAMPLERS:
+        raise ValueError(f"results['config']['correction_level'] must be a key of SAMPLERS, "
+                         f"got {level!r}")
+    for method, runs in results["methods"].items():
+        where = f"methods[{method!r}]"
+        if not isinstance(runs, dict) or "samples" not in runs or "conditions" not in runs:
+            raise ValueError(f"{where} must have 'samples' and 'conditions'")
+        samples = runs["samples"]
+        if not isinstance(samples, (list, tuple)) or len(samples) < 2:
+            raise ValueError(f"{where}['samples'] must list step 0 and one evaluation at least, "
+                             f"got {samples!r}")
+        samples = _numbers(f"{where}['samples']", samples, len(samples), low=0.0)
+        if any(b <= a for a, b in zip(samples[:-1], samples[1:])):
+            raise ValueError(f"{where}['samples'] must increase (an evaluation covers at least "
+                             f"one step), got {samples!r}")
+        names = runs["conditions"]
+        if not isinstance(names, (list, tuple)) or f"{level} none" not in names:
+            raise ValueError(f"{where}['conditions'] must be a list of condition names with "
+                             f"{level + ' none'!r} (the uncorrected run) among them, got "
+                             f"{names!r}")
+        missing = [n for n in names if n not in runs]
+        if missing:
+            raise ValueError(f"{where} has no curves for the conditions {missing!r}")
+        seeds = None
+        for name in names:
+            for key, (low, high) in _CURVES.items():
+                label = f"{where}[{name!r}][{key!r}]"
+                curves = runs[name].get(key) if isinstance(runs[name], dict) else None
+                if not isinstance(curves, (list, tuple)) or not curves:
+                    raise ValueError(f"{label} must be a list of curves, one a seed, got "
+                                     f"{curves!r}")
+                seeds = len(curves) if seeds is None else seeds
+                if len(curves) != seeds:
+                    raise ValueError(f"{label} must have one curve per seed ({seeds}, as every "
+                                     f"condition: the seeds are paired), got {len(curves)}")
+                # the averages over steps have no value at step 0 (None): from evaluation 1
+                start = int(key in ("mismatch_kl", "kept_fraction"))
+                for s, curve in enumerate(curves):
+                    _numbers(f"{label}[{s}]", curve, len(samples), low, high, start)
+
+
 def mismatch_summary(results):
     r"""Per method, per condition: each statistic as its mean over seeds with the 95%
     percentile-bootstrap interval of [opd_literate.experiment.stats.bootstrap_interval][].
@@ -572,10 +667,16 @@ def mismatch_summary(results):
 
     Returns ``{method: [row per condition]}``, each row ``{"name", statistic: {"mean", "low",
     "high", "per_seed"}}``.
+
+    ``results`` is checked first: ``config['correction_level']`` a key of ``SAMPLERS``; per
+    method, ``samples`` increasing (two entries at least: step 0 and one evaluation), every
+    name of ``conditions`` a key, ``"<correction_level> none"`` among them; and every curve
+    one finite number per seed (the same seeds everywhere) and evaluation (``mismatch_kl``,
+    ``>= 0``, and ``kept_fraction`` from the first evaluation after step 0), the accuracies and
+    ``kept_fraction`` in [0, 1]. Anything else is a ``ValueError`` or ``TypeError`` naming the
+    entry: the seeds are paired by position, so a missing seed would drop its partner silently.
     """
-    if not isinstance(results, dict) or "methods" not in results or "config" not in results:
-        raise ValueError("results must be a record of run_mismatch_training (with 'config' and "
-                         "'methods')")
+    _check_record(results)
     table = {}
     uncorrected_name = f"{results['config']['correction_level']} none"
     for method, runs in results["methods"].items():
@@ -609,7 +710,11 @@ def mismatch_summary(results):
 
 
 def format_summary(results):
-    """The summary as text: a table per method."""
+    """The summary as text: a table per method (``results`` checked as by
+    [opd_literate.experiment.mismatch_training.mismatch_summary][], and ``teacher_accuracy``
+    a number in [0, 1])."""
+    check_finite_number("teacher_accuracy", results.get("teacher_accuracy")
+                        if isinstance(results, dict) else None, low=0.0, high=1.0)
     lines = [f"teacher accuracy {results['teacher_accuracy']:.3f}"]
     for method, rows in mismatch_summary(results).items():
         lines += ["", f"{method}: final greedy accuracy (trainer, sampler), its difference to "

@@ -64,8 +64,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._numerics import check_finite_number, check_real_array, compute_dtype
 from .exact import answer_states, reach_log_probs, state_contexts, state_logits
-from .tinylm import EOS, PAD, EnsembleLM, answer_tokens, make_prompts
+from .tinylm import EOS, PAD, EnsembleLM, V, answer_tokens, make_prompts
 
 __all__ = ["SAMPLERS", "QUANTILES", "quantize_per_channel", "sampler_copy", "ensemble_sampler",
            "rounded_half_forward", "engine_logits",
@@ -91,6 +92,45 @@ _BITS = {"int8": 8, "int4": 4}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _check_model(name, model):
+    """A TinyLM (an ``nn.Module`` with ``mlp``, ``digits`` and ``max_answer``), not an
+    ensemble."""
+    if (not isinstance(model, nn.Module) or not hasattr(model, "mlp")
+            or not hasattr(model, "digits") or hasattr(model, "models")):
+        raise TypeError(f"{name} must be a TinyLM, got {type(model).__name__}")
+
+
+def _check_pairs(pairs, digits):
+    """``(B, 2)`` long operands with at most ``digits`` digits, B >= 1 (make_prompts writes a
+    negative or a longer number as other digits without a word)."""
+    if not isinstance(pairs, torch.Tensor) or pairs.dtype != torch.long:
+        raise TypeError(f"pairs must be a (B, 2) long tensor, got "
+                        f"{getattr(pairs, 'dtype', type(pairs).__name__)}")
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.shape[0] == 0:
+        raise ValueError(f"pairs must have shape (B, 2) with B >= 1, got {tuple(pairs.shape)}")
+    bad = (pairs < 0) | (pairs >= 10 ** digits)
+    if bool(bad.any()):
+        raise ValueError(f"pairs must be operands in [0, {10 ** digits}) for {digits}-digit "
+                         f"prompts, got {int(pairs[bad][0])}")
+
+
+def _check_log_probs(name, x, shape=None):
+    """``x`` as a float64 ``(N, V)`` array of finite log-probabilities (each row's exp sums to
+    1 within 1e-6), or a named error."""
+    x = check_real_array(name, x, 2, finite=False)
+    if shape is not None and x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name} must be finite: a token of probability 0 has no log-ratio, got "
+                         f"{float(x[~np.isfinite(x)][0])!r}")
+    total = np.exp(x).sum(axis=1)
+    if x.size and np.abs(total - 1).max() > 1e-6:
+        row = int(np.abs(total - 1).argmax())
+        raise ValueError(f"{name} must hold log-probabilities: exp of row {row} sums to "
+                         f"{float(total[row])!r}, not 1")
+    return x
+
+
 def quantize_per_channel(weight, bits):
     r"""Symmetric per-output-channel round-to-nearest quantization, returned dequantized.
 
@@ -104,8 +144,33 @@ def quantize_per_channel(weight, bits):
     \hat W_{oi} = s_o\, q_{oi},
     $$
 
-    with ``torch.round`` (half to even). A row of zeros stays zeros. The error of an entry is
-    at most $s_o / 2$.
+    with ``torch.round`` (half to even). A row of zeros stays zeros; an empty weight (a layer
+    with no inputs or no outputs, ``nn.Linear(0, 3)``) is returned empty.
+
+    **The error.** In exact arithmetic $|W_{oi} - \hat W_{oi}| \le s_o / 2$. The function
+    computes in float64 for a float64 weight and in float32 for a float32, bfloat16 or float16
+    one (a half-precision weight is widened exactly); with $u$ the unit roundoff of that type
+    ($2^{-53}$, $2^{-24}$), each of its three roundings ($s_o$, $W_{oi} / s_o$, $s_o q_{oi}$)
+    is off by at most $u$ relative in the normal range, and then
+
+    $$
+    |W_{oi} - \hat W_{oi}| \le \frac{s_o}{2} + 3u \max_i |W_{oi}|
+    $$
+
+    (the division adds $u |W_{oi}|$, the scale's rounding $u s_o / 2$ to the half step, the
+    product $u\, q_{\max} s_o (1 + u)$: at most $(2.5 + u)\, u \max_i |W_{oi}|$ together, as
+    $s_o \le \max_i |W_{oi}| = q_{\max} s_o$) for every channel whose $s_o$ is 0 or at least
+    the smallest normal number of that type (``torch.finfo(dtype).tiny``); below it the
+    roundings underflow, and a scale that underflows to 0 returns its channel as zeros. At the
+    top of the range $s_o q_{oi}$ is clamped to the largest finite number, never rounded to
+    ``inf``.
+
+    **Half-precision weights** come back in float32: $s_o q_{oi}$, a code of up to 7 bits times
+    a scale of 24, does not fit the half type, and rounding it there would move it by up to half
+    an ulp more, at most $2^{-8} |\hat W_{oi}|$ in bfloat16 and $2^{-11} |\hat W_{oi}|$ in
+    float16 (a normal number): at the largest entry of an int8 channel in bfloat16,
+    $2^{-8} \cdot 127\, s_o \approx 0.5\, s_o$ more, an error of up to about $s_o$, twice the
+    bound above.
 
     Parameters
     ----------
@@ -117,7 +182,8 @@ def quantize_per_channel(weight, bits):
     Returns
     -------
     torch.Tensor
-        $\hat W$, the shape, dtype and device of ``weight``.
+        $\hat W$, a new tensor of the shape and device of ``weight``, in its dtype (float32 for
+        a bfloat16 or float16 weight).
 
     Examples
     --------
@@ -129,6 +195,10 @@ def quantize_per_channel(weight, bits):
     [1.4, 0.4, -0.4]
     >>> quantize_per_channel(w, 4)[1].tolist()
     [0.0, 0.0, 0.0]
+    >>> quantize_per_channel(torch.empty(3, 0), 8).shape  # nn.Linear(0, 3)'s weight
+    torch.Size([3, 0])
+    >>> quantize_per_channel(w.bfloat16(), 4).dtype
+    torch.float32
     """
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.ndim != 2:
         raise TypeError(f"weight must be a 2-D floating tensor (out, in), got "
@@ -138,15 +208,21 @@ def quantize_per_channel(weight, bits):
         raise ValueError(f"bits must be an integer from 2 to 8, got {bits!r}")
     if not torch.isfinite(weight).all():
         raise ValueError("weight must be finite: a NaN or inf has no quantization scale")
+    # float32 for a half-precision weight (widened exactly); float32 and float64 as they are
+    w = weight.to(compute_dtype(weight))
+    if w.numel() == 0:  # no channel, or channels without entries: nothing to round
+        return w.clone()
     q_max = 2 ** (bits - 1) - 1
     # s_o = max_i |W_oi| / q_max, one scale per output channel (row): (out, 1)
-    scale = weight.abs().amax(dim=1, keepdim=True) / q_max
+    scale = w.abs().amax(dim=1, keepdim=True) / q_max
     # a row of zeros has scale 0: divide by 1 instead (its codes are 0 either way)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     # q = round(W / s), clamped to the symmetric grid [-q_max, q_max]
-    codes = torch.clamp(torch.round(weight / safe), -q_max, q_max)
-    # W_hat = s q: the dequantized weight the kernel multiplies by
-    return codes * scale
+    codes = torch.clamp(torch.round(w / safe), -q_max, q_max)
+    # W_hat = s q: the dequantized weight the kernel multiplies by; s q_max can round past the
+    # largest finite number when max |W_o| is near it: clamped there (a no-op below it)
+    largest = torch.finfo(w.dtype).max
+    return torch.clamp(codes * scale, -largest, largest)
 
 
 def sampler_copy(model, sampler):
@@ -170,8 +246,7 @@ def sampler_copy(model, sampler):
     if sampler != "float64" and sampler not in SAMPLERS:
         raise ValueError(f"sampler must be 'float64' or one of {sorted(SAMPLERS)}, got "
                          f"{sampler!r}")
-    if not isinstance(model, nn.Module) or not hasattr(model, "mlp"):
-        raise TypeError(f"model must be a TinyLM, got {type(model).__name__}")
+    _check_model("model", model)
     engine = copy.deepcopy(model).eval()
     if sampler == "float64":
         return engine.double()
@@ -210,6 +285,8 @@ def ensemble_sampler(ensemble, sampler):
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    if not isinstance(ensemble, EnsembleLM):
+        raise TypeError(f"ensemble must be an EnsembleLM, got {type(ensemble).__name__}")
     copy = EnsembleLM(ensemble.models, ensemble.weights[0].shape[2], len(ensemble.weights) - 1,
                       ensemble.embed, ensemble.digits).to(ensemble.weights[0].device)
     copy.load_state_dict(ensemble.state_dict())
@@ -281,10 +358,28 @@ def rounded_half_forward(engine, context, position):
     >>> z.dtype, bool((z.half().double() == z).all())
     (torch.float64, True)
     """
-    dtype = engine.mlp[-1].weight.dtype
+    dtype = None  # not a TinyLM, or one without layers: refused below
+    if isinstance(engine, nn.Module) and isinstance(getattr(engine, "mlp", None), nn.Sequential) \
+            and len(engine.mlp) and isinstance(engine.mlp[-1], nn.Linear):
+        dtype = engine.mlp[-1].weight.dtype
     if dtype not in (torch.bfloat16, torch.float16) or hasattr(engine, "models"):
         raise TypeError(f"engine must be a bfloat16 or float16 TinyLM (sampler_copy), got a "
                         f"{type(engine).__name__} in {dtype}")
+    slots = 2 * engine.digits + 2 + engine.max_answer - 1  # the prompt, then the answer so far
+    for name, x in (("context", context), ("position", position)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.long:
+            raise TypeError(f"{name} must be a long tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+    if context.ndim < 1 or context.shape[-1] != slots:
+        raise ValueError(f"context must have shape (..., {slots}), got {tuple(context.shape)}")
+    if position.shape != context.shape[:-1]:
+        raise ValueError(f"position must have shape {tuple(context.shape[:-1])} (context's "
+                         f"without its last axis), got {tuple(position.shape)}")
+    # indexing would wrap a negative id round, and read another row without a word
+    for name, x, high in (("context", context, V), ("position", position, engine.max_answer)):
+        bad = (x < 0) | (x >= high)
+        if bool(bad.any()):
+            raise ValueError(f"{name} must hold ids in [0, {high}), got {int(x[bad][0])}")
     wide = torch.float64
     slots = engine.token_embedding.weight.to(wide)[context].flatten(-2)
     h = torch.cat([slots, engine.position_embedding.weight.to(wide)[position]], dim=-1)
@@ -344,7 +439,8 @@ def token_mismatch(log_pi, log_mu, visits):
     Parameters
     ----------
     log_pi, log_mu : numpy.ndarray
-        ``(N, V)`` log-probabilities of the trainer and the sampler, finite.
+        ``(N, V)`` log-probabilities of the trainer and the sampler, finite, ``N, V >= 1``,
+        each row's exponentials summing to 1 within $10^{-6}$.
     visits : numpy.ndarray
         ``(N,)`` non-negative, not all 0.
 
@@ -367,16 +463,15 @@ def token_mismatch(log_pi, log_mu, visits):
     >>> round(out["quantiles"]["0.5"], 6), round(out["max_abs_log_ratio"], 6)
     (-0.470004, 0.916291)
     """
-    log_pi, log_mu = np.asarray(log_pi, dtype=float), np.asarray(log_mu, dtype=float)
-    visits = np.asarray(visits, dtype=float)
-    if log_pi.ndim != 2 or log_pi.shape != log_mu.shape or log_pi.shape[0] == 0:
-        raise ValueError(f"log_pi and log_mu must be (N, V) of one shape with N >= 1, got "
-                         f"{log_pi.shape} and {log_mu.shape}")
+    log_pi = check_real_array("log_pi", log_pi, 2, finite=False)
+    log_mu = check_real_array("log_mu", log_mu, 2, finite=False)
+    if log_pi.shape != log_mu.shape or log_pi.shape[0] == 0 or log_pi.shape[1] == 0:
+        raise ValueError(f"log_pi and log_mu must be (N, V) of one shape with N, V >= 1, got "
+                         f"shape {log_pi.shape} and {log_mu.shape}")
+    log_pi, log_mu = _check_log_probs("log_pi", log_pi), _check_log_probs("log_mu", log_mu)
+    visits = check_real_array("visits", visits, None, finite=False)
     if visits.shape != log_pi.shape[:1]:
         raise ValueError(f"visits must have shape ({log_pi.shape[0]},), got {visits.shape}")
-    if not (np.isfinite(log_pi).all() and np.isfinite(log_mu).all()):
-        raise ValueError("log_pi and log_mu must be finite (a token of probability 0 has no "
-                         "log-ratio)")
     if not np.isfinite(visits).all() or (visits < 0).any() or visits.sum() <= 0:
         raise ValueError("visits must be finite, non-negative and not all 0")
     mu = np.exp(log_mu)
@@ -429,12 +524,14 @@ def answer_toy(states, log_pi, log_mu, reward, *, eos, pad, features=None, log_t
     states : dict
         From [opd_literate.experiment.exact.answer_states][] (tensors or arrays).
     log_pi, log_mu : numpy.ndarray
-        ``(N, V)`` the trainer's and the sampler's log-probabilities at every state, finite.
+        ``(N, V)`` the trainer's and the sampler's log-probabilities at every state, finite,
+        each row's exponentials summing to 1 within $10^{-6}$ (``log_teacher`` too).
     reward : callable
         ``reward(Y, mask, prompt) -> (M,)``: the reward of each answer, from its tokens
         ``(M, T)`` (padded), its ``(M, T)`` mask and its prompt index ``(M,)``.
     eos, pad : int
-        The token that ends an answer; the token written into ``Y`` after it.
+        The token that ends an answer; the token written into ``Y`` after it (ids in
+        ``[0, V)``).
     features : numpy.ndarray, optional
         ``(N, F)``: the score of token $k$ is $(e_{y_k} - \pi(\cdot \mid s_k)) \otimes
         \phi(s_k)$, an ``(V, F)`` array: the gradient of $\log \pi(y_k \mid s_k)$ with respect
@@ -469,11 +566,18 @@ def answer_toy(states, log_pi, log_mu, reward, *, eos, pad, features=None, log_t
     >>> sorted(toy["p_sampler"].round(12).tolist()), sorted(toy["p_train"].tolist())
     ([0.2, 0.4, 0.4], [0.25, 0.25, 0.5])
     """
+    needed = ("prompt", "position", "prefix", "parent")
+    if not isinstance(states, dict) or any(k not in states for k in needed):
+        raise ValueError(f"states must be the dict of answer_states (keys {', '.join(needed)}), "
+                         f"got {sorted(states) if isinstance(states, dict) else type(states)}")
+    if not callable(reward):
+        raise TypeError(f"reward must be callable (Y, mask, prompt) -> (M,), got "
+                        f"{type(reward).__name__}")
     states = {k: np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v)
               for k, v in states.items()}
-    log_pi = np.asarray(log_pi, dtype=float)
-    log_mu = np.asarray(log_mu, dtype=float)
     N, T = states["prefix"].shape
+    log_pi = check_real_array("log_pi", log_pi, None, finite=False)
+    log_mu = check_real_array("log_mu", log_mu, None, finite=False)
     if log_pi.shape != log_mu.shape or log_pi.ndim != 2 or log_pi.shape[0] != N:
         raise ValueError(f"log_pi and log_mu must be (N, V) with N = {N} states, got "
                          f"{log_pi.shape} and {log_mu.shape}")
@@ -481,9 +585,13 @@ def answer_toy(states, log_pi, log_mu, reward, *, eos, pad, features=None, log_t
     if not (np.isfinite(log_pi).all() and np.isfinite(log_mu).all()):
         raise ValueError("log_pi and log_mu must be finite: a token of probability 0 has no "
                          "importance ratio")
+    log_pi, log_mu = _check_log_probs("log_pi", log_pi), _check_log_probs("log_mu", log_mu)
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (eos, pad)):
+        raise TypeError(f"eos and pad must be integer token ids, got {eos!r}, {pad!r}")
     if not (0 <= eos < V and 0 <= pad < V):
         raise ValueError(f"eos and pad must be token ids in [0, {V}), got {eos!r}, {pad!r}")
-    features = np.ones((N, 1)) if features is None else np.asarray(features, dtype=float)
+    features = (np.ones((N, 1)) if features is None
+                else check_real_array("features", features, None, finite=False))
     if features.ndim != 2 or features.shape[0] != N or not np.isfinite(features).all():
         raise ValueError(f"features must be a finite (N, F) array with N = {N}, got "
                          f"{features.shape}")
@@ -522,9 +630,11 @@ def answer_toy(states, log_pi, log_mu, reward, *, eos, pad, features=None, log_t
                p_train=p_train, p_sampler=p_sampler, R=R, prompt=prompt, score=score,
                true_grad=true_grad, state=state, T=T, V=V, eos=eos, shared_parameters=True)
     if log_teacher is not None:
-        log_teacher = np.asarray(log_teacher, dtype=float)
+        log_teacher = check_real_array("log_teacher", log_teacher, None, finite=False)
         if log_teacher.shape != log_pi.shape or not np.isfinite(log_teacher).all():
-            raise ValueError(f"log_teacher must be finite with shape {log_pi.shape}")
+            raise ValueError(f"log_teacher must be finite with shape {log_pi.shape}, got shape "
+                             f"{log_teacher.shape}")
+        log_teacher = _check_log_probs("log_teacher", log_teacher)
         logp_teacher = np.where(real, log_teacher[rows, Y], 0.0)
         d = logp_train - logp_teacher  # (M, T): log pi - log pi_T, 0 on the padding
         # the sequence reverse KL E_pi[sum_k d_k], its gradient E_pi[sum_k d_k sum_k s_k] and
@@ -549,6 +659,8 @@ def sampler_states(model, pairs, sampler):
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {sampler!r}")
+    _check_model("model", model)
+    _check_pairs(pairs, model.digits)
     prompts = make_prompts(pairs, model.digits)
     states = answer_states(prompts, model.max_answer)
     log_pi = torch.log_softmax(state_logits(sampler_copy(model, "float64"), prompts, states), -1)
@@ -583,6 +695,12 @@ def tinylm_answer_toy(model, pairs, sampler, *, teacher=None, features="bias"):
     """
     if features not in ("bias", "head"):
         raise ValueError(f"features must be 'bias' or 'head', got {features!r}")
+    if teacher is not None:
+        _check_model("teacher", teacher)
+        _check_model("model", model)
+        if teacher.digits != model.digits:
+            raise ValueError(f"teacher must answer the model's {model.digits}-digit prompts, got "
+                             f"a {teacher.digits}-digit teacher")
     exact = sampler_states(model, pairs, sampler)
     states, prompts = exact["states"], exact["prompts"]
     phi = None
@@ -656,6 +774,16 @@ def full_parameter_bias(model, pairs, toy, names=None, parameter_names=None):
     """
     from ..mismatch.estimators import REGISTRY, estimator_weights
 
+    _check_model("model", model)
+    _check_pairs(pairs, model.digits)
+    keys = ("log_pi", "mask", "state", "Y", "R", "p_train", "p_sampler")
+    if not isinstance(toy, dict) or any(k not in toy for k in keys):
+        raise ValueError(f"toy must be a tinylm_answer_toy dict (keys {', '.join(keys)}), got "
+                         f"{sorted(toy) if isinstance(toy, dict) else type(toy).__name__}")
+    unknown = [n for n in (names or ()) if n not in REGISTRY]
+    if names is not None and (unknown or isinstance(names, str) or not list(names)):
+        raise ValueError(f"names must be a non-empty list of estimators of REGISTRY, got "
+                         f"{names!r}")
     trainer = sampler_copy(model, "float64")
     prompts = make_prompts(pairs, model.digits)
     states = answer_states(prompts, model.max_answer)
@@ -711,7 +839,15 @@ def toy_token_mismatch(toy):
     """
     from ..mismatch.toy import log_softmax
 
-    theta, b, eps = np.asarray(toy["theta"]), np.asarray(toy["b"]), float(toy["mismatch"])
+    if not isinstance(toy, dict) or any(k not in toy for k in ("theta", "b", "mismatch")):
+        raise ValueError("toy must be a toy of the mismatch chapter (a dict with theta, b and "
+                         f"mismatch), got {type(toy).__name__}")
+    theta = check_real_array("toy['theta']", toy["theta"], None)
+    b = check_real_array("toy['b']", toy["b"], None)
+    eps = check_finite_number("toy['mismatch']", toy["mismatch"])
+    if theta.ndim not in (2, 3) or b.shape != theta.shape:
+        raise ValueError(f"toy['theta'] must be (T, V) or (T, P, V) with toy['b'] of its shape, "
+                         f"got {theta.shape} and {b.shape}")
     log_pi, log_mu = log_softmax(theta), log_softmax(theta + eps * b)
     if theta.ndim == 2:
         return token_mismatch(log_pi, log_mu, np.ones(theta.shape[0]))
@@ -735,10 +871,19 @@ def matched_toy_mismatch(target_kl, kl_of, low=1e-6, high=10.0, iterations=80):
     >>> round(matched_toy_mismatch(0.04, lambda eps: eps ** 2), 9)
     0.2
     """
-    if not (np.isfinite(target_kl) and target_kl > 0):
-        raise ValueError(f"target_kl must be finite and > 0, got {target_kl!r}")
+    target_kl = check_finite_number("target_kl", target_kl, positive=True)
+    low = check_finite_number("low", low, positive=True)
+    high = check_finite_number("high", high, positive=True)
+    if not low < high:
+        raise ValueError(f"low must be < high, got low={low!r} >= high={high!r}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
+    if not callable(kl_of):
+        raise TypeError(f"kl_of must be callable eps -> KL, got {type(kl_of).__name__}")
+    ends = {name: check_finite_number(f"kl_of({name})", kl_of(x))
+            for name, x in (("low", low), ("high", high))}
     lo, hi = np.log(low), np.log(high)
-    if not kl_of(low) <= target_kl <= kl_of(high):
+    if not ends["low"] <= target_kl <= ends["high"]:
         raise ValueError(f"target_kl = {target_kl!r} is outside the KLs at low = {low!r} and "
                          f"high = {high!r}")
     for _ in range(iterations):
@@ -753,11 +898,19 @@ def matched_toy_mismatch(target_kl, kl_of, low=1e-6, high=10.0, iterations=80):
 def average_ranks(values):
     """Ranks from 1 (the smallest), values equal to 10 significant digits sharing their mean rank.
 
+    ``values``: a 1-D list or array of finite real numbers (empty: no ranks); NaN, inf, a bool
+    or a string is refused with a ``ValueError`` or ``TypeError`` naming ``values``.
+
     Examples
     --------
     >>> average_ranks([0.3, 0.1, 0.3]).tolist()
     [2.5, 1.0, 2.5]
     """
+    return _average_ranks(check_real_array("values", values, 1))
+
+
+def _average_ranks(values):
+    """average_ranks of a checked float64 array."""
     keys = np.array([float(f"{v:.10g}") for v in values])
     order = np.argsort(keys, kind="stable")
     ranks = np.empty(len(keys))
@@ -774,15 +927,39 @@ def average_ranks(values):
 def rank_correlation(a, b):
     r"""Spearman's rank correlation of two lists (ties share their mean rank).
 
+    The Pearson correlation of the ranks of
+    [opd_literate.experiment.quantized.average_ranks][]. ``a`` and ``b`` are 1-D, of one length
+    $n \ge 2$, finite and real; the correlation is undefined (0 / 0) where either is constant
+    (to 10 significant digits), which is a ``ValueError`` too, as are the others.
+
     Examples
     --------
     >>> rank_correlation([0.1, 0.2, 0.3], [1.0, 5.0, 9.0]), rank_correlation([1, 2, 3], [3, 2, 1])
     (1.0, -1.0)
+    >>> rank_correlation([1, 2], [1, 2, 3])
+    Traceback (most recent call last):
+    ...
+    ValueError: a and b must have one length, got 2 and 3
     """
-    ra, rb = average_ranks(a), average_ranks(b)
+    a = check_real_array("a", a, 1, min_size=2)
+    b = check_real_array("b", b, 1)
+    if len(a) != len(b):
+        raise ValueError(f"a and b must have one length, got {len(a)} and {len(b)}")
+    ra, rb = _average_ranks(a), _average_ranks(b)
+    for name, ranks, values in (("a", ra, a), ("b", rb, b)):
+        if (ranks == ranks[0]).all():
+            raise ValueError(f"{name} is constant (every value {float(values[0])!r} to 10 "
+                             "significant digits): its rank correlation is undefined")
     ra, rb = ra - ra.mean(), rb - rb.mean()
-    denominator = float(np.sqrt((ra @ ra) * (rb @ rb)))
-    return float(ra @ rb) / denominator if denominator > 0 else 0.0
+    # ranks are multiples of 1/2 and their mean of 1/2: every product and sum here is exact
+    return float(ra @ rb) / float(np.sqrt((ra @ ra) * (rb @ rb)))
+
+
+def _check_prompts(prompts, available):
+    """``prompts``: an integer in [1, available] (the test prompts)."""
+    if isinstance(prompts, bool) or not isinstance(prompts, int) or not 1 <= prompts <= available:
+        raise ValueError(f"prompts must be an integer in [1, {available}] (the test prompts), "
+                         f"got {prompts!r}")
 
 
 _ROW_KEYS = ("name", "rel_bias", "rel_rmse", "token_frac", "seq_frac")
@@ -811,9 +988,27 @@ def mismatch_study(prepared, prompts=20, samplers=tuple(SAMPLERS), seeds=None):
     from ..mismatch.toy import estimator_moments, make_ar_toy, make_toy
     from .tinylm import EnsembleLM
 
+    for name in ("config", "test_pairs", "teacher", "student_state"):
+        if not hasattr(prepared, name):
+            raise TypeError(f"prepared must be the Prepared of run.prepare (with .{name}), got "
+                            f"{type(prepared).__name__}")
     config = prepared.config
+    _check_prompts(prompts, len(prepared.test_pairs))
+    # a string is one name, not a sequence of them: refused, not split into letters
+    given = samplers
+    samplers = () if isinstance(given, str) else tuple(given)
+    if not samplers or len(set(samplers)) < len(samplers) or not set(samplers) <= set(SAMPLERS):
+        raise ValueError(f"samplers must be a sequence of distinct keys of SAMPLERS "
+                         f"({', '.join(SAMPLERS)}), at least one, got {given!r}")
+    given = seeds
+    seeds = [] if isinstance(given, str) else list(range(config.seeds) if given is None
+                                                   else given)
+    if not seeds or len(set(seeds)) < len(seeds) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < config.seeds
+            for s in seeds):
+        raise ValueError(f"seeds must be distinct students in [0, {config.seeds}), at least one, "
+                         f"got {given!r}")
     pairs = prepared.test_pairs[:prompts]
-    seeds = range(config.seeds) if seeds is None else seeds
     students = EnsembleLM(config.seeds, config.student_hidden, config.student_layers,
                           digits=config.digits)
     students.load_state_dict(prepared.student_state)
@@ -875,8 +1070,12 @@ def mismatch_study_record(config, prompts=20, cache="read"):
     Written by ``python -m opd_literate.experiment --tinylm-mismatch --out docs/data/experiment``
     (282 s on a 2-core AMD EPYC with AVX2, the teacher cached); the docs build reads it.
     """
+    from .config import ExperimentConfig
     from .exact import CLAMP_STUDY_KEYS
     from .run import prepare
 
+    if not isinstance(config, ExperimentConfig):
+        raise TypeError(f"config must be an ExperimentConfig, got {type(config).__name__}")
+    _check_prompts(prompts, config.eval_prompts)  # before the teacher is trained or read
     record = mismatch_study(prepare(config, cache), prompts)
     return {"config": {k: getattr(config, k) for k in CLAMP_STUDY_KEYS}, **record}

@@ -7,7 +7,11 @@ build computes its tables from the committed results with these same functions.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from .._numerics import check_finite_number, check_real_array
 
 __all__ = ["BOOTSTRAP", "bootstrap_interval", "headline", "ratios", "format_headline",
            "first_index"]
@@ -22,7 +26,19 @@ def bootstrap_interval(values, level=0.95, resamples=BOOTSTRAP, seed=0):
 
     Draws ``resamples`` samples of the seeds with replacement, computes the mean of each, and
     returns the $(1 - \text{level})/2$ and $(1 + \text{level})/2$ quantiles of those means.
-    With few seeds the interval is narrow-biased (it cannot reach beyond the observed values).
+    With few seeds the interval is narrow-biased: it cannot reach beyond the observed values
+    (an endpoint that the rounding of a mean puts an ulp outside them is clipped back to them).
+
+    Parameters
+    ----------
+    values : sequence of float
+        One finite number per seed, at least one.
+    level : float
+        In (0, 1).
+    resamples : int
+        At least 1.
+    seed : int
+        The seed of numpy's generator, >= 0.
 
     Examples
     --------
@@ -32,8 +48,31 @@ def bootstrap_interval(values, level=0.95, resamples=BOOTSTRAP, seed=0):
     >>> 1.0 <= low < 3.0 < high <= 5.0
     True
     """
-    means = _resampled_means(values, np.random.default_rng(seed), resamples)
-    return _percentile_interval(means, level)
+    x = _check_per_seed("values", values)
+    level, resamples, seed = _check_bootstrap(level, resamples, seed)
+    return _bootstrap_interval(x, level, resamples, seed)
+
+
+def _bootstrap_interval(x, level=0.95, resamples=BOOTSTRAP, seed=0):
+    """bootstrap_interval of a checked float64 array."""
+    means = _resampled_means(x, np.random.default_rng(seed), resamples)
+    low, high = _percentile_interval(means, level)
+    return float(np.clip(low, x.min(), x.max())), float(np.clip(high, x.min(), x.max()))
+
+
+def _check_per_seed(name, values):
+    """One finite number per seed, at least one: a float64 array."""
+    return check_real_array(name, values, 1, min_size=1)
+
+
+def _check_bootstrap(level, resamples, seed):
+    level = check_finite_number("level", level, positive=True)
+    if not level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    for name, value, low in (("resamples", resamples, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return level, int(resamples), int(seed)
 
 
 def _resampled_means(values, rng, resamples):
@@ -67,18 +106,31 @@ def headline(results):
     "initial_reverse_kl"}}``; each statistic is ``{"mean", "low", "high", "per_seed"}``.
     ``samples`` and ``seconds`` are None when some seed never reaches the target; their
     ``per_seed`` lists hold None for those seeds.
+
+    ``results`` is checked first: ``config`` with ``target_fraction`` in (0, 1], positive
+    integers ``steps``, ``batch_size`` and ``seeds``; ``teacher_accuracy`` in [0, 1]; each
+    method's ``samples`` (one per evaluation, at least one), ``accuracy`` (in [0, 1]),
+    ``reverse_kl`` and ``seconds`` (>= 0), one finite number per seed and evaluation, and
+    ``lr`` a positive number or absent. Anything else is a ``ValueError`` or ``TypeError``
+    naming the entry.
     """
+    _check_results(results)
+    return _headline(results)
+
+
+def _headline(results):
+    """headline of a checked record."""
     target = results["config"]["target_fraction"] * results["teacher_accuracy"]
     table = {}
 
     def stat(values):
         if any(v is None for v in values):
             return None
-        low, high = bootstrap_interval(values)
+        low, high = _bootstrap_interval(np.asarray(values, dtype=float))
         return dict(mean=sum(values) / len(values), low=low, high=high, per_seed=list(values))
 
     for method, record in results["methods"].items():
-        hits = [first_index(acc, target) for acc in record["accuracy"]]
+        hits = [_first_index(acc, target) for acc in record["accuracy"]]
         samples = [None if i is None else record["samples"][i] for i in hits]
         seconds = [None if i is None else record["seconds"][s][i] for s, i in enumerate(hits)]
         row = dict(lr=record.get("lr"), seeds=len(hits),
@@ -94,8 +146,66 @@ def headline(results):
     return table
 
 
+def _check_results(results):
+    """Raise unless ``results`` is a record headline can read (see there)."""
+    keys = ("config", "teacher_accuracy", "methods")
+    if not isinstance(results, dict) or any(k not in results for k in keys):
+        raise ValueError(f"results must be a results.json record (keys {', '.join(keys)}), got "
+                         f"{sorted(results) if isinstance(results, dict) else type(results)}")
+    config, methods = results["config"], results["methods"]
+    if not isinstance(config, dict) or not isinstance(methods, dict):
+        raise TypeError("results['config'] and results['methods'] must be dicts")
+    for key in ("target_fraction", "steps", "batch_size", "seeds"):
+        if key not in config:
+            raise ValueError(f"results['config'] must have {key!r}")
+    fraction = check_finite_number("config['target_fraction']", config["target_fraction"],
+                                   positive=True)
+    if fraction > 1:
+        raise ValueError(f"config['target_fraction'] must be in (0, 1], got {fraction!r}")
+    for key in ("steps", "batch_size", "seeds"):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config[{key!r}] must be a positive integer, got {value!r}")
+    check_finite_number("teacher_accuracy", results["teacher_accuracy"], low=0.0, high=1.0)
+    for method, record in methods.items():
+        where = f"methods[{method!r}]"
+        missing = [k for k in ("samples", "accuracy", "reverse_kl", "seconds") if k not in record]
+        if missing:
+            raise ValueError(f"{where} must have {', '.join(map(repr, missing))}")
+        samples = check_real_array(f"{where}['samples']", record["samples"], 1, min_size=1)
+        shape = None
+        for key, low, high in (("accuracy", 0.0, 1.0), ("reverse_kl", -math.inf, math.inf),
+                               ("seconds", 0.0, math.inf)):
+            curves = check_real_array(f"{where}[{key!r}]", record[key], 2, min_size=1)
+            shape = curves.shape if shape is None else shape
+            if curves.shape != shape or curves.shape[1] != len(samples):
+                raise ValueError(f"{where}[{key!r}] must be (seeds, evaluations) = "
+                                 f"{(shape[0], len(samples))}, one value per entry of samples, "
+                                 f"got {curves.shape}")
+            if (curves < low).any() or (curves > high).any():
+                bad = float(curves[(curves < low) | (curves > high)][0])
+                raise ValueError(f"{where}[{key!r}] must lie in [{low}, {high}], got {bad!r}")
+        if record.get("lr") is not None:
+            check_finite_number(f"{where}['lr']", record["lr"], positive=True)
+
+
 def first_index(accuracy, target):
-    """Index of the first evaluation with accuracy >= target, or None."""
+    """Index of the first evaluation with accuracy >= target, or None.
+
+    ``accuracy`` is a 1-D sequence of finite numbers, ``target`` a finite number (a NaN would
+    never reach it, silently).
+
+    Examples
+    --------
+    >>> first_index([0.1, 0.5, 0.9], 0.5), first_index([0.1], 0.5)
+    (1, None)
+    """
+    accuracy = check_real_array("accuracy", accuracy, 1)
+    target = check_finite_number("target", target)
+    return _first_index(accuracy, target)
+
+
+def _first_index(accuracy, target):
     return next((i for i, a in enumerate(accuracy) if a >= target), None)
 
 
@@ -104,11 +214,18 @@ def ratios(results):
     ``mean`` (ratio of the means), ``low``, ``high`` (95% percentile bootstrap, seeds of the two
     methods resampled independently) and ``bound``: True when the other method misses the
     target on some seed, and the ratio is then a lower bound, the budget in place of each miss.
+    No ratio (``{}``) when full-vocabulary OPD misses the target on some seed, or starts at it
+    on one (0 samples): a resample of that seed alone would divide by 0.
     """
-    table = headline(results)
+    _check_results(results)
+    return _ratios(results, _headline(results))
+
+
+def _ratios(results, table):
+    """ratios of a checked record, from its headline table."""
     out = {}
     base = table.get("opd_full_vocab")
-    if base is None or base["samples"] is None or base["samples"]["mean"] == 0:
+    if base is None or base["samples"] is None or min(base["samples"]["per_seed"]) == 0:
         return out  # no ratio to a method that never reaches the target, or starts there
     budget = results["config"]["steps"] * results["config"]["batch_size"]
     for other in ("rl", "sft", "opd_sampled"):
@@ -130,8 +247,9 @@ def _interval_text(stat, fmt):
 
 def format_headline(results):
     """The summary table as text (Markdown): means over seeds with 95% bootstrap intervals,
-    and the ratios to full-vocabulary OPD."""
-    table = headline(results)
+    and the ratios to full-vocabulary OPD (``results`` checked as by ``headline``)."""
+    _check_results(results)
+    table = _headline(results)
     config = results["config"]
     target = config["target_fraction"]
     budget = config["steps"] * config["batch_size"]
@@ -148,11 +266,12 @@ def format_headline(results):
         else:
             samples = _interval_text(row["samples"], lambda x: f"{x:,.0f}")
             seconds = _interval_text(row["seconds"], lambda x: f"{x:.2f}")
-        lines.append(f"| {method} | {row['lr']:g} | {row['reached']}/{row['seeds']} "
+        lr = "-" if row["lr"] is None else f"{row['lr']:g}"
+        lines.append(f"| {method} | {lr} | {row['reached']}/{row['seeds']} "
                      f"| {samples} | {seconds} "
                      f"| {_interval_text(row['final_accuracy'], lambda x: f'{x:.3f}')} "
                      f"| {_interval_text(row['final_reverse_kl'], lambda x: f'{x:.3f}')} |")
-    found = ratios(results)
+    found = _ratios(results, table)
     if found:
         lines.append("")
     for other, r in found.items():

@@ -369,6 +369,97 @@ def test_the_summary_pairs_the_seeds_and_weights_each_evaluation_by_its_steps():
         MT.mismatch_summary({})
 
 
+def _summary_record(**changes):
+    """A two-seed record of three conditions, evaluations at 0, 400 and 560 samples; a change
+    "name.curve" replaces one curve of one condition, any other key a field of the method."""
+    import copy
+
+    def curves(accuracy):
+        return {"accuracy": [accuracy] * 2, "sampler_accuracy": [accuracy] * 2,
+                "reverse_kl": [[1.0, 0.5, 0.4]] * 2, "mismatch_kl": [[None, 0.1, 0.2]] * 2,
+                "kept_fraction": [[None, 1.0, 0.5]] * 2}
+
+    names = ["fp32 none", "int4 none", "int4 decoupled_seq_is_rs"]
+    runs = {"samples": [0, 400, 560], "conditions": names,
+            **{n: curves([0.5, 0.6, a]) for n, a in zip(names, (0.7, 0.6, 0.65))}}
+    runs = copy.deepcopy(runs)
+    for key, value in changes.items():
+        if "." in key:
+            name, curve = key.split(".")
+            runs[name][curve] = value
+        else:
+            runs[key] = value
+    return {"config": {"correction_level": "int4"}, "teacher_accuracy": 1.0,
+            "methods": {"rl": runs}}
+
+
+def test_a_well_formed_summary_record_is_read():
+    rows = MT.mismatch_summary(_summary_record())["rl"]
+    assert [r["name"] for r in rows] == ["fp32 none", "int4 none", "int4 decoupled_seq_is_rs"]
+    assert rows[2]["against_uncorrected"]["per_seed"] == pytest.approx([0.05, 0.05])
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: MT.conditions(None, "rl"), TypeError,
+     "config must be a MismatchTrainingConfig, got NoneType"),
+    (lambda: MT.engine_sample(object(), lm.make_prompts(torch.zeros(1, 3, 2, dtype=torch.long)),
+                              torch.zeros(1, 3, 4)),
+     TypeError, "sampler must be an EnsembleLM .* got object"),
+    (lambda: MT.engine_sample(lm.EnsembleLM(1, 8, 1), torch.full((1, 3, 6), lm.V),
+                              torch.zeros(1, 3, 4)),
+     ValueError, r"prompts must hold token ids in \[0, 14\), got 14"),
+    (lambda: MT.engine_sample(lm.EnsembleLM(1, 8, 1), torch.full((1, 3, 6), -1),
+                              torch.zeros(1, 3, 4)),
+     ValueError, r"prompts must hold token ids in \[0, 14\), got -1"),
+    (lambda: MT.train_under_mismatch("rl", None), TypeError,
+     r"run must be a _Run\(prepared, config\) of this module, got NoneType"),
+    (lambda: MT.train_under_mismatch("rl", MT._Run(None, TINY)), TypeError,
+     "run.config must be a MismatchTrainingConfig, got ExperimentConfig"),
+    (lambda: MT.train_under_mismatch("rl", MT._Run(None, MT.MISMATCH_QUICK), bar=1), TypeError,
+     "bar must be None or have an update"),
+    (lambda: MT.mismatch_summary({"config": [], "methods": {}}), TypeError,
+     r"results\['config'\] and results\['methods'\] must be dicts"),
+    (lambda: MT.mismatch_summary(dict(_summary_record(), config={"correction_level": "int3"})),
+     ValueError, r"results\['config'\]\['correction_level'\] must be a key of SAMPLERS, got "
+                 r"'int3'"),
+    (lambda: MT.mismatch_summary(_summary_record(samples=[0])), ValueError,
+     r"methods\['rl'\]\['samples'\] must list step 0 and one evaluation at least, got \[0\]"),
+    (lambda: MT.mismatch_summary(_summary_record(samples=[0, 400, 400])), ValueError,
+     r"methods\['rl'\]\['samples'\] must increase"),
+    (lambda: MT.mismatch_summary(_summary_record(conditions=["fp32 none"])), ValueError,
+     r"methods\['rl'\]\['conditions'\] must be a list of condition names with 'int4 none'"),
+    (lambda: MT.mismatch_summary(_summary_record(conditions=["fp32 none", "int4 none", "x"])),
+     ValueError, r"methods\['rl'\] has no curves for the conditions \['x'\]"),
+    (lambda: MT.mismatch_summary(_summary_record(**{"int4 none.accuracy": [[0.5, 0.6, 0.7]]})),
+     ValueError, r"methods\['rl'\]\['int4 none'\]\['accuracy'\] must have one curve per seed "
+                 r"\(2, as every condition: the seeds are paired\), got 1"),
+    (lambda: MT.mismatch_summary(_summary_record(**{"int4 none.accuracy": [[0.5, 0.6]] * 2})),
+     ValueError, r"methods\['rl'\]\['int4 none'\]\['accuracy'\]\[0\] must have 3 entries \(one "
+                 r"per evaluation\), got 2"),
+    (lambda: MT.mismatch_summary(_summary_record(
+        **{"int4 none.accuracy": [[0.5, math.nan, 0.7]] * 2})),
+     ValueError, r"methods\['rl'\]\['int4 none'\]\['accuracy'\]\[0\] must hold finite numbers "
+                 r"in \[0.0, 1.0\], got nan at index 1"),
+    (lambda: MT.mismatch_summary(_summary_record(
+        **{"int4 none.mismatch_kl": [[None, None, 0.2]] * 2})),
+     TypeError, r"methods\['rl'\]\['int4 none'\]\['mismatch_kl'\]\[0\] must hold real numbers "
+                r"\(None at step 0 only\), got None at index 1"),
+    (lambda: MT.mismatch_summary(_summary_record(
+        **{"int4 none.kept_fraction": [[None, 1.0, 0.5], [None, 1.0, 1.5]]})),
+     ValueError, r"\['kept_fraction'\]\[1\] must hold finite numbers in \[0.0, 1.0\], got 1.5 at "
+                 r"index 2"),
+    (lambda: MT.mismatch_summary(_summary_record(**{"int4 none.reverse_kl": None})),
+     ValueError, r"methods\['rl'\]\['int4 none'\]\['reverse_kl'\] must be a list of curves, one "
+                 r"a seed, got None"),
+    (lambda: MT.format_summary({k: v for k, v in _summary_record().items()
+                                if k != "teacher_accuracy"}),
+     TypeError, "teacher_accuracy must be a real number, got None"),
+])
+def test_every_function_names_a_malformed_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
 def test_the_command_line_refuses_two_studies_and_the_long_regime(capsys, tmp_path):
     from opd_literate.experiment.cli import main
 

@@ -57,6 +57,103 @@ def test_quantization_names_bad_input(weight, bits, error):
         quantize_per_channel(weight, bits)
 
 
+def _exact_excess(w, w_hat, bits, u):
+    """max over entries of |W - W_hat| - (s_o / 2 + 3 u max_i |W_oi|), in exact rationals (every
+    float is a dyadic rational): <= 0 where the docstring's bound holds."""
+    from fractions import Fraction
+
+    q_max = 2 ** (bits - 1) - 1
+    worst = None
+    for row, row_hat in zip(w.double().tolist(), w_hat.double().tolist()):
+        m = max(abs(Fraction(x)) for x in row)
+        bound = m / q_max / 2 + 3 * u * m
+        for x, y in zip(row, row_hat):
+            excess = abs(Fraction(x) - Fraction(y)) - bound
+            worst = excess if worst is None else max(worst, excess)
+    return worst
+
+
+UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24,
+                 torch.bfloat16: 2.0 ** -24, torch.float16: 2.0 ** -24}  # the compute dtype's
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_error_bound_holds_in_every_dtype_and_half_weights_come_back_in_float32(dtype, bits):
+    """|W - W_hat| <= s/2 + 3u max|W_o|, exactly (rationals), for every dtype the function takes;
+    a half-precision weight is computed and returned in float32, bit for bit its float32
+    copy's. Rounded back to the half type the result would break s/2 (0.90 s in bfloat16,
+    0.52 s in float16 at int8 on 64 channels of 160), within the docstring's extra half ulp."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(bits)
+    scales = torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None]
+    w = (torch.randn(64, 160, generator=g, dtype=torch.float64) * scales).to(dtype)
+    w_hat = quantize_per_channel(w, bits)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    assert w_hat.dtype == wide and w_hat.shape == w.shape
+    assert _exact_excess(w, w_hat, bits, Fraction(UNIT_ROUNDOFF[dtype])) <= 0
+    if dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(w_hat, quantize_per_channel(w.float(), bits))
+        half_u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+        q_max = 2 ** (bits - 1) - 1
+        s = w.double().abs().amax(dim=1, keepdim=True) / q_max
+        rounded = (w.double() - w_hat.to(dtype).double()).abs()
+        bound = s / 2 + 3 * 2.0 ** -24 * q_max * s + half_u * w_hat.double().abs()
+        assert (rounded <= bound).all()
+        if bits == 8:  # the reason it is returned in float32
+            worst = float((rounded / s).max())
+            assert worst > {torch.bfloat16: 0.75, torch.float16: 0.51}[dtype], worst
+
+
+def test_an_empty_weight_is_quantized_to_an_empty_weight():
+    """nn.Linear(0, 3)'s (3, 0) weight and nn.Linear(3, 0)'s (0, 3): empty in, empty out (a new
+    tensor); a TinyLM with no hidden units runs as int8 on its head's bias alone."""
+    for shape in ((3, 0), (0, 3), (0, 0)):
+        w = torch.empty(shape, dtype=torch.bfloat16)
+        out = quantize_per_channel(w, 8)
+        assert out.shape == shape and out.dtype == torch.float32
+    w = torch.empty(3, 0)
+    assert quantize_per_channel(w, 4) is not w
+    with pytest.warns(UserWarning, match="zero-element"):  # torch's init of an empty layer
+        model = TinyLM(hidden=0, layers=1)
+    engine = sampler_copy(model, "int8")
+    prompts, answers = make_prompts(torch.tensor([[1, 2]])), torch.tensor([[3, 13, 12, 12]])
+    logits = engine.logits(prompts, answers)
+    assert torch.equal(logits, model.mlp[-1].bias.detach().expand_as(logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_largest_weights_stay_finite(dtype):
+    """s q_max rounds past the largest float at the top of the range: clamped there, within
+    the bound, never inf."""
+    from fractions import Fraction
+
+    top = torch.finfo(dtype).max
+    w = torch.tensor([[top, -top, top / 3], [1.0, 0.5, 0.25]], dtype=dtype)
+    for bits in range(2, 9):
+        w_hat = quantize_per_channel(w, bits)
+        assert torch.isfinite(w_hat).all(), bits
+        assert _exact_excess(w, w_hat, bits, Fraction(UNIT_ROUNDOFF[dtype])) <= 0
+
+
+def test_a_channel_whose_scale_underflows_is_returned_as_zeros():
+    """The docstring's condition: below the normal range the roundings underflow; a scale that
+    underflows to 0 (here 2^-149 / 127 in float32) leaves its channel at 0."""
+    tiny = torch.tensor([[2.0 ** -149, 0.0]], dtype=torch.float32)
+    assert quantize_per_channel(tiny, 8).tolist() == [[0.0, 0.0]]
+
+
+def test_sampler_copy_and_ensemble_sampler_name_a_wrong_model():
+    from opd_literate.experiment.quantized import ensemble_sampler
+    from opd_literate.experiment.tinylm import EnsembleLM
+
+    with pytest.raises(TypeError, match="model must be a TinyLM, got EnsembleLM"):
+        sampler_copy(EnsembleLM(2, 8, 1), "int8")
+    with pytest.raises(TypeError, match="ensemble must be an EnsembleLM, got TinyLM"):
+        ensemble_sampler(TinyLM(hidden=8), "int8")
+
+
 def test_sampler_copies_leave_the_model_alone_and_the_float64_copy_is_the_trainer():
     torch.manual_seed(1)
     model = TinyLM(hidden=8, layers=1)
@@ -233,7 +330,12 @@ def test_the_matched_mismatch_gives_the_target_kl():
 
 def test_rank_correlation_shares_ties():
     assert rank_correlation([1, 1, 2], [1, 1, 2]) == pytest.approx(1.0)
-    assert rank_correlation([1, 1, 1], [1, 2, 3]) == 0.0
+    # ranks (1.5, 1.5, 3) and (1, 2, 3): centred (-0.5, -0.5, 1) and (-1, 0, 1), so
+    # rho = 1.5 / sqrt(1.5 * 2) = sqrt(3) / 2
+    assert rank_correlation([1, 1, 2], [1, 2, 3]) == pytest.approx(3 ** 0.5 / 2, rel=1e-15)
+    with pytest.raises(ValueError, match=r"a is constant \(every value 1.0 to 10 significant "
+                                         r"digits\): its rank correlation is undefined"):
+        rank_correlation([1, 1, 1], [1, 2, 3])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,3 +502,166 @@ def test_answer_toy_names_bad_input():
         answer_states(torch.zeros((1, 1), dtype=torch.long), 2, vocab=1, eos=0)
     with pytest.raises(ValueError, match="eos"):
         answer_states(torch.zeros((1, 1), dtype=torch.long), 2, vocab=3, eos=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals: every public function names the argument, what it got and what it expected
+# ---------------------------------------------------------------------------------------------
+def _refusals():
+    """(label, call, error, message) for each malformed call of the module's functions."""
+    import math
+    import types
+
+    from opd_literate.experiment import quantized as Q
+    from opd_literate.experiment.exact import state_contexts
+    from tests.experiment._tiny import TINY
+
+    torch.manual_seed(0)
+    model = TinyLM(hidden=4, layers=1, digits=1)
+    engine = sampler_copy(model, "bf16")
+    prompts = make_prompts(torch.tensor([[1, 2]]), digits=1)
+    states = answer_states(prompts, model.max_answer)
+    context, position = state_contexts(engine, prompts, states)[:3], states["position"][:3]
+    bad_id = context.clone()
+    bad_id[0, 0] = -1
+    log_p = log_softmax(np.random.default_rng(0).normal(size=(3, 4)))
+    states_toy = answer_states(torch.zeros((1, 1), dtype=torch.long), 2, vocab=2, eos=1)
+    half = np.log(np.full((2, 2), 0.5))
+
+    def one(Y, mask, prompt):
+        return np.ones(len(Y))
+
+    prepared = types.SimpleNamespace(config=TINY, test_pairs=torch.zeros((16, 2), dtype=torch.long),
+                                     teacher=None, student_state={})
+    return [
+        ("rounded_half_forward float context",
+         lambda: Q.rounded_half_forward(engine, context.float(), position), TypeError,
+         "context must be a long tensor, got torch.float32"),
+        ("rounded_half_forward context width",
+         lambda: Q.rounded_half_forward(engine, context[:, :-1], position), ValueError,
+         r"context must have shape \(\.\.\., 6\), got \(3, 5\)"),
+        ("rounded_half_forward position shape",
+         lambda: Q.rounded_half_forward(engine, context, position[:2]), ValueError,
+         r"position must have shape \(3,\) \(context's without its last axis\), got \(2,\)"),
+        ("rounded_half_forward negative id",
+         lambda: Q.rounded_half_forward(engine, bad_id, position), ValueError,
+         r"context must hold ids in \[0, 14\), got -1"),
+        ("rounded_half_forward position past the answer",
+         lambda: Q.rounded_half_forward(engine, context, position + 3), ValueError,
+         r"position must hold ids in \[0, 3\), got 3"),
+        ("rounded_half_forward not a model",
+         lambda: Q.rounded_half_forward(object(), context, position), TypeError,
+         "engine must be a bfloat16 or float16 TinyLM"),
+        ("engine_logits sampler", lambda: Q.engine_logits(model, "int3", prompts, states),
+         ValueError, "sampler must be 'float64' or one of"),
+        ("token_mismatch unnormalized", lambda: token_mismatch(log_p + 0.1, log_p, np.ones(3)),
+         ValueError, r"log_pi must hold log-probabilities: exp of row 0 sums to 1\.105"),
+        ("token_mismatch bool", lambda: token_mismatch(log_p > 0, log_p, np.ones(3)), TypeError,
+         "log_pi must hold real numbers, got dtype bool"),
+        ("token_mismatch NaN visits",
+         lambda: token_mismatch(log_p, log_p, np.array([1.0, math.nan, 1.0])), ValueError,
+         "visits must be finite, non-negative and not all 0"),
+        ("token_mismatch no tokens", lambda: token_mismatch(log_p[:, :0], log_p[:, :0],
+                                                            np.ones(3)),
+         ValueError, r"log_pi and log_mu must be \(N, V\) of one shape with N, V >= 1"),
+        ("answer_toy states", lambda: answer_toy({}, half, half, one, eos=1, pad=1), ValueError,
+         "states must be the dict of answer_states"),
+        ("answer_toy reward", lambda: answer_toy(states_toy, half, half, 1.0, eos=1, pad=1),
+         TypeError, "reward must be callable"),
+        ("answer_toy eos float", lambda: answer_toy(states_toy, half, half, one, eos=1.0, pad=1),
+         TypeError, "eos and pad must be integer token ids, got 1.0, 1"),
+        ("answer_toy eos bool", lambda: answer_toy(states_toy, half, half, one, eos=True, pad=1),
+         TypeError, "eos and pad must be integer token ids, got True, 1"),
+        ("answer_toy unnormalized", lambda: answer_toy(states_toy, half, half - 1, one, eos=1,
+                                                       pad=1),
+         ValueError, r"log_mu must hold log-probabilities: exp of row 0 sums to 0\.36"),
+        ("sampler_states float pairs",
+         lambda: Q.sampler_states(model, torch.zeros(1, 2), "int8"), TypeError,
+         r"pairs must be a \(B, 2\) long tensor, got torch.float32"),
+        ("sampler_states pairs shape",
+         lambda: Q.sampler_states(model, torch.zeros((1, 3), dtype=torch.long), "int8"),
+         ValueError, r"pairs must have shape \(B, 2\) with B >= 1, got \(1, 3\)"),
+        ("sampler_states negative operand",
+         lambda: Q.sampler_states(model, torch.tensor([[-1, 2]]), "int8"), ValueError,
+         r"pairs must be operands in \[0, 10\) for 1-digit prompts, got -1"),
+        ("sampler_states long operand",
+         lambda: Q.sampler_states(model, torch.tensor([[3, 10]]), "int8"), ValueError,
+         r"pairs must be operands in \[0, 10\) for 1-digit prompts, got 10"),
+        ("sampler_states model", lambda: Q.sampler_states(None, torch.tensor([[3, 4]]), "int8"),
+         TypeError, "model must be a TinyLM, got NoneType"),
+        ("tinylm_answer_toy teacher digits",
+         lambda: tinylm_answer_toy(model, torch.tensor([[3, 4]]), "int8",
+                                   teacher=TinyLM(hidden=4)),
+         ValueError, "teacher must answer the model's 1-digit prompts, got a 2-digit teacher"),
+        ("tinylm_answer_toy teacher type",
+         lambda: tinylm_answer_toy(model, torch.tensor([[3, 4]]), "int8", teacher="teacher"),
+         TypeError, "teacher must be a TinyLM, got str"),
+        ("full_parameter_bias toy", lambda: Q.full_parameter_bias(model, torch.tensor([[3, 4]]),
+                                                                  {}),
+         ValueError, "toy must be a tinylm_answer_toy dict"),
+        ("full_parameter_bias names",
+         lambda: Q.full_parameter_bias(model, torch.tensor([[3, 4]]),
+                                       dict.fromkeys(("log_pi", "mask", "state", "Y", "R",
+                                                      "p_train", "p_sampler")),
+                                       names=["tis"]),
+         ValueError, r"names must be a non-empty list of estimators of REGISTRY, got \['tis'\]"),
+        ("toy_token_mismatch dict", lambda: toy_token_mismatch([]), ValueError,
+         "toy must be a toy of the mismatch chapter"),
+        ("toy_token_mismatch theta", lambda: toy_token_mismatch(
+            {"theta": np.zeros(3), "b": np.zeros(3), "mismatch": 0.1}), ValueError,
+         r"toy\['theta'\] must be \(T, V\) or \(T, P, V\)"),
+        ("toy_token_mismatch NaN mismatch", lambda: toy_token_mismatch(
+            dict(make_toy(), mismatch=math.nan)), ValueError,
+         r"toy\['mismatch'\] must be a finite number, got nan"),
+        ("matched_toy_mismatch low", lambda: matched_toy_mismatch(0.1, lambda e: e, low=0.0),
+         ValueError, "low must be > 0, got 0.0"),
+        ("matched_toy_mismatch band",
+         lambda: matched_toy_mismatch(0.1, lambda e: e, low=2.0, high=1.0), ValueError,
+         "low must be < high, got low=2.0 >= high=1.0"),
+        ("matched_toy_mismatch iterations",
+         lambda: matched_toy_mismatch(0.1, lambda e: e, iterations=0), ValueError,
+         "iterations must be a positive integer, got 0"),
+        ("matched_toy_mismatch callable", lambda: matched_toy_mismatch(0.1, 0.5), TypeError,
+         "kl_of must be callable"),
+        ("matched_toy_mismatch NaN KL",
+         lambda: matched_toy_mismatch(0.1, lambda e: math.nan), ValueError,
+         r"kl_of\(low\) must be a finite number, got nan"),
+        ("average_ranks NaN", lambda: Q.average_ranks([1.0, math.nan]), ValueError,
+         "values must be finite, got nan at index 1"),
+        ("average_ranks 2-D", lambda: Q.average_ranks([[1.0, 2.0]]), ValueError,
+         r"values must have 1 dimension, got shape \(1, 2\)"),
+        ("average_ranks strings", lambda: Q.average_ranks(["a", "b"]), TypeError,
+         "values must hold real numbers"),
+        ("rank_correlation lengths", lambda: rank_correlation([1, 2, 3], [1, 2]), ValueError,
+         "a and b must have one length, got 3 and 2"),
+        ("rank_correlation NaN", lambda: rank_correlation([1, 2, 3], [1, math.nan, 2]),
+         ValueError, "b must be finite, got nan at index 1"),
+        ("rank_correlation too short", lambda: rank_correlation([1], [2]), ValueError,
+         "a must have at least 2 entries, got 1"),
+        ("rank_correlation constant b", lambda: rank_correlation([1, 2], [5, 5]), ValueError,
+         r"b is constant \(every value 5.0"),
+        ("rank_correlation bools", lambda: rank_correlation([True, False], [1, 2]), TypeError,
+         "a must hold real numbers, got dtype bool"),
+        ("mismatch_study prepared", lambda: Q.mismatch_study(object()), TypeError,
+         r"prepared must be the Prepared of run.prepare \(with .config\), got object"),
+        ("mismatch_study prompts", lambda: Q.mismatch_study(prepared, prompts=17), ValueError,
+         r"prompts must be an integer in \[1, 16\] \(the test prompts\), got 17"),
+        ("mismatch_study one sampler string",
+         lambda: Q.mismatch_study(prepared, 4, samplers="int8"), ValueError,
+         "samplers must be a sequence of distinct keys of SAMPLERS .* got 'int8'"),
+        ("mismatch_study seeds", lambda: Q.mismatch_study(prepared, 4, seeds=[2]), ValueError,
+         r"seeds must be distinct students in \[0, 2\), at least one, got \[2\]"),
+        ("mismatch_study_record config",
+         lambda: Q.mismatch_study_record(prepared), TypeError,
+         "config must be an ExperimentConfig, got SimpleNamespace"),
+        ("mismatch_study_record prompts",
+         lambda: Q.mismatch_study_record(TINY, prompts=0), ValueError,
+         r"prompts must be an integer in \[1, 16\]"),
+    ]
+
+
+@pytest.mark.parametrize("case", _refusals(), ids=lambda case: case[0])
+def test_every_public_function_names_a_malformed_argument(case):
+    _, call, error, message = case
+    with pytest.raises(error, match=message):
+        call()
