@@ -243,6 +243,9 @@ def select(mask: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(values over mask) / max(number of masked-in entries, 1); masked-out entries ignored.
 
+    ``values`` in a compute dtype (float32 or float64, as ``compute_dtype`` gives): the count
+    is converted to that dtype, which in bfloat16 would round 257 to 256.
+
     Examples
     --------
     >>> import torch
@@ -253,7 +256,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def lengths(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Tokens per response of a (B, T) bool mask, (B,), at least 1 (an empty mean is 0, not 0/0)."""
+    """Tokens per response of a (B, T) bool mask, (B,), at least 1 (an empty mean is 0, not 0/0),
+    in ``dtype``, a compute dtype (float32 or float64: a half type would round the counts)."""
     return mask.sum(dim=1).clamp_min(1).to(dtype)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -18,7 +19,24 @@ import torch
 
 import opd_literate
 from opd_literate import _numerics, opd
-from opd_literate._numerics import MAX_LOG_RATIO, check_band, exp_ratio, masked_mean, select
+from opd_literate._numerics import (
+    MAX_LOG_RATIO,
+    REDUCTIONS,
+    aggregate,
+    check_band,
+    check_finite_number,
+    check_float_tensor,
+    check_mask,
+    check_real_array,
+    check_reduction,
+    check_same_shape,
+    compute_dtype,
+    exp_ratio,
+    kl_to_mixture,
+    lengths,
+    masked_mean,
+    select,
+)
 from opd_literate.large_vocab import chunked
 from opd_literate.mismatch import correction, estimators, opd_mismatch
 
@@ -273,3 +291,395 @@ def test_the_chunked_wrappers_check_once(monkeypatch):
     chunked.chunked_generalized_jsd(hidden, weight, torch.tensor([1, 0, 1]),
                                     teacher_logits=torch.randn(3, 4), chunk_size=1)
     assert len(masks) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Each check and each numeric helper, value by value (what mutation testing asked for): every
+# message compared whole, every bound on both sides, every reduction on numbers done by hand.
+# ---------------------------------------------------------------------------------------------
+def _raises(exception, message):
+    """``pytest.raises`` that wants exactly ``message``, nothing more or less."""
+    return pytest.raises(exception, match=f"^{re.escape(message)}$")
+
+
+class TestCheckFloatTensor:
+    def test_a_floating_tensor_passes_with_any_ndim_when_none(self):
+        for shape in [(), (3,), (2, 3, 4)]:
+            assert check_float_tensor("x", torch.zeros(shape), None) is None
+        assert check_float_tensor("x", torch.zeros(2, 3, dtype=torch.float16), 2) is None
+
+    def test_the_messages(self):
+        with _raises(TypeError, "logits must be a torch.Tensor, got list"):
+            check_float_tensor("logits", [1.0], None)
+        with _raises(TypeError, "logits must be a torch.Tensor, got ndarray"):
+            check_float_tensor("logits", np.zeros(2), 1)
+        with _raises(TypeError, "logits must have a floating dtype, got torch.int64"):
+            check_float_tensor("logits", torch.zeros(2, dtype=torch.int64), 1)
+        with _raises(TypeError, "logits must have a floating dtype, got torch.bool"):
+            check_float_tensor("logits", torch.zeros(2, dtype=torch.bool), 1)
+        with _raises(ValueError, "logits must have 2 dimensions, got shape (3,) (1 dimensions)"):
+            check_float_tensor("logits", torch.zeros(3), 2)
+        with _raises(ValueError, "h must have 3 dimensions, got shape (2, 0) (2 dimensions)"):
+            check_float_tensor("h", torch.zeros(2, 0), 3)
+
+
+def test_check_same_shape_refuses_even_a_broadcastable_shape():
+    assert check_same_shape("student", torch.zeros(2, 3), "teacher", torch.ones(2, 3)) is None
+    with _raises(ValueError, "teacher must have the same shape as student (2, 3), got (3, 2)"):
+        check_same_shape("student", torch.zeros(2, 3), "teacher", torch.zeros(3, 2))
+    with _raises(ValueError, "b must have the same shape as a (2, 3), got (2, 1)"):
+        check_same_shape("a", torch.zeros(2, 3), "b", torch.zeros(2, 1))  # would broadcast
+
+
+class TestCheckMask:
+    def test_a_bool_mask_is_returned_as_it_is(self):
+        mask = torch.tensor([[True, False]])
+        assert check_mask(mask, "loss", (1, 2)) is mask
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.float32, torch.float64])
+    def test_an_integer_or_floating_mask_becomes_the_bool_of_its_ones(self, dtype):
+        out = check_mask(torch.tensor([[0, 1, 1], [1, 0, 0]], dtype=dtype), "loss", [2, 3])
+        assert out.dtype == torch.bool
+        assert out.tolist() == [[False, True, True], [True, False, False]]
+
+    def test_the_messages(self):
+        with _raises(TypeError, "mask must be a torch.Tensor, got list"):
+            check_mask([[1, 0]], "loss", (1, 2))
+        with _raises(ValueError, "mask must have the shape of loss (2, 4), got (2, 3)"):
+            check_mask(torch.ones(2, 3), "loss", (2, 4))
+        with _raises(ValueError, "mask must have the shape of logits (2,), got (1, 2)"):
+            check_mask(torch.ones(1, 2), "logits", [2])  # no broadcasting either
+        with _raises(TypeError, "mask must be bool, integer or floating, got torch.complex64"):
+            check_mask(torch.ones(2, dtype=torch.complex64), "loss", (2,))
+
+    def test_a_value_other_than_0_or_1_is_named_the_first_in_row_major_order(self):
+        with _raises(ValueError, "mask values must be 0 or 1, found 2"):
+            check_mask(torch.tensor([[1, 0], [2, 3]]), "loss", (2, 2))
+        with _raises(ValueError, "mask values must be 0 or 1, found 0.5"):
+            check_mask(torch.tensor([1.0, 0.5, -1.0]), "loss", (3,))
+        with _raises(ValueError, "mask values must be 0 or 1, found nan"):
+            check_mask(torch.tensor([math.nan]), "loss", (1,))
+
+
+class TestCheckFiniteNumber:
+    @pytest.mark.parametrize("value, expected", [
+        (0.5, 0.5), (3, 3.0), (-2, -2.0), (np.float64(0.25), 0.25), (np.float32(0.5), 0.5),
+        (np.int64(2), 2.0), (torch.tensor(0.5), 0.5), (torch.tensor(4), 4.0),
+    ])
+    def test_a_real_number_comes_back_as_a_float(self, value, expected):
+        out = check_finite_number("beta", value)
+        assert type(out) is float and out == expected
+
+    @pytest.mark.parametrize("value", [True, False, np.True_, np.False_, torch.tensor(True),
+                                       "0.5", b"0.5", bytearray(b"1")])
+    def test_a_bool_or_a_string_is_refused_although_float_accepts_it(self, value):
+        float(value)  # what a plain float() would have let through
+        # the message: the argument, the type's name and the value's repr
+        message = f"beta must be a real number, got {type(value).__name__} {value!r}"
+        with _raises(TypeError, message):
+            check_finite_number("beta", value)
+
+    def test_the_type_names_in_the_bool_and_string_messages(self):
+        with _raises(TypeError, "beta must be a real number, got bool True"):
+            check_finite_number("beta", True)
+        with _raises(TypeError, "gamma must be a real number, got str '0.5'"):
+            check_finite_number("gamma", "0.5")
+        with _raises(TypeError, "gamma must be a real number, got Tensor tensor(True)"):
+            check_finite_number("gamma", torch.tensor(True))
+
+    @pytest.mark.parametrize("value, shown", [(None, "None"), ([1.0], "[1.0]"), (1j, "1j")])
+    def test_what_float_refuses_is_a_type_error(self, value, shown):
+        with _raises(TypeError, f"beta must be a real number, got {shown}"):
+            check_finite_number("beta", value)
+
+    @pytest.mark.parametrize("value", [10**400, -(10**400)])
+    def test_an_int_beyond_floats_range_gives_its_digit_count(self, value):
+        with _raises(ValueError, "beta must be a finite number, got an int of 401 digits"):
+            check_finite_number("beta", value, allow_inf=True)
+
+    def test_nan_always_and_infinity_unless_allowed(self):
+        with _raises(ValueError, "beta must be a finite number, got nan"):
+            check_finite_number("beta", math.nan, allow_inf=True)
+        with _raises(ValueError, "beta must be a finite number, got inf"):
+            check_finite_number("beta", math.inf)
+        with _raises(ValueError, "beta must be a finite number, got -inf"):
+            check_finite_number("beta", -math.inf)
+        assert check_finite_number("beta", math.inf, allow_inf=True) == math.inf
+        assert check_finite_number("beta", -math.inf, allow_inf=True) == -math.inf
+
+    def test_low_and_high_are_inclusive(self):
+        assert check_finite_number("gamma", 0, low=0.0) == 0.0
+        assert check_finite_number("gamma", 1, high=1.0) == 1.0
+        assert check_finite_number("gamma", 0.5, low=0.5, high=0.5) == 0.5
+        with _raises(ValueError, "gamma must be >= 0.0, got -0.1"):
+            check_finite_number("gamma", -0.1, low=0.0)
+        with _raises(ValueError, "gamma must be <= 1.0, got 1.5"):
+            check_finite_number("gamma", 1.5, high=1.0)
+        with _raises(ValueError, "gamma must be <= 1.0, got 1.0000000000000002"):
+            check_finite_number("gamma", math.nextafter(1.0, 2.0), low=0.0, high=1.0)
+        with _raises(ValueError, "gamma must be <= 2, got inf"):
+            check_finite_number("gamma", math.inf, high=2, allow_inf=True)
+        with _raises(ValueError, "gamma must be >= 0.0, got -inf"):
+            check_finite_number("gamma", -math.inf, low=0.0, allow_inf=True)
+
+    def test_positive_excludes_zero_only(self):
+        assert check_finite_number("temperature", 5e-324, positive=True) == 5e-324
+        for zero in [0, 0.0, -0.0]:
+            with _raises(ValueError, f"temperature must be > 0, got {zero!r}"):
+                check_finite_number("temperature", zero, positive=True)
+        with _raises(ValueError, "temperature must be > 0, got -1"):
+            check_finite_number("temperature", -1, positive=True)
+        assert check_finite_number("temperature", 0, positive=False) == 0.0
+
+
+def test_check_band_names_each_bound_in_each_rule():
+    with _raises(ValueError, "lower must be >= 0.0, got -0.5"):  # cap=True: low still >= 0
+        check_band(-0.5, 2.0, "lower", "rollout_is_threshold", cap=True)
+    assert check_band(0, 0.5, "lower", "rollout_is_threshold", cap=True) == (0.0, 0.5)
+    with _raises(ValueError, "high must be a finite number, got nan"):
+        check_band(0.5, math.nan)
+    with _raises(ValueError, "rollout_is_threshold must be a finite number, got nan"):
+        check_band(0.5, math.nan, "lower", "rollout_is_threshold", cap=True)
+    with _raises(ValueError, "low must be <= high, got low=2.0 > high=1.0"):
+        check_band(2, 1)
+    assert check_band(1, 1) == (1.0, 1.0)  # an empty-width band is in order
+
+
+def test_check_reduction_accepts_the_seven_names_and_lists_them_when_refusing():
+    assert len(REDUCTIONS) == 7  # verl's five, "sum", "token-sum-norm" (REDUCTIONS' docstring)
+    for name in REDUCTIONS:
+        assert check_reduction(name) is None
+    with _raises(ValueError, f"reduction must be one of {REDUCTIONS}, got 'mean'"):
+        check_reduction("mean")
+    with _raises(ValueError, f"reduction must be one of {REDUCTIONS}, got None"):
+        check_reduction(None)
+
+
+@pytest.mark.parametrize("dtypes, expected", [
+    ((torch.float16,), torch.float32),  # half types are computed in float32
+    ((torch.bfloat16,), torch.float32),
+    ((torch.bfloat16, torch.float16), torch.float32),
+    ((torch.float32,), torch.float32),
+    ((torch.float64,), torch.float64),
+    ((torch.float16, torch.float64), torch.float64),  # promotion first, then the half rule
+    ((torch.float32, torch.float64), torch.float64),
+    ((torch.float32, torch.float32, torch.float64), torch.float64),
+    ((torch.bfloat16, torch.float32), torch.float32),
+])
+def test_compute_dtype_promotes_then_lifts_half_to_float32(dtypes, expected):
+    assert compute_dtype(*(torch.zeros(1, dtype=d) for d in dtypes)) == expected
+
+
+def test_masked_mean_of_one_entry_is_that_entry():
+    assert masked_mean(torch.tensor([5.0, math.nan]), torch.tensor([True, False])).item() == 5.0
+    assert masked_mean(torch.tensor([7.0]), torch.tensor([False])).item() == 0.0  # 0 / max(0, 1)
+
+
+def test_lengths_count_each_row_at_least_one_in_the_dtype_asked():
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
+    out = lengths(mask, torch.float64)
+    assert out.dtype == torch.float64 and out.tolist() == [2.0, 1.0, 1.0]
+
+
+# A (3, 5) loss: 7 over three tokens, 8 over one, an empty row; NaN and -inf where masked out.
+_NAN, _NINF = math.nan, -math.inf
+AGG_LOSS = [[1.0, 2.0, 4.0, _NAN, _NINF], [8.0, _NAN, _NAN, _NINF, 3.0], [_NAN] * 5]
+AGG_MASK = [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0] * 5]
+# By hand: 4 tokens, B = 3 rows, T = 5 columns, row sums 7, 8, 0, row lengths 3, 1, 0 -> 1.
+AGG_BY_HAND = {
+    "token-mean": 15 / 4,
+    "sum": 15.0,
+    "token-sum": 15.0,
+    "token-sum-norm": 15 / 5,
+    "seq-mean-token-sum": (7 + 8 + 0) / 3,
+    "seq-mean-token-mean": (7 / 3 + 8 / 1 + 0 / 1) / 3,
+    "seq-mean-token-sum-norm": (7 + 8 + 0) / 3 / 5,
+}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_aggregate_each_reduction_by_hand(reduction):
+    loss = torch.tensor(AGG_LOSS, dtype=torch.float64, requires_grad=True)
+    out = aggregate(loss, torch.tensor(AGG_MASK, dtype=torch.bool), reduction)
+    assert out.dtype == torch.float64
+    assert out.item() == pytest.approx(AGG_BY_HAND[reduction], rel=1e-15)
+    out.backward()
+    assert torch.isfinite(loss.grad).all() and (loss.grad[torch.tensor(AGG_MASK) == 0] == 0).all()
+
+
+def test_the_hand_values_tell_the_reductions_apart():
+    """Else a mixed-up branch could go unseen (``"sum"`` and ``"token-sum"`` are one)."""
+    assert len(set(AGG_BY_HAND.values())) == 6
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_aggregate_of_a_single_token_is_that_token(reduction):
+    """B = T = 1: every reduction divides by 1 (the max(., 1) guards do not round up)."""
+    out = aggregate(torch.tensor([[6.0]]), torch.tensor([[True]]), reduction)
+    assert out.item() == 6.0
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0), (0, 0)])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_aggregate_of_an_empty_batch_is_zero_not_nan(reduction, shape):
+    out = aggregate(torch.zeros(shape), torch.zeros(shape, dtype=torch.bool), reduction)
+    assert out.item() == 0.0
+
+
+class TestKlToMixture:
+    """Values and gradients derived by hand from KL(a || m) = sum_v a_v log(a_v / m_v)."""
+
+    def test_equal_distributions_give_exactly_zero(self):
+        log_p = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64).log()
+        assert kl_to_mixture(log_p, log_p).item() == 0.0  # u = 0: expm1(0) - 0 is exactly 0
+
+    def test_a_one_hot_against_a_uniform_pair_is_log_2(self):
+        log_a = torch.tensor([0.0, -math.inf], dtype=torch.float64)
+        log_m = torch.tensor([0.5, 0.5], dtype=torch.float64).log()
+        assert kl_to_mixture(log_a, log_m).item() == pytest.approx(math.log(2), rel=1e-15)
+
+    def test_support_off_support_and_padding_with_their_gradients(self):
+        # a = (1/2, 1/2, 0, 0), m = (1/4, 1/2, 1/4, 0): the last entry is padding (both 0).
+        log_a = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64).log().requires_grad_()
+        log_m = torch.tensor([0.25, 0.5, 0.25, 0.0], dtype=torch.float64).log().requires_grad_()
+        kl = kl_to_mixture(log_a, log_m)
+        assert kl.item() == pytest.approx(math.log(2) / 2, rel=1e-15)  # 1/2 log 2 + 1/2 log 1
+        kl.backward()
+        # d/d log m_v: a_v (e^u - 1) = m_v - a_v on a's support, m_v off it, 0 on padding
+        assert log_m.grad.tolist() == pytest.approx([-0.25, 0.0, 0.25, 0.0], abs=1e-15)
+        # d/d log a_v of a_v phi(u_v) is -a_v u_v = a_v log(a_v / m_v); 0 off the support
+        assert log_a.grad.tolist() == pytest.approx([math.log(2) / 2, 0.0, 0.0, 0.0], abs=1e-15)
+
+    def test_both_branches_at_and_beyond_u_equal_1(self):
+        # u_v = log m_v - log a_v = 1 (the boundary), 1.5 (between 1 and 2) and 3 (large),
+        # and a fourth entry that makes a and m sum to 1 (u < 0 there)
+        log_a3 = [-2.0, -3.0, -5.0]
+        log_m3 = [-1.0, -1.5, -2.0]
+        a4 = 1 - sum(math.exp(x) for x in log_a3)
+        m4 = 1 - sum(math.exp(x) for x in log_m3)
+        log_a = torch.tensor(log_a3 + [math.log(a4)], dtype=torch.float64)
+        log_m = torch.tensor(log_m3 + [math.log(m4)], dtype=torch.float64)
+        # the plain sum of a_v (log a_v - log m_v), term by term (no cancellation at this size)
+        expected = (math.exp(-2.0) * -1.0 + math.exp(-3.0) * -1.5 + math.exp(-5.0) * -3.0
+                    + a4 * math.log(a4 / m4))
+        assert kl_to_mixture(log_a, log_m).item() == pytest.approx(expected, rel=1e-13)
+        # each entry alone: a_v phi(u_v) = a_v (e^u - 1 - u) (not a KL: a, m sum below 1)
+        for la, lm in zip(log_a3, log_m3):
+            u = lm - la
+            alone = kl_to_mixture(torch.tensor([la], dtype=torch.float64),
+                                  torch.tensor([lm], dtype=torch.float64))
+            assert alone.item() == pytest.approx(math.exp(la) * (math.exp(u) - 1 - u), rel=1e-13)
+
+    def test_no_cancellation_when_a_is_close_to_m(self):
+        # a = (1/2 + d, 1/2 - d), m = (1/2, 1/2): KL = x^2/2 + x^4/12 + ... with x = 2d, about
+        # 2e-12, while the terms a_v |u_v| are about 1e-6. The expected value is the sum of
+        # a_v phi(u_v) by phi's series u^2/2 + u^3/6 + u^4/24 (u = 2e-6: the next term is 1e-32).
+        # The first-order form m - a (1 + u) would be off by ~1e-16 / 2e-12 = 5e-5 relatively.
+        d = 1e-6
+        log_a = [math.log(0.5 + d), math.log(0.5 - d)]
+        log_m = [math.log(0.5)] * 2
+        expected = 0.0
+        for la, lm in zip(log_a, log_m):
+            u = lm - la  # exact: two floats within a factor 2 of each other (Sterbenz)
+            expected += math.exp(la) * (u**2 / 2 + u**3 / 6 + u**4 / 24)
+        assert expected == pytest.approx(2 * d**2, rel=1e-3, abs=0)  # the leading term
+        out = kl_to_mixture(torch.tensor(log_a, dtype=torch.float64),
+                            torch.tensor(log_m, dtype=torch.float64))
+        # abs=0: approx's default absolute 1e-12 would swallow the whole 2e-12
+        assert out.item() == pytest.approx(expected, rel=1e-7, abs=0)  # expm1(u) - u: 1e-10
+
+    def test_over_the_last_axis_of_a_batch_and_in_float32(self):
+        a = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+        m = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25]])
+        out = kl_to_mixture(a.log(), m.log())
+        assert out.shape == (2,) and out.dtype == torch.float32
+        assert out.tolist() == pytest.approx([math.log(2) / 2, math.log(2)], rel=1e-6)
+
+
+def test_exp_ratio_at_the_overflow_boundary_and_its_whole_message():
+    at = np.array([MAX_LOG_RATIO])  # exp is finite here (test above): not an overflow
+    np.testing.assert_array_equal(exp_ratio(at, "per-token", {}), np.exp(at))
+    above = np.array([[0.0], [np.nextafter(MAX_LOG_RATIO, np.inf)]])
+    with _raises(ValueError, "the sequence importance ratios overflow float64 (log ratio up to "
+                             "710 > 709.8) at mismatch=None: the sampler gives some sequences a "
+                             "probability that underflows; use a smaller mismatch"):
+        exp_ratio(above, "sequence", {})
+
+
+def _real_array(name, values, *args, **kwargs):
+    """``check_real_array``, called in one place (its signature is still settling)."""
+    return check_real_array(name, values, *args, **kwargs)
+
+
+class TestCheckRealArray:
+    @pytest.mark.parametrize("values, expected", [
+        ([1, 2.5], [1.0, 2.5]), ((1, 2.5), [1.0, 2.5]),
+        (np.array([1.0, 2.5], dtype=np.float32), [1.0, 2.5]),
+        (np.arange(3, dtype=np.uint8), [0.0, 1.0, 2.0]),
+        (torch.tensor([1.0, 2.5], requires_grad=True), [1.0, 2.5]),  # detached, not refused
+        (torch.tensor([1.0, 2.5], dtype=torch.bfloat16), [1.0, 2.5]),  # numpy cannot read bf16
+        (torch.tensor([1, 2]), [1.0, 2.0]),
+    ])
+    def test_lists_tuples_arrays_and_tensors_come_back_as_float64(self, values, expected):
+        out = _real_array("x", values)
+        assert isinstance(out, np.ndarray) and out.dtype == np.float64
+        assert out.tolist() == expected
+
+    def test_the_defaults_one_dimension_any_size_finite(self):
+        assert _real_array("x", []).shape == (0,)  # min_size 0 by default
+        with _raises(ValueError, "x must have 1 dimension, got shape (1, 1)"):
+            _real_array("x", [[1.0]])
+        with _raises(ValueError, "x must be finite, got inf at index 1"):
+            _real_array("x", [0.0, math.inf])
+
+    def test_ndim(self):
+        assert _real_array("x", [[1.0], [2.0]], None).shape == (2, 1)
+        assert _real_array("x", 3, None).shape == ()
+        assert _real_array("x", [[1.0], [2.0]], 2).shape == (2, 1)
+        with _raises(ValueError, "curves must have 2 dimensions, got shape (3,)"):
+            _real_array("curves", [1.0, 2.0, 3.0], 2)
+        with _raises(ValueError, "x must have 0 dimensions, got shape (1,)"):
+            _real_array("x", [1.0], 0)
+
+    def test_min_size_is_inclusive(self):
+        assert _real_array("samples", [1.0, 2.0], min_size=2).size == 2
+        with _raises(ValueError, "samples must have at least 2 entries, got 1"):
+            _real_array("samples", [1.0], min_size=2)
+        with _raises(ValueError, "samples must have at least 1 entries, got 0"):
+            _real_array("samples", [], min_size=1)
+
+    def test_the_first_non_finite_entry_is_named_with_its_index(self):
+        with _raises(ValueError, "x must be finite, got nan at index (1, 0)"):
+            _real_array("x", [[0.0, 1.0], [math.nan, -math.inf]], 2)
+        with _raises(ValueError, "x must be finite, got -inf at index 0"):
+            _real_array("x", [-math.inf, math.nan])
+        out = _real_array("x", [math.nan, -math.inf], finite=False)
+        assert math.isnan(out[0]) and out[1] == -math.inf
+
+    @pytest.mark.parametrize("values, dtype", [
+        ([True, False], "bool"), ([1 + 2j], "complex128"), (["1.0"], "<U3"), ([None], "object"),
+        (np.array([1, 2], dtype="datetime64[s]"), "datetime64[s]"),
+    ])
+    def test_what_is_not_a_real_number_is_a_type_error(self, values, dtype):
+        with _raises(TypeError, f"x must hold real numbers, got dtype {dtype} (a bool, a complex "
+                                "number, a string or None?)"):
+            _real_array("x", values)
+
+    @pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+    def test_a_bool_or_complex_tensor_is_a_type_error(self, dtype):
+        with _raises(TypeError, f"x must hold real numbers, got a tensor of {dtype}"):
+            _real_array("x", torch.zeros(2, dtype=dtype))
+
+    def test_an_object_with_only_a_cpu_method_is_not_taken_for_a_tensor(self):
+        class OnlyCpu:
+            def cpu(self):
+                return self
+
+        with _raises(TypeError, "x must hold real numbers, got dtype object (a bool, a complex "
+                                "number, a string or None?)"):
+            _real_array("x", OnlyCpu(), None)
+
+    def test_a_ragged_list_is_a_value_error_that_quotes_numpy(self):
+        with pytest.raises(ValueError, match=r"^x must be a rectangular array of real numbers "
+                                             r"\(.+\)$"):
+            _real_array("x", [[1.0, 2.0], [3.0]], 2)
