@@ -459,6 +459,7 @@ def _engine():
               "With the mask replayed, `seq_is`'s relative bias against the gradient of the "
               f"truncated policy's own objective is {own:.1e} (float64 rounding)."]
     _write("engine_top_p_table.md", "\n".join(lines) + "\n")
+    _engine_samplers()
 
     temperatures = np.round(np.linspace(0.5, 1.5, 11), 2)
     top_ps = np.round(np.linspace(0.8, 1.0, 11), 2)
@@ -485,6 +486,57 @@ def _engine():
                columnspacing=1.0, handlelength=2.2)
     fig.tight_layout(rect=(0, 0.2, 1, 1))
     _write("engine_bias.svg", svg_bytes(fig))
+
+
+SAMPLER_NAMES = {"exact": "exact", "vllm": "vLLM", "transformers": "transformers",
+                 "sglang": "SGLang"}
+
+
+def _engine_samplers():
+    """Which nucleus (mismatch chapter): each sampler's biases on the boundary toy, and where
+    its kept sets differ from the exact nucleus on every two-decimal distribution."""
+    from opd_literate.mismatch.engine import (
+        SAMPLERS,
+        boundary_toy,
+        engine_toy,
+        nucleus_disagreement,
+    )
+    from opd_literate.mismatch.estimators import comparison_table
+
+    toy = boundary_toy()
+    engines = {s: engine_toy(toy, top_p=0.8, sampler=s) for s in SAMPLERS}
+    values = {s: [row["rel_bias"] for row in comparison_table(e, names=ENGINE_ESTIMATORS, N=64)]
+              for s, e in engines.items()}
+    lines = ["| estimator | " + " | ".join(SAMPLER_NAMES[s] for s in SAMPLERS) + " |",
+             "| --- | " + " | ".join("---:" for _ in SAMPLERS) + " |"]
+    for i, name in enumerate(ENGINE_ESTIMATORS):
+        lines.append(f"| `{name}` | " + " | ".join(f"{values[s][i]:.3f}" for s in SAMPLERS)
+                     + " |")
+    lines.append("| sequences written | " + " | ".join(f"{len(engines[s]['Y'])}" for s in SAMPLERS)
+                 + " |")
+    lines.append("| mass cut | " + " | ".join(f"{engines[s]['truncated_mass']:.3f}"
+                                            for s in SAMPLERS) + " |")
+    _write("engine_samplers_table.md", "\n".join(lines) + "\n")
+
+    stats = {s: nucleus_disagreement(s) for s in SAMPLERS}
+    first = stats["exact"]
+    lines = ["| sampler | rows kept otherwise | more tokens | as many, others | largest "
+             "difference of kept mass | where |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for s in SAMPLERS:
+        d = stats[s]
+        where = (f"{tuple(d['worst']['probs'])} at top-p {d['worst']['top_p']:.2f}"
+                 if d["differ"] else "")
+        lines.append(f"| {SAMPLER_NAMES[s]} | {d['differ']:,} ({100 * d['fraction']:.2f}%) | "
+                     f"{d['more']:,} | {d['swapped']:,} | {d['max_mass_difference']:.2f} | "
+                     f"{where} |")
+    lines += ["", f"The rows: the {first['distributions']:,} distributions of {first['V']} tokens "
+              f"whose probabilities are positive multiples of 1/{first['resolution']}, each at the "
+              f"{first['resolution'] - 1} top-p values 1/{first['resolution']} to "
+              f"{first['resolution'] - 1}/{first['resolution']}: {first['rows']:,} rows, "
+              f"{first['boundary']:,} ({100 * first['boundary'] / first['rows']:.2f}%) of them on "
+              "the exact rule's boundary, where the tokens ranked above one carry exactly $p$."]
+    _write("engine_nucleus_table.md", "\n".join(lines) + "\n")
 
 
 TASK_REWARD_COEFS = (0.0, 0.1, 0.3, 1.0, 3.0)
@@ -534,24 +586,38 @@ CLAMP_STUDY = DOCS / "data" / "experiment" / "clamp_study.json"
 
 def _tinylm_clamps():
     """verl's clamp on the experiment's teacher against its students (large-vocabulary chapter),
-    from docs/data/experiment/clamp_study.json (``--clamp-study``: two minutes, too long here)."""
+    from docs/data/experiment/clamp_study.json (``--clamp-study``: two minutes, too long here):
+    the clamps of the config verl's trainer composes (``rows``), then the dataclass's
+    (``dataclass_rows``)."""
     record = json.loads(CLAMP_STUDY.read_text())
     seeds = sorted({row["seed"] for row in record["rows"]})
-    lines = ["| k | positions clamped | share of the gradient lost | $P > Q$ "
-             "| gradient error, verl's (c) | gradient error, tail bucket (b) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def spread(rows, key):
         values = [row[key] for row in rows]
         return f"{np.mean(values):.3f} ({min(values):.3f} to {max(values):.3f})"
 
-    for k in record["ks"]:
-        rows = [row for row in record["rows"] if row["k"] == k]
-        lines.append(f"| {k} | " + " | ".join(spread(rows, key) for key in (
-            "clamped", "lost", "p_above_q", "c_grad_error", "b_grad_error")) + " |")
-    lines += ["", f"Mean over the {len(seeds)} weak students (smallest to largest), every state of "
-              f"their answers to {record['prompts']} test prompts weighted by the student's "
-              "probability of reaching it."]
+    def table(rows_of_record):
+        lines = ["| k | positions clamped | share of the gradient lost | $P > Q$ "
+                 "| gradient error, verl's (c) | gradient error, tail bucket (b) |",
+                 "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for k in record["ks"]:
+            rows = [row for row in rows_of_record if row["k"] == k]
+            lines.append(f"| {k} | " + " | ".join(spread(rows, key) for key in (
+                "clamped", "lost", "p_above_q", "c_grad_error", "b_grad_error")) + " |")
+        return lines
+
+    def clamps(setting):
+        return ", ".join(f"`{name}: {'null' if value is None else f'{value:g}'}`"
+                         for name, value in setting.items())
+
+    lines = [f"The config verl's trainer composes ({clamps(record['clamps'])}):", "",
+             *table(record["rows"]), "",
+             f"With the `DistillationLossConfig` dataclass's clamps switched on "
+             f"({clamps(record['dataclass_clamps'])}), on the same states:", "",
+             *table(record["dataclass_rows"]), "",
+             f"Mean over the {len(seeds)} weak students (smallest to largest), every state of "
+             f"their answers to {record['prompts']} test prompts weighted by the student's "
+             "probability of reaching it."]
     _write("tinylm_clamps_table.md", "\n".join(lines) + "\n")
 
 
@@ -784,7 +850,8 @@ GENERATORS = (
     (_gradient_agreement, ("gradient_agreement.md",)),
     (_handout, ("handout_*",)),
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
-    (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg")),
+    (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg",
+               "engine_samplers_table.md", "engine_nucleus_table.md")),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
     (_supports, ("supports_table.md", "supports_bias.svg")),

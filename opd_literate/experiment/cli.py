@@ -81,8 +81,9 @@ def build_parser():
                              "the OPD chapter, from the configuration's weak student) to --out")
     parser.add_argument("--clamp-study", action="store_true",
                         help="instead of training, write clamp_study.json (verl's clamped top-k "
-                             "forward KL on the teacher against the weak students, exactly; the "
-                             "large-vocabulary chapter's table) to --out")
+                             "forward KL on the teacher against the weak students, exactly, with "
+                             "the clamps of the config verl's trainer composes and with its "
+                             "dataclass's; the large-vocabulary chapter's tables) to --out")
     parser.add_argument("--tinylm-mismatch", action="store_true",
                         help="instead of training, write tinylm_mismatch.json (the weak students "
                              "run as int8/int4/bf16/fp16 samplers: their mismatch, and every "

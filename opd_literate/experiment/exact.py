@@ -18,17 +18,71 @@ position $t$. Any expectation over the model's own answers of a per-position qua
 $\mathbb{E}_\pi\bigl[\sum_t f(x, y_{<t})\bigr] = \sum_{t, y_{<t}} P_\pi(y_{<t})\, f(x, y_{<t})$.
 
 :func:`answer_states` lists the states of some prompts (independent of any model), and
-:func:`reach_log_probs` their log-probabilities under a model.
+:func:`reach_log_probs` their log-probabilities under a model. Every function checks its
+arguments: prompts a ``(B, L)`` long tensor, states the dict of :func:`answer_states` (its keys,
+dtypes and lengths, and prompt indices that exist), logits floating (an integer tensor is a
+``TypeError``, not torch's ``NotImplementedError`` from inside the softmax), of the states'
+length, with no NaN or $+\infty$ (a ``-inf`` logit is a token of probability 0, a row of them
+is refused); half precision is computed in float32.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .._numerics import check_float_tensor, compute_dtype
 from .tinylm import EOS, PAD, V
 
-__all__ = ["answer_states", "state_contexts", "state_logits", "reach_log_probs",
+__all__ = ["STATE_KEYS", "answer_states", "state_contexts", "state_logits", "reach_log_probs",
            "clamp_study_on_tinylm", "CLAMP_STUDY_KEYS", "clamp_study_record"]
+
+
+STATE_KEYS = ("prompt", "position", "prefix", "parent", "token")
+"""The keys of :func:`answer_states`' dict."""
+
+
+def _check_prompts(prompts):
+    if not isinstance(prompts, torch.Tensor) or prompts.dtype != torch.long or prompts.ndim != 2:
+        raise TypeError(f"prompts must be a (B, L) long tensor, got "
+                        f"{getattr(prompts, 'dtype', type(prompts).__name__)} of shape "
+                        f"{tuple(getattr(prompts, 'shape', ()))}")
+
+
+def _check_states(states, prompts=None):
+    """Raise unless ``states`` looks like :func:`answer_states`' dict (of ``prompts``)."""
+    if not isinstance(states, dict):
+        raise TypeError(f"states must be the dict of answer_states, got {type(states).__name__}")
+    missing = [key for key in STATE_KEYS if key not in states]
+    if missing:
+        raise ValueError(f"states is missing the keys {missing}; build it with answer_states")
+    for key in STATE_KEYS:
+        value = states[key]
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.long:
+            raise TypeError(f"states[{key!r}] must be a long tensor, got "
+                            f"{getattr(value, 'dtype', type(value).__name__)}")
+    if states["prompt"].ndim != 1 or states["prompt"].shape[0] < 1:
+        raise ValueError(f"states['prompt'] must have shape (N,) with N >= 1 states, got "
+                         f"{tuple(states['prompt'].shape)}")
+    N = states["prompt"].shape[0]
+    for key in STATE_KEYS[1:]:
+        ndim, want = (2, f"({N}, T)") if key == "prefix" else (1, f"({N},)")
+        if states[key].ndim != ndim or states[key].shape[0] != N:
+            raise ValueError(f"states[{key!r}] must have shape {want} like states['prompt'], "
+                             f"got {tuple(states[key].shape)}")
+    if bool((states["position"] < 0).any()) or bool(
+            (states["position"] >= states["prefix"].shape[-1]).any()):
+        raise ValueError(f"states['position'] must lie in [0, {states['prefix'].shape[-1]})")
+    if bool((states["parent"] >= torch.arange(N, device=states["parent"].device)).any()) or bool(
+            (states["parent"] < -1).any()):
+        raise ValueError("states['parent'] must index an earlier state (or be -1 at the root)")
+    if bool(((states["parent"] == -1) != (states["position"] == 0)).any()):
+        raise ValueError("states['parent'] must be -1 exactly at the states of position 0")
+    if prompts is not None and bool(((states["prompt"] < 0)
+                                     | (states["prompt"] >= prompts.shape[0])).any()):
+        raise ValueError(f"states['prompt'] must index the {prompts.shape[0]} prompts")
+    return N
 
 
 def answer_states(prompts, max_answer=4, vocab=V, eos=EOS):
@@ -62,10 +116,7 @@ def answer_states(prompts, max_answer=4, vocab=V, eos=EOS):
     >>> len(states["prompt"]), int((states["position"] == 3).sum())  # 2 * 2380, 2 * 13**3
     (4760, 4394)
     """
-    if not isinstance(prompts, torch.Tensor) or prompts.dtype != torch.long or prompts.ndim != 2:
-        raise TypeError(f"prompts must be a (B, L) long tensor, got "
-                        f"{getattr(prompts, 'dtype', type(prompts).__name__)} of shape "
-                        f"{tuple(getattr(prompts, 'shape', ()))}")
+    _check_prompts(prompts)
     if isinstance(max_answer, bool) or not isinstance(max_answer, int) or max_answer < 1:
         raise ValueError(f"max_answer must be an integer >= 1, got {max_answer!r}")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
@@ -104,6 +155,8 @@ def answer_states(prompts, max_answer=4, vocab=V, eos=EOS):
 def state_contexts(model, prompts, states):
     """The context window ``(N, L + T - 1)`` of every state, as ``model.context_at`` writes it:
     with ``states["position"]``, the input of ``model(contexts, positions)``."""
+    _check_prompts(prompts)
+    _check_states(states, prompts)
     contexts = torch.empty((len(states["prompt"]), prompts.shape[1] + states["prefix"].shape[1]
                             - 1), dtype=torch.long, device=prompts.device)
     for t in range(states["prefix"].shape[1]):
@@ -156,7 +209,19 @@ def reach_log_probs(logits, states):
     >>> round(float(reach[states["position"] == 1].sum()), 6) == round(1 - ended_at_1, 6)
     True
     """
-    log_p = torch.log_softmax(logits, -1)
+    N = _check_states(states)
+    check_float_tensor("logits", logits, None)
+    if logits.ndim < 2 or logits.shape[-2] != N or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., N, V) with N = {N} states and V >= 1, "
+                         f"got {tuple(logits.shape)}")
+    if bool(logits.isnan().any()) or bool((logits == math.inf).any()):
+        raise ValueError("logits must be finite or -inf (no NaN, no +inf)")
+    if bool((logits == -math.inf).all(-1).any()):
+        raise ValueError("logits must not be -inf at every token of a state (its softmax is NaN)")
+    if bool((states["token"][states["position"] > 0] >= logits.shape[-1]).any()) or bool(
+            (states["token"][states["position"] > 0] < 0).any()):
+        raise ValueError(f"states['token'] must be token ids in [0, V) = [0, {logits.shape[-1]})")
+    log_p = torch.log_softmax(logits.to(compute_dtype(logits)), -1)
     reach = torch.zeros(logits.shape[:-1], dtype=log_p.dtype, device=logits.device)
     for t in range(1, int(states["position"].max()) + 1):
         rows = torch.nonzero(states["position"] == t).squeeze(-1)
@@ -167,7 +232,54 @@ def reach_log_probs(logits, states):
     return reach
 
 
-def clamp_study_on_tinylm(prepared, prompts=200, ks=(1, 2, 4, 8)):
+def _check_ks(ks, vocab=V):
+    if isinstance(ks, (str, bytes)) or not hasattr(ks, "__iter__"):
+        raise TypeError(f"ks must be a sequence of report sizes, got {type(ks).__name__} {ks!r}")
+    ks = list(ks)
+    if not ks:
+        raise ValueError("ks must not be empty")
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+            raise ValueError(f"every k must be an integer in [1, V] = [1, {vocab}], got {k!r}")
+    return ks
+
+
+def _tinylm_states(prepared, prompts):
+    """The teacher's and the weak students' logits at every state of the first ``prompts`` test
+    prompts, and each student's probability of reaching each state (float64)."""
+    from .tinylm import EnsembleLM, make_prompts
+
+    for name in ("config", "test_pairs", "teacher", "student_state"):
+        if not hasattr(prepared, name):
+            raise TypeError(f"prepared must be the Prepared of run.prepare (with .{name}), got "
+                            f"{type(prepared).__name__}")
+    available = len(prepared.test_pairs)
+    if isinstance(prompts, bool) or not isinstance(prompts, int) or not 1 <= prompts <= available:
+        raise ValueError(f"prompts must be an integer in [1, {available}] (the test prompts), "
+                         f"got {prompts!r}")
+    config = prepared.config
+    prompt_ids = make_prompts(prepared.test_pairs[:prompts], config.digits)
+    states = answer_states(prompt_ids, prepared.teacher.max_answer)
+    teacher = state_logits(prepared.teacher, prompt_ids, states).double()
+    students = EnsembleLM(config.seeds, config.student_hidden, config.student_layers,
+                          digits=config.digits)
+    students.load_state_dict(prepared.student_state)
+    student_logits = state_logits(students, prompt_ids, states).double()  # (seeds, N, V)
+    return teacher, student_logits, reach_log_probs(student_logits, states).exp()
+
+
+def _studies(teacher, student_logits, reach, ks, settings):
+    from ..large_vocab.clamps import weighted_clamp_study
+
+    return [[{"seed": seed, **row}
+             for seed in range(student_logits.shape[0])
+             for row in weighted_clamp_study(student_logits[seed], teacher, reach[seed], ks,
+                                             **clamps)]
+            for clamps in settings]
+
+
+def clamp_study_on_tinylm(prepared, prompts=200, ks=(1, 2, 4, 8), *, log_prob_min_clamp=None,
+                          loss_max_clamp=None):
     r"""verl's clamped top-$k$ forward KL, on the experiment's teacher against its students.
 
     For the first ``prompts`` test prompts, every state of every weak student's own answers
@@ -181,33 +293,23 @@ def clamp_study_on_tinylm(prepared, prompts=200, ks=(1, 2, 4, 8)):
         From [opd_literate.experiment.run.prepare][]: the teacher and the students' initial
         weights.
     prompts : int
-        How many test prompts.
+        How many test prompts, at most ``len(prepared.test_pairs)``.
     ks : sequence of int
-        Report sizes, at most $V = 14$ (verl's default 128 would report the whole vocabulary).
+        Report sizes, at most $V = 14$ (the top-32 of the config verl's trainer composes, and
+        the dataclass's top-128, would report the whole vocabulary).
+    log_prob_min_clamp, loss_max_clamp : float or None
+        verl's clamps; by default none, as in the config verl's trainer composes
+        (``clamps.VERL_LOG_PROB_MIN_CLAMP``, ``clamps.VERL_LOSS_MAX_CLAMP``).
 
     Returns
     -------
     list of dict
         One row per (student seed, k): ``seed`` and the keys of ``weighted_clamp_study``.
     """
-    from ..large_vocab.clamps import weighted_clamp_study
-    from .tinylm import EnsembleLM, make_prompts
-
-    config = prepared.config
-    pairs = prepared.test_pairs[:prompts]
-    prompt_ids = make_prompts(pairs, config.digits)
-    states = answer_states(prompt_ids, prepared.teacher.max_answer)
-    teacher = state_logits(prepared.teacher, prompt_ids, states).double()
-    students = EnsembleLM(config.seeds, config.student_hidden, config.student_layers,
-                          digits=config.digits)
-    students.load_state_dict(prepared.student_state)
-    student_logits = state_logits(students, prompt_ids, states).double()  # (seeds, N, V)
-    reach = reach_log_probs(student_logits, states).exp()
-    rows = []
-    for seed in range(config.seeds):
-        for row in weighted_clamp_study(student_logits[seed], teacher, reach[seed], ks):
-            rows.append({"seed": seed, **row})
-    return rows
+    ks = _check_ks(ks)
+    states = _tinylm_states(prepared, prompts)
+    return _studies(*states, ks, [dict(log_prob_min_clamp=log_prob_min_clamp,
+                                       loss_max_clamp=loss_max_clamp)])[0]
 
 
 CLAMP_STUDY_KEYS = ("seed", "held_out", "val_prompts", "teacher_hidden", "teacher_layers",
@@ -219,14 +321,25 @@ the test prompts of :func:`clamp_study_on_tinylm`."""
 
 
 def clamp_study_record(config, prompts=200, ks=(1, 2, 4, 8), cache="read"):
-    """``clamp_study.json``: :func:`clamp_study_on_tinylm` with the settings it came from.
+    r"""``clamp_study.json``: :func:`clamp_study_on_tinylm` with the settings it came from.
 
-    Written by ``python -m opd_literate.experiment --clamp-study --out docs/data/experiment``
-    (about two minutes on 2 cores: the students' pretraining, the teacher from its cache, then
-    the exact sums); the docs build reads it.
+    ``rows`` are computed with the clamps of the config verl's trainer composes (none but the
+    $\max(\cdot, 0)$: ``clamps``), ``dataclass_rows`` with the ``DistillationLossConfig``
+    dataclass's clamps switched on (``dataclass_clamps``: $c = -10$, $M = 10$), on the same
+    states. Written by ``python -m opd_literate.experiment --clamp-study --out
+    docs/data/experiment`` (about two minutes on 2 cores: the students' pretraining, the teacher
+    from its cache, then the exact sums); the docs build reads it.
     """
+    from ..large_vocab import clamps as verl_clamps
     from .run import prepare
 
-    rows = clamp_study_on_tinylm(prepare(config, cache), prompts, ks)
+    ks = _check_ks(ks)
+    stock = {"log_prob_min_clamp": verl_clamps.VERL_LOG_PROB_MIN_CLAMP,
+             "loss_max_clamp": verl_clamps.VERL_LOSS_MAX_CLAMP}
+    dataclass = {"log_prob_min_clamp": verl_clamps.DATACLASS_LOG_PROB_MIN_CLAMP,
+                 "loss_max_clamp": verl_clamps.DATACLASS_LOSS_MAX_CLAMP}
+    rows, dataclass_rows = _studies(*_tinylm_states(prepare(config, cache), prompts), ks,
+                                    [stock, dataclass])
     return {"config": {k: getattr(config, k) for k in CLAMP_STUDY_KEYS}, "prompts": prompts,
-            "ks": list(ks), "rows": rows}
+            "ks": list(ks), "clamps": stock, "rows": rows, "dataclass_clamps": dataclass,
+            "dataclass_rows": dataclass_rows}

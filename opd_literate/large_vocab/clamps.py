@@ -2,18 +2,36 @@ r"""verl's top-k forward KL and its clamps, exactly: when a step is clamped, and
 
 verl's on-policy distillation trainer (``loss_mode="forward_kl_topk"``, verl 0.9.1,
 ``verl/trainer/distillation/fsdp/losses.py`` and ``losses.py``) asks the teacher for its top-$k$
-log-probabilities $\log q_v$, $v \in S$ ($k$ = ``topk``, 128 by default), and computes at each
-position the forward approximation (c) of the ``topk`` module, "ignore the entries outside
-$S$", with two clamps:
+log-probabilities $\log q_v$, $v \in S$ ($k$ = ``topk``), and computes at each position the
+forward approximation (c) of the ``topk`` module, "ignore the entries outside $S$", with up to
+three clamps:
 
 $$
 \ell = \min\Bigl(\max\Bigl(\sum_{v \in S} e^{\bar t_v} (\bar t_v - \bar s_v),\ 0\Bigr),\ M\Bigr),
 \qquad \bar t_v = \max(\log q_v, c), \quad \bar s_v = \max(\log p_v, c),
 $$
 
-with $p$ the student's full softmax, $c$ = ``log_prob_min_clamp`` (default $-10$) and $M$ =
-``loss_max_clamp`` (default 10). The $\max(\cdot, 0)$ is there because (c) can be negative;
-a clamped position sends **no gradient**.
+with $p$ the student's full softmax, $c$ = ``log_prob_min_clamp`` and $M$ = ``loss_max_clamp``.
+The $\max(\cdot, 0)$ is applied always (``losses.py``, ``compute_forward_kl_topk``: "divergences
+can be negative"); $c$ only when ``log_prob_min_clamp`` is set (``fsdp/losses.py``), $M$ only
+when ``loss_max_clamp`` is set (``losses.py``, ``distillation_loss``, as ``clamp(-M, M)``,
+whose lower side a value $\ge 0$ never reaches). A position clamped by either side of the
+value sends **no gradient**.
+
+**Which defaults.** ``python -m verl.trainer.main_ppo`` composes its config with Hydra from
+``verl/trainer/config/ppo_trainer.yaml``, which takes the ``distillation`` section from
+``distillation/distillation.yaml``: ``topk: 32``, ``log_prob_min_clamp: null``,
+``loss_max_clamp: null`` (``VERL_TOPK``, ``VERL_LOG_PROB_MIN_CLAMP``, ``VERL_LOSS_MAX_CLAMP``),
+with ``loss_mode: k3``: a run that enables distillation and leaves its loss alone uses no top-$k$
+loss at all, and one that sets ``loss_mode=forward_kl_topk`` gets the top-32 value clamped at 0
+and nowhere else. The ``DistillationLossConfig`` dataclass, built in Python without the YAML,
+has other defaults: ``topk=128``, ``log_prob_min_clamp=-10.0``, ``loss_max_clamp=10.0``
+(``DATACLASS_TOPK``, ``DATACLASS_LOG_PROB_MIN_CLAMP``, ``DATACLASS_LOSS_MAX_CLAMP``); beside its
+$c = -10$ each term is at most $10\, q_v$, so the value is at most $10\, Q$ and its $M = 10$
+never binds. The functions below default to the composed config; pass the dataclass's clamps
+to study them. ``tests/integration/test_verl_config.py`` composes the trainer's config with
+Hydra as the trainer does, checks the constants against it and against the dataclass, and runs
+verl's loss with it.
 
 **When (c) is negative.** With the captured masses $Q = \sum_{v \in S} q_v$ and
 $P = \sum_{v \in S} p_v$, the log-sum inequality gives
@@ -30,8 +48,19 @@ of the ``topk`` module is a KL over $k + 1$ outcomes, never negative, and needs 
 :func:`clamp_study` measures, on the ``topk`` module's Zipf-like pairs, how often the clamp is
 active and how much of the true gradient a clamped position loses; :func:`topk_diagnostics`
 returns the quantities verl logs (``distillation/student_mass``, ``teacher_mass``,
-``overlap_ratio``, ``overlap_token_advantage``). ``tests/integration/test_verl.py`` calls verl's
-own ``compute_forward_kl_topk`` on the same inputs.
+``overlap_ratio``, ``overlap_token_advantage``). ``tests/integration/test_verl_distillation.py``
+calls verl's own ``compute_forward_kl_topk`` on the same inputs.
+
+**Conventions.** An optional ``mask`` over the leading shape selects the positions that count:
+a masked-out position may hold anything (``-inf`` rows, NaN), is replaced by ``torch.where``
+before any arithmetic, and gives exactly 0 in every per-position output and in the gradient.
+At a masked-in position NaN or $+\infty$ in ``student_logits``, a row of logits that are all
+$-\infty$, a NaN or positive ``teacher_topk_logp``, a report whose log-probabilities are all
+$-\infty$ (it holds no probability, $Q = 0$), and a repeated or out-of-range id are each a
+``ValueError``. A $-\infty$ student logit at a reported id (an impossible token the teacher
+gives probability $q_v > 0$) makes the unclamped value $+\infty$, its true value, with a zero
+gradient at that position; a reported $\log q_v = -\infty$ contributes 0. Half precision is
+computed in float32.
 """
 
 from __future__ import annotations
@@ -41,23 +70,43 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._numerics import check_finite_number, check_float_tensor, check_mask, compute_dtype
+from .._numerics import (
+    check_finite_number,
+    check_float_tensor,
+    check_mask,
+    compute_dtype,
+    select,
+)
 from .topk import topk_kl, zipf_pair
 
-__all__ = ["LOG_PROB_MIN_CLAMP", "LOSS_MAX_CLAMP", "TOPK", "verl_forward_kl_topk",
+__all__ = ["VERL_TOPK", "VERL_LOG_PROB_MIN_CLAMP", "VERL_LOSS_MAX_CLAMP", "DATACLASS_TOPK",
+           "DATACLASS_LOG_PROB_MIN_CLAMP", "DATACLASS_LOSS_MAX_CLAMP", "verl_forward_kl_topk",
            "topk_diagnostics", "clamp_study", "weighted_clamp_study"]
 
-LOG_PROB_MIN_CLAMP = -10.0
-"""verl 0.9.1's default ``distillation_loss.log_prob_min_clamp`` (``DistillationLossConfig``)."""
+VERL_TOPK = 32
+"""``distillation.distillation_loss.topk`` in the config verl 0.9.1's trainer composes
+(``verl/trainer/config/distillation/distillation.yaml``): what ``python -m
+verl.trainer.main_ppo`` gets unless the user sets it."""
 
-LOSS_MAX_CLAMP = 10.0
-"""verl 0.9.1's default ``distillation_loss.loss_max_clamp``."""
+VERL_LOG_PROB_MIN_CLAMP = None
+"""``distillation_loss.log_prob_min_clamp`` in the composed config: ``null``, no clamp."""
 
-TOPK = 128
-"""verl 0.9.1's default ``distillation_loss.topk``."""
+VERL_LOSS_MAX_CLAMP = None
+"""``distillation_loss.loss_max_clamp`` in the composed config: ``null``, no clamp."""
+
+DATACLASS_TOPK = 128
+"""The default of ``topk`` in verl 0.9.1's ``DistillationLossConfig`` dataclass
+(``verl/workers/config/distillation.py``), which the trainer's composed config overrides."""
+
+DATACLASS_LOG_PROB_MIN_CLAMP = -10.0
+"""The dataclass's default ``log_prob_min_clamp`` (not the trainer's: see ``VERL_TOPK``)."""
+
+DATACLASS_LOSS_MAX_CLAMP = 10.0
+"""The dataclass's default ``loss_max_clamp`` (not the trainer's)."""
 
 
-def _check_report(student_logits, teacher_topk_logp, teacher_topk_ids):
+def _check_report(student_logits, teacher_topk_logp, teacher_topk_ids, mask):
+    """Validate a report; return the mask as bool (None: every position counts)."""
     check_float_tensor("student_logits", student_logits, None)
     check_float_tensor("teacher_topk_logp", teacher_topk_logp, None)
     if student_logits.ndim < 1 or student_logits.shape[-1] < 1:
@@ -78,12 +127,32 @@ def _check_report(student_logits, teacher_topk_logp, teacher_topk_ids):
     V, k = student_logits.shape[-1], teacher_topk_ids.shape[-1]
     if not 1 <= k <= V:
         raise ValueError(f"the report must hold 1 <= k <= V = {V} tokens, got k = {k}")
-    if bool(((teacher_topk_ids < 0) | (teacher_topk_ids >= V)).any()):
-        raise ValueError(f"teacher_topk_ids must lie in [0, V) = [0, {V})")
-    if bool(student_logits.isnan().any()) or bool((student_logits == math.inf).any()):
-        raise ValueError("student_logits must be finite or -inf (no NaN, no +inf)")
-    if bool(teacher_topk_logp.isnan().any()) or bool((teacher_topk_logp > 0).any()):
-        raise ValueError("teacher_topk_logp must hold log-probabilities (<= 0, not NaN)")
+    keep = None if mask is None else check_mask(
+        mask, "the leading shape of student_logits", tuple(student_logits.shape[:-1]))
+    rows = torch.ones(student_logits.shape[:-1], dtype=torch.bool,
+                      device=student_logits.device) if keep is None else keep
+    where = "" if keep is None else " at a position that the mask selects"
+
+    def bad(condition):  # condition (..., n): True somewhere in a masked-in row
+        return bool((condition.any(-1) & rows).any())
+
+    if bad((teacher_topk_ids < 0) | (teacher_topk_ids >= V)):
+        raise ValueError(f"teacher_topk_ids must lie in [0, V) = [0, {V}){where}")
+    ordered = teacher_topk_ids.sort(-1).values
+    if bad(ordered[..., 1:] == ordered[..., :-1]):
+        raise ValueError(f"teacher_topk_ids must not repeat an id within a position{where} "
+                         f"(a top-k report names k different tokens)")
+    if bad(student_logits.isnan() | (student_logits == math.inf)):
+        raise ValueError(f"student_logits must be finite or -inf (no NaN, no +inf){where}")
+    if bool(((student_logits == -math.inf).all(-1) & rows).any()):
+        raise ValueError(f"student_logits must not be -inf at every token of a position{where} "
+                         f"(the softmax of such a row is NaN)")
+    if bad(teacher_topk_logp.isnan() | (teacher_topk_logp > 0)):
+        raise ValueError(f"teacher_topk_logp must hold log-probabilities (<= 0, not NaN){where}")
+    if bool(((teacher_topk_logp == -math.inf).all(-1) & rows).any()):
+        raise ValueError(f"teacher_topk_logp must not be -inf at every reported token of a "
+                         f"position{where} (a report that holds no probability, Q = 0)")
+    return keep
 
 
 def _clamp_option(name, value, sign):
@@ -91,6 +160,19 @@ def _clamp_option(name, value, sign):
         return None
     return check_finite_number(name, value, low=0.0 if sign > 0 else None,
                                high=0.0 if sign < 0 else None)
+
+
+def _selected(keep, student_logits, teacher_topk_logp, teacher_topk_ids):
+    """The inputs with every masked-out position replaced (zeros, ids 0..k-1) before any
+    arithmetic: whatever such a position holds reaches neither a value nor a gradient."""
+    if keep is None:
+        return student_logits, teacher_topk_logp, teacher_topk_ids
+    rows = keep[..., None]
+    ids = torch.arange(teacher_topk_ids.shape[-1], device=teacher_topk_ids.device,
+                       dtype=teacher_topk_ids.dtype).expand_as(teacher_topk_ids)
+    return (torch.where(rows, student_logits, torch.zeros_like(student_logits)),
+            torch.where(rows, teacher_topk_logp, torch.zeros_like(teacher_topk_logp)),
+            torch.where(rows, teacher_topk_ids, ids))
 
 
 def _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, log_prob_min_clamp):
@@ -106,36 +188,62 @@ def _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, log_prob
 
 
 def _token_terms(s_bar, t_bar):
-    r"""$e^{\bar t_v} (\bar t_v - \bar s_v)$ for each reported token, 0 where the teacher reports
-    a probability of 0 (no clamp: $0 \cdot (-\infty)$ would be NaN)."""
+    r"""$e^{\bar t_v} (\bar t_v - \bar s_v)$ for each reported token: 0 where the teacher reports
+    a probability of 0 ($0 \cdot (-\infty)$ would be NaN), $+\infty$ where the student's is 0
+    and the teacher's is not (with a zero gradient: no finite step makes it finite)."""
     weight = t_bar.exp()
-    return torch.where(weight > 0, weight * (t_bar - s_bar), torch.zeros_like(weight))
+    reported = weight > 0
+    impossible = reported & (s_bar == -math.inf)
+    finite = reported & ~impossible
+    s_safe = torch.where(finite, s_bar, torch.zeros_like(s_bar))
+    t_safe = torch.where(finite, t_bar, torch.zeros_like(t_bar))
+    terms = torch.where(finite, weight * (t_safe - s_safe), torch.zeros_like(weight))
+    return torch.where(impossible, torch.full_like(weight, math.inf), terms)
 
 
-def verl_forward_kl_topk(student_logits, teacher_topk_logp, teacher_topk_ids, *,
-                         log_prob_min_clamp=LOG_PROB_MIN_CLAMP, loss_max_clamp=LOSS_MAX_CLAMP):
-    r"""verl's per-position ``forward_kl_topk`` loss, with both clamps (no reduction).
+def _value(student_logits, teacher_topk_logp, teacher_topk_ids, low, high):
+    """The per-position value and the value before the clamps of the value."""
+    _, _, s_bar, t_bar = _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, low)
+    raw = _token_terms(s_bar, t_bar).sum(-1)
+    # an infinite value is a constant: the position's finite terms send no gradient either
+    infinite = raw == math.inf
+    value = torch.where(infinite, torch.zeros_like(raw), raw).clamp_min(0.0)
+    if high is not None:
+        value = value.clamp_max(high)
+    top = torch.full_like(raw, math.inf if high is None else high)
+    return torch.where(infinite, top, value), raw
+
+
+def verl_forward_kl_topk(student_logits, teacher_topk_logp, teacher_topk_ids, mask=None, *,
+                         log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP,
+                         loss_max_clamp=VERL_LOSS_MAX_CLAMP):
+    r"""verl's per-position ``forward_kl_topk`` loss, with its clamps (no reduction).
 
     $$
     \ell = \min\Bigl(\max\Bigl(\sum_{v \in S} e^{\bar t_v} (\bar t_v - \bar s_v),\ 0\Bigr),
     \ M\Bigr)
     $$
 
-    (module docstring). ``None`` for a clamp leaves it out, as in verl. Reduce with
-    ``opd.aggregate_loss`` and the actor's ``loss_agg_mode``.
+    (module docstring). ``None`` for a clamp leaves it out, as in verl; the defaults are the
+    config verl's trainer composes (no clamp but the $\max(\cdot, 0)$), and
+    ``DATACLASS_LOG_PROB_MIN_CLAMP`` and ``DATACLASS_LOSS_MAX_CLAMP`` are the dataclass's.
+    Reduce with ``opd.aggregate_loss`` and the actor's ``loss_agg_mode``.
 
     Parameters
     ----------
     student_logits : torch.Tensor
-        ``(..., V)``, finite or ``-inf``.
+        ``(..., V)``, finite or ``-inf``, not ``-inf`` everywhere.
     teacher_topk_logp : torch.Tensor
         ``(..., k)``, the teacher's log-probabilities (of its full softmax) at ``teacher_topk_ids``.
     teacher_topk_ids : torch.Tensor
-        ``(..., k)`` integer ids in ``[0, V)``.
+        ``(..., k)`` integer ids in ``[0, V)``, different at each position.
+    mask : torch.Tensor or None
+        0/1 over the leading shape ``(...)``: the positions computed; the others are 0, with
+        zero gradient, whatever they hold. ``None``: every position.
     log_prob_min_clamp : float or None
-        $c \le 0$ (verl's default $-10$).
+        $c \le 0$, or ``None`` (the composed config's; the dataclass's is $-10$).
     loss_max_clamp : float or None
-        $M \ge 0$ (verl's default 10).
+        $M \ge 0$, or ``None`` (the composed config's; the dataclass's is 10).
 
     Returns
     -------
@@ -153,17 +261,24 @@ def verl_forward_kl_topk(student_logits, teacher_topk_logp, teacher_topk_ids, *,
     0.0
     >>> round(verl_forward_kl_topk(torch.zeros(3), teacher, torch.tensor([0, 1])).item(), 4)
     0.1308
+
+    $0.5 \log 1.5 + 0.25 \log 0.75 = 0.1308$. A masked-out position gives 0, whatever it holds:
+
+    >>> rows = torch.stack([torch.zeros(3), torch.full((3,), -math.inf)])
+    >>> verl_forward_kl_topk(rows, teacher.expand(2, 2), torch.tensor([[0, 1], [0, 1]]),
+    ...                      torch.tensor([1, 0])).tolist()
+    [0.13081..., 0.0]
     """
-    _check_report(student_logits, teacher_topk_logp, teacher_topk_ids)
+    keep = _check_report(student_logits, teacher_topk_logp, teacher_topk_ids, mask)
     low = _clamp_option("log_prob_min_clamp", log_prob_min_clamp, -1)
     high = _clamp_option("loss_max_clamp", loss_max_clamp, +1)
-    _, _, s_bar, t_bar = _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, low)
-    value = _token_terms(s_bar, t_bar).sum(-1).clamp_min(0.0)
-    return value if high is None else value.clamp_max(high)
+    value, _ = _value(*_selected(keep, student_logits, teacher_topk_logp, teacher_topk_ids),
+                      low, high)
+    return select(keep, value)
 
 
 def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, *,
-                     log_prob_min_clamp=LOG_PROB_MIN_CLAMP):
+                     log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP):
     r"""What verl logs beside ``forward_kl_topk``, per position and as its batch metrics.
 
     Per position: the student's and the teacher's mass on the report, $P$ and $Q$; the number
@@ -183,7 +298,8 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
     student_logits, teacher_topk_logp, teacher_topk_ids
         As for :func:`verl_forward_kl_topk`.
     mask : torch.Tensor
-        0/1 over the leading shape: which positions count in the batch metrics.
+        0/1 over the leading shape: which positions count in the batch metrics (verl's
+        ``response_mask``); the per-position outputs are 0 at the others, whatever they hold.
     log_prob_min_clamp : float or None
         As for :func:`verl_forward_kl_topk`.
 
@@ -206,18 +322,20 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
     >>> round(d["metrics"]["overlap_ratio"], 4), round(d["metrics"]["teacher_mass"], 4)
     (0.75, 0.75)
     """
-    _check_report(student_logits, teacher_topk_logp, teacher_topk_ids)
-    keep = check_mask(mask, "the leading shape of student_logits", student_logits.shape[:-1])
+    keep = _check_report(student_logits, teacher_topk_logp, teacher_topk_ids, mask)
     low = _clamp_option("log_prob_min_clamp", log_prob_min_clamp, -1)
+    student_logits, teacher_topk_logp, teacher_topk_ids = _selected(
+        keep, student_logits, teacher_topk_logp, teacher_topk_ids)
     s, t, s_bar, t_bar = _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, low)
     k = teacher_topk_ids.shape[-1]
     student_top = torch.topk(student_logits, k=k, dim=-1).indices
     overlap = (teacher_topk_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
-    count = overlap.sum(-1)
+    count = torch.where(keep, overlap.sum(-1), torch.zeros_like(overlap.sum(-1)))
     token_kl = _token_terms(s_bar, t_bar)
     advantage = torch.where(overlap, -token_kl, torch.zeros_like(token_kl)).sum(-1)
     advantage = torch.where(count > 0, advantage / count.clamp_min(1), torch.zeros_like(advantage))
-    student_mass, teacher_mass = s.exp().sum(-1), t.exp().sum(-1)
+    student_mass = select(keep, s.exp().sum(-1))
+    teacher_mass = select(keep, t.exp().sum(-1))
     any_kept = bool(keep.any())
 
     def stat(x, how):
@@ -249,22 +367,35 @@ def _row_gradients(fn, logits):
     return z.grad
 
 
+def _check_sequence(name, values):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}")
+    values = list(values)
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    return values
+
+
 def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0, 2.0),
-                ks=(1, 8, 32, TOPK), positions=64, seed=0):
+                ks=(1, 8, VERL_TOPK, DATACLASS_TOPK), positions=64, seed=0, *,
+                log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP, loss_max_clamp=VERL_LOSS_MAX_CLAMP):
     r"""How often verl's clamp is active, and what a clamped position loses, on Zipf-like pairs.
 
     Each position is one ``topk.zipf_pair`` (seeds ``seed`` to ``seed + positions - 1``): a
     Zipf teacher over $V$ ranks and a student that adds Gaussian noise to its logits. For each
-    temperature, noise and $k$ (the teacher's top-$k$ as the report), in float64 and exactly
-    (no sampling of tokens), the row holds:
+    temperature, noise and $k$ (the teacher's top-$k$ as the report; verl's composed ``topk``
+    32 and the dataclass's 128 among the defaults), in float64 and exactly (no sampling of
+    tokens), the row holds:
 
     * ``clamped``: the fraction of positions where verl's loss is clamped to 0 (its value
-      before ``max(., 0)`` is negative), with the default ``log_prob_min_clamp``;
+      before ``max(., 0)`` is negative), with the given ``log_prob_min_clamp`` (by default
+      none, as the trainer's composed config);
+    * ``capped``: the fraction whose value exceeds ``loss_max_clamp`` (0 when it is ``None``);
     * ``p_above_q``: the fraction with $P > Q$ (necessary for a clamp without the
       log-probability clamp, module docstring);
-    * ``lost``: $\sum_{\text{clamped}} \lVert \nabla \mathrm{KL} \rVert \big/ \sum_{\text{all}}
-      \lVert \nabla \mathrm{KL} \rVert$, the share of the true gradients' size that the
-      clamped positions carry and do not send (0 when none is clamped);
+    * ``lost``: $\sum_{\text{clamped or capped}} \lVert \nabla \mathrm{KL} \rVert \big/
+      \sum_{\text{all}} \lVert \nabla \mathrm{KL} \rVert$, the share of the true gradients'
+      size that the positions whose value is clamped carry and do not send (0 when none is);
     * ``c_grad_error`` and ``b_grad_error``: the mean relative gradient error
       $\lVert \hat g - g \rVert / \lVert g \rVert$ of verl's clamped (c) and of the tail bucket
       (b), against the full forward KL's gradient $g = p - q$ with respect to the student's
@@ -275,7 +406,23 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
     list of dict
         One row per (temperature, noise, k), with those keys and ``temperature``, ``noise``,
         ``k``.
+
+    Examples
+    --------
+    At $k = 1$ and without the log-probability clamp a position is clamped exactly where
+    $P > Q$ ($q \log(q / p) < 0$ if and only if $p > q$):
+
+    >>> [row] = clamp_study(V=64, temperatures=(1.0,), noises=(1.0,), ks=(1,), positions=16)
+    >>> row["clamped"] == row["p_above_q"], row["capped"]
+    (True, 0.0)
     """
+    temperatures = _check_sequence("temperatures", temperatures)
+    noises = _check_sequence("noises", noises)
+    ks = _check_sequence("ks", ks)
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     rows = []
     for temperature in temperatures:
         for noise in noises:
@@ -284,12 +431,17 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
             student = torch.stack([pair[0] for pair in pairs])  # (positions, V)
             teacher = torch.stack([pair[1] for pair in pairs])
             weights = torch.ones(positions, dtype=student.dtype, device=student.device)
-            for row in weighted_clamp_study(student, teacher, weights, ks):
+            for row in weighted_clamp_study(student, teacher, weights, ks,
+                                            log_prob_min_clamp=log_prob_min_clamp,
+                                            loss_max_clamp=loss_max_clamp):
                 rows.append({"temperature": temperature, "noise": noise, **row})
     return rows
 
 
-def weighted_clamp_study(student_logits, teacher_logits, weights, ks=(1, 8, 32, TOPK)):
+def weighted_clamp_study(student_logits, teacher_logits, weights,
+                         ks=(1, 8, VERL_TOPK, DATACLASS_TOPK), *,
+                         log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP,
+                         loss_max_clamp=VERL_LOSS_MAX_CLAMP):
     r""":func:`clamp_study`'s measurements on given states, each with a weight.
 
     Each row $i$ is one position: the student's and the teacher's full logits there, and its
@@ -304,12 +456,15 @@ def weighted_clamp_study(student_logits, teacher_logits, weights, ks=(1, 8, 32, 
         ``(N,)``, non-negative and not all 0.
     ks : sequence of int
         The report sizes, each in ``[1, V]``.
+    log_prob_min_clamp, loss_max_clamp : float or None
+        verl's clamps, as for :func:`verl_forward_kl_topk` (by default the composed config's,
+        none).
 
     Returns
     -------
     list of dict
-        One row per $k$: ``k``, ``clamped``, ``p_above_q``, ``lost``, ``c_grad_error``,
-        ``b_grad_error`` (as in :func:`clamp_study`, weighted).
+        One row per $k$: ``k``, ``clamped``, ``capped``, ``p_above_q``, ``lost``,
+        ``c_grad_error``, ``b_grad_error`` (as in :func:`clamp_study`, weighted).
 
     Examples
     --------
@@ -341,9 +496,12 @@ def weighted_clamp_study(student_logits, teacher_logits, weights, ks=(1, 8, 32, 
             (weights > 0).any()):
         raise ValueError("weights must be finite, >= 0 and not all 0")
     V = student_logits.shape[-1]
+    ks = _check_sequence("ks", ks)
     for k in ks:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
             raise ValueError(f"every k must be an integer in [1, V] = [1, {V}], got {k!r}")
+    low = _clamp_option("log_prob_min_clamp", log_prob_min_clamp, -1)
+    high = _clamp_option("loss_max_clamp", loss_max_clamp, +1)
     dtype = compute_dtype(student_logits, teacher_logits)
     student, w = student_logits.to(dtype), weights.to(dtype)
     log_q = F.log_softmax(teacher_logits.to(dtype), -1)
@@ -356,20 +514,23 @@ def weighted_clamp_study(student_logits, teacher_logits, weights, ks=(1, 8, 32, 
     rows = []
     for k in ks:
         report, ids = log_q.topk(k, -1)
-        s, t, s_bar, t_bar = _clamped_terms(student, report, ids, LOG_PROB_MIN_CLAMP)
-        clamped = _token_terms(s_bar, t_bar).sum(-1) < 0
-        g_c = _row_gradients(lambda z, r=report, i=ids: verl_forward_kl_topk(
-            z, r, i, loss_max_clamp=None), student)
+        s, t, _, _ = _clamped_terms(student, report, ids, low)
+        _, raw = _value(student, report, ids, low, high)
+        clamped = raw < 0
+        capped = raw > high if high is not None else torch.zeros_like(clamped)
+        g_c = _row_gradients(lambda z, r=report, i=ids: _value(z, r, i, low, high)[0], student)
         g_b = _row_gradients(lambda z, r=report, i=ids: topk_kl(z, r, i, "tail", "forward"),
                              student)
         # a state where student and teacher agree exactly has g = 0: no relative error there
         moved = norm > 0
         safe = torch.where(moved, norm, torch.ones_like(norm))
+        silent = clamped | capped
         rows.append({
             "k": k,
             "clamped": mean(clamped),
+            "capped": mean(capped),
             "p_above_q": mean(s.exp().sum(-1) > t.exp().sum(-1)),
-            "lost": float((w * norm * clamped).sum() / (w * norm).sum()) if bool(
+            "lost": float((w * norm * silent).sum() / (w * norm).sum()) if bool(
                 (w * norm).sum() > 0) else 0.0,
             "c_grad_error": mean(torch.where(moved, (g_c - g).norm(dim=-1) / safe,
                                              torch.zeros_like(norm))),

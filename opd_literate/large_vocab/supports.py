@@ -144,9 +144,15 @@ gradient, as every top-$k$ loss in these frameworks does.
 **Conventions.** NaN or $+\infty$ in a logit that is read, a row of $-\infty$ only, or logits
 whose spread overflows the compute dtype are a ``ValueError``; $-\infty$ is an impossible
 token. A term $a_v > 0 = b_v$ makes a KL $+\infty$ (with a zero gradient); a side with no mass
-on $S$ has no renormalised distribution, and its terms are 0. Positions masked out are
-selected away (``torch.where``), never multiplied by 0: their value and gradient are exactly 0
-whatever they hold. Half precision is computed in float32; every tensor created takes its
+on $S$ has no renormalised distribution, and its terms are 0. A support's teacher
+log-probabilities are $\le 0$ and sum to at most 1 in probability (to $\sqrt{\varepsilon}$ of
+their dtype, float32's at least), or it is a ``ValueError``. Positions masked out are selected
+away (``torch.where``), never multiplied by 0: their value and gradient are exactly 0 whatever
+they hold, their ids included. Rounding, in the tail bucket: the student's tail $1 - P$ is
+summed from its own entries off $S$; where $S$ holds every token neither side has a tail; and
+with ``max_log_mass=None`` the reverse KL takes a teacher tail $1 - Q$ below $K\varepsilon$
+(the rounding of the sum $Q$) as $K\varepsilon$, as ``topk.topk_kl`` does, which keeps (b) a
+lower bound and finite. Half precision is computed in float32; every tensor created takes its
 device from the inputs.
 
 Imports: torch (and matplotlib inside :func:`plot_support_bias` only, through ``_figures``).
@@ -293,8 +299,11 @@ def _check_beta_and_approximation(beta, approximation, max_log_mass):
     return beta, max_log_mass
 
 
-def _check_support(student_logits, support, keep):
-    """The support's three tensors against the student's ``(..., V)`` logits (kept rows only)."""
+def _check_support(student_logits, support, keep, names=("support.ids", "support.valid",
+                                                         "support.teacher_logp")):
+    """The support's three tensors against the student's ``(..., V)`` logits (kept rows only);
+    ``names``: the arguments they came as (:func:`forward_kl_upper_bound`'s report)."""
+    ids_name, valid_name, logp_name = names
     if not isinstance(support, tuple) or len(support) != 3:
         raise TypeError(f"support must be a Support (ids, valid, teacher_logp), got "
                         f"{type(support).__name__}")
@@ -302,37 +311,54 @@ def _check_support(student_logits, support, keep):
     lead, V = tuple(student_logits.shape[:-1]), student_logits.shape[-1]
     if (not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex()
             or ids.dtype == torch.bool):
-        raise TypeError(f"support.ids must be an integer torch.Tensor, got "
+        raise TypeError(f"{ids_name} must be an integer torch.Tensor, got "
                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.ndim != student_logits.ndim or tuple(ids.shape[:-1]) != lead or ids.shape[-1] < 1:
-        raise ValueError(f"support.ids must have shape (..., K), K >= 1, with the leading shape "
+        raise ValueError(f"{ids_name} must have shape (..., K), K >= 1, with the leading shape "
                          f"of student_logits {lead}, got {tuple(ids.shape)}")
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
-        raise TypeError(f"support.valid must be a bool torch.Tensor, got "
+        raise TypeError(f"{valid_name} must be a bool torch.Tensor, got "
                         f"{getattr(valid, 'dtype', type(valid).__name__)}")
-    check_float_tensor("support.teacher_logp", teacher_logp, None)
-    for name, x in (("support.valid", valid), ("support.teacher_logp", teacher_logp)):
+    check_float_tensor(logp_name, teacher_logp, None)
+    for name, x in ((valid_name, valid), (logp_name, teacher_logp)):
         if x.shape != ids.shape:
-            raise ValueError(f"{name} must have the shape of support.ids {tuple(ids.shape)}, "
+            raise ValueError(f"{name} must have the shape of {ids_name} {tuple(ids.shape)}, "
                              f"got {tuple(x.shape)}")
-    if bool(((ids < 0) | (ids >= V)).any()):
-        raise ValueError(f"support.ids must lie in [0, V) = [0, {V}), got values from "
-                         f"{ids.min().item()} to {ids.max().item()}")
+    # the ids of a masked-out position are not read: range-checked where kept, gathered as 0
+    read_ids = ids if keep is None else ids[keep]
+    if bool(((read_ids < 0) | (read_ids >= V)).any()):
+        raise ValueError(f"{ids_name} must lie in [0, V) = [0, {V}), got values from "
+                         f"{read_ids.min().item()} to {read_ids.max().item()}")
+    ids = ids.long() if keep is None else torch.where(keep.unsqueeze(-1), ids.long(),
+                                                      torch.zeros_like(ids, dtype=torch.long))
     used = valid if keep is None else valid & keep.unsqueeze(-1)
     rows = torch.ones(lead, dtype=torch.bool, device=ids.device) if keep is None else keep
     if bool((~used.any(dim=-1) & rows).any()):
-        raise ValueError("support.valid must mark at least one slot of every position that is "
+        raise ValueError(f"{valid_name} must mark at least one slot of every position that is "
                          "read")
     # distinct ids among the used slots: the unused ones get ids V, V + 1, ... of their own
     slot = torch.arange(ids.shape[-1], device=ids.device)
     distinct = torch.where(used, ids, V + slot).sort(dim=-1).values
     if bool((distinct.diff(dim=-1) == 0).any()):
-        raise ValueError("support.ids must be distinct among the valid slots of a position (a "
+        raise ValueError(f"{ids_name} must be distinct among the valid slots of a position (a "
                          "repeated id would count its probability twice)")
     read = teacher_logp[used]
     if bool(read.isnan().any()) or bool((read > 0).any()):
-        raise ValueError("support.teacher_logp must hold log-probabilities (<= 0, not NaN) at "
+        raise ValueError(f"{logp_name} must hold log-probabilities (<= 0, not NaN) at "
                          "the valid slots")
+    # ... of one distribution: at most 1 in all, to sqrt(eps) of their dtype (float32's at
+    # least) and the rounding of the sum, as topk_kl's reports (far above their rounding)
+    dtype = compute_dtype(student_logits, teacher_logp)
+    report = max(torch.finfo(teacher_logp.dtype).eps, torch.finfo(torch.float32).eps)
+    tolerance = math.sqrt(report) + 4 * ids.shape[-1] * torch.finfo(dtype).eps
+    mass = _masked_logsumexp(torch.where(used, teacher_logp.detach().to(dtype),
+                                         torch.full((), -math.inf, dtype=dtype,
+                                                    device=teacher_logp.device)))[..., 0].exp()
+    if bool((mass > 1.0 + tolerance).any()):
+        index = tuple((mass > 1.0 + tolerance).nonzero()[0].tolist())
+        raise ValueError(f"{logp_name} must be log-probabilities of one distribution: "
+                         f"its valid slots sum to {mass[index].item():.6g} > 1 in probability "
+                         f"at position {index}")
     return ids, valid, teacher_logp
 
 
@@ -487,8 +513,10 @@ def build_support(rule, k, student_logits, teacher_logits, *, tokens=None, chunk
             teacher = w[rows].to(dtype, copy=True)  # (c, V)
             w_S = teacher.gather(-1, ids_c)  # (c, K)
             top = teacher.amax(dim=-1, keepdim=True)  # (c, 1), finite (checked above)
-            log_norm = top + teacher.sub_(top).exp_().sum(dim=-1, keepdim=True).log_()
-            log_q = w_S - log_norm
+            log_sum = teacher.sub_(top).exp_().sum(dim=-1, keepdim=True).log_()
+            # (w_S - top) - log_sum: top + log_sum first would round to top's ulp (0.004 at
+            # 65,504), so that two log-probabilities of 1/2 summed to 1.0017 in probability
+            log_q = (w_S - top) - log_sum
             del teacher
             if bool(((log_q == -math.inf) & (w_S > -math.inf)).any()):
                 raise ValueError(f"teacher_logits span more than the range of {dtype} within a "
@@ -509,10 +537,10 @@ def _masked_logsumexp(x):
     return torch.where(empty, torch.full_like(value, -math.inf), value)
 
 
-def _tail_log_mass(log_mass, max_log_mass):
-    r"""$\log(1 - e^{\min(\log A,\ c)})$, TRL's tail element (``c`` = ``max_log_mass``; None:
-    the exact tail, $-\infty$ with a zero gradient where the mass is 1)."""
-    capped = log_mass.clamp(max=0.0 if max_log_mass is None else max_log_mass)
+def _tail_log_mass(log_mass):
+    r"""$\log(1 - A)$ from $\log A$, $-\infty$ with a zero gradient where the mass is 1 (or
+    rounds above it)."""
+    capped = log_mass.clamp(max=0.0)
     full = capped >= 0.0
     safe = torch.where(full, torch.full_like(capped, -1.0), capped)
     return torch.where(full, torch.full_like(capped, -math.inf), torch.log(-torch.expm1(safe)))
@@ -547,9 +575,13 @@ def _divergence(s, t, beta):
     return beta * _masked_kl(t, log_m) + (1.0 - beta) * _masked_kl(s, log_m)
 
 
-def _sparse_divergence(s, t, valid, beta, approximation, max_log_mass):
+def _sparse_divergence(s, t, valid, beta, approximation, max_log_mass, rest=None):
     r"""The divergence seen through the support: ``s``, ``t`` ``(..., K)`` are $\log p_v$ and
-    $\log q_v$ at the slots (full softmaxes), ``valid`` which slots count."""
+    $\log q_v$ at the slots (full softmaxes), ``valid`` which slots count.
+
+    ``rest``: ``(student_tail, covers)`` ``(..., 1)``, the student's exact $\log(1 - P)$ (its
+    own entries off $S$ summed) and where $S$ holds every token; None: the tails from $\log P$
+    and $\log Q$ alone (:func:`expected_sampled_divergence`, whose $S_x$ are one or two ids)."""
     # unused slots hold no mass on either side (their values, garbage or not, are not read)
     s = torch.where(valid, s, torch.full_like(s, -math.inf))
     t = torch.where(valid, t, torch.full_like(t, -math.inf))
@@ -561,8 +593,28 @@ def _sparse_divergence(s, t, valid, beta, approximation, max_log_mass):
         t = t - torch.where(log_Q > -math.inf, log_Q, torch.zeros_like(log_Q))
         return _divergence(s, t, beta)
     # (b): one more outcome, the tail, of mass 1 - P (student) and 1 - Q (teacher)
-    s = torch.cat([s, _tail_log_mass(log_P, max_log_mass)], dim=-1)
-    t = torch.cat([t, _tail_log_mass(log_Q, max_log_mass)], dim=-1)
+    student_tail, teacher_tail = _tail_log_mass(log_P), _tail_log_mass(log_Q)
+    if rest is not None:
+        # 1 - P from P (a sum rounded to 1 - 1e-16, or to 1) would read rounding as tail mass,
+        # or lose a real one: the student's tail is summed from its own entries off S, and
+        # where S holds every token neither side has a tail (as topk_kl at k = V).
+        student_tail, covers = rest
+        teacher_tail = torch.where(covers, torch.full_like(teacher_tail, -math.inf),
+                                   teacher_tail)
+    if max_log_mass is None:
+        if beta == 1.0:
+            # the reverse bucket (1 - P) log((1 - P) / (1 - Q)) is +inf where 1 - Q rounds to 0
+            # but the true KL is finite: a teacher tail below K eps (the rounding of the sum Q)
+            # is taken as K eps, at least the true one, so (b) stays a lower bound (topk_kl's)
+            floor = math.log(s.shape[-1] * torch.finfo(t.dtype).eps)
+            teacher_tail = torch.where(student_tail > -math.inf, teacher_tail.clamp_min(floor),
+                                       teacher_tail)
+    else:
+        # TRL's log(1 - e^min(log A, c)) = max(log(1 - A), log(1 - e^c))
+        cap = math.log(-math.expm1(max_log_mass)) if max_log_mass < 0 else -math.inf
+        student_tail, teacher_tail = student_tail.clamp_min(cap), teacher_tail.clamp_min(cap)
+    s = torch.cat([s, student_tail], dim=-1)
+    t = torch.cat([t, teacher_tail], dim=-1)
     return _divergence(s, t, beta)
 
 
@@ -579,21 +631,30 @@ def _inputs(student_logits, support, mask):
     return keep, ids, valid, teacher_logp
 
 
-def _gathered(student_logits, ids, valid, teacher_logp, keep):
+def _gathered(student_logits, ids, valid, teacher_logp, keep, tails=False):
     """``(s, t, valid)`` at the slots, with the rows masked out made harmless: zero logits, the
-    teacher equal to the student on the first slot only (a divergence of 0, finite gradients)."""
+    teacher equal to the student on the first slot only (a divergence of 0, finite gradients).
+    With ``tails``, also ``rest`` of :func:`_sparse_divergence` from the full log-softmax."""
     dtype = compute_dtype(student_logits, teacher_logp)
     z = student_logits
     if keep is not None:
         z = torch.where(keep.unsqueeze(-1), z, torch.zeros_like(z))
-    s = _log_softmax(z, dtype, "student_logits").gather(-1, ids)  # (..., K)
+    log_p = _log_softmax(z, dtype, "student_logits")  # (..., V)
+    s = log_p.gather(-1, ids)  # (..., K)
     t = teacher_logp.detach().to(dtype)
     if keep is not None:
         first = torch.zeros_like(valid)
         first[..., 0] = True
         valid = torch.where(keep.unsqueeze(-1), valid, first)
         t = torch.where(keep.unsqueeze(-1), t, s.detach())
-    return s, t, valid
+    if not tails:
+        return s, t, valid
+    # the tokens in S: a count, as a duplicate slot of the union is invalid (a scatter of
+    # ``valid`` could let its False overwrite the valid slot's True)
+    count = torch.zeros_like(log_p, dtype=torch.long).scatter_add_(-1, ids, valid.long())
+    in_S = count > 0
+    student_tail = _masked_logsumexp(torch.where(in_S, torch.full_like(log_p, -math.inf), log_p))
+    return s, t, valid, (student_tail, in_S.all(dim=-1, keepdim=True))
 
 
 def support_divergence(student_logits, support, *, beta, approximation="tail", mask=None,
@@ -606,12 +667,21 @@ def support_divergence(student_logits, support, *, beta, approximation="tail", m
     reduction. ``max_log_mass=None`` is the exact tail bucket, a lower bound of $D_\beta$ on
     every support.
 
+    A position whose teacher log-probabilities are $-\infty$ at every valid slot (a teacher
+    that gives $S$ no mass) is no error: its side of (a) has no renormalised distribution and
+    no terms, and (b) puts its whole mass in the bucket. The reverse KL ($\beta = 1$) is then
+    $+\infty$ with a zero gradient where the student has mass on $S$; the forward KL is 0 with
+    (a) and $-\log(1 - P)$ with (b) (``max_log_mass=None``); where the student has mass on $S$
+    the JSD with (a) is the constant $-(1 - \beta) \log(1 - \beta)$, with a zero gradient.
+
     Parameters
     ----------
     student_logits : torch.Tensor
         ``(..., V)`` floating, carrying the gradient.
     support : Support
-        ``(..., K)`` ids, valid slots and the teacher's log-probabilities (treated as constants).
+        ``(..., K)`` ids, valid slots and the teacher's log-probabilities (treated as constants):
+        at the valid slots of a position distinct ids in ``[0, V)`` and log-probabilities
+        $\le 0$ whose probabilities sum to at most 1 (module docstring, "Conventions").
     beta : float
         $\beta \in [0, 1]$: 0 forward KL, 1 reverse KL, between the generalized JSD.
     approximation : str
@@ -641,8 +711,9 @@ def support_divergence(student_logits, support, *, beta, approximation="tail", m
     """
     keep, ids, valid, teacher_logp = _inputs(student_logits, support, mask)
     beta, max_log_mass = _check_beta_and_approximation(beta, approximation, max_log_mass)
-    s, t, valid = _gathered(student_logits, ids, valid, teacher_logp, keep)
-    return select(keep, _sparse_divergence(s, t, valid, beta, approximation, max_log_mass))
+    s, t, valid, rest = _gathered(student_logits, ids, valid, teacher_logp, keep, tails=True)
+    return select(keep, _sparse_divergence(s, t, valid, beta, approximation, max_log_mass,
+                                           rest))
 
 
 def reinforce_reverse_kl(student_logits, support, *, mask=None):
@@ -659,8 +730,12 @@ def reinforce_reverse_kl(student_logits, support, *, mask=None):
     not read, and are taken here as the student's full log-softmax). Its value and gradient
     are those of $\mathrm{KL}(\tilde p \,\|\, \tilde q)$ (module docstring, 4.). A slot whose
     teacher log-probability is $-\infty$ is not in the support: Tinker packs $\tilde q$ into
-    its ``weights`` and reads ``weights > 0`` as the slot mask. Reduce with a plain sum over
-    the positions, as Tinker does, after :func:`skip_first_tokens`.
+    its ``weights`` and reads ``weights > 0`` as the slot mask. A position whose teacher
+    log-probabilities are $-\infty$ at every valid slot has no slot left and adds exactly 0,
+    value and gradient: Tinker's weights there are $-\infty - (-\infty)$, NaN (``sdft.py``
+    line 583 at ``TINKER_COOKBOOK_COMMIT``), ``weights > 0`` is False at every slot and its
+    position mask drops the position (lines 642 and 643). Reduce with a plain sum over the
+    positions, as Tinker does, after :func:`skip_first_tokens`.
 
     Examples
     --------
@@ -678,7 +753,10 @@ def reinforce_reverse_kl(student_logits, support, *, mask=None):
     t = torch.where(valid, t, torch.full_like(t, -math.inf))
     log_P = _masked_logsumexp(s)  # -inf if the student has no mass on S: p~ is then 0
     log_p = s - torch.where(log_P > -math.inf, log_P, torch.zeros_like(log_P))  # log p~
-    log_q = t - _masked_logsumexp(t)  # log q~ (a valid slot has t > -inf: finite)
+    # log q~ (a valid slot has t > -inf: finite). A teacher with no mass on S leaves no slot,
+    # and its -inf - (-inf) = NaN is avoided by dividing by 1: the position adds exactly 0.
+    log_Q = _masked_logsumexp(t)
+    log_q = t - torch.where(log_Q > -math.inf, log_Q, torch.zeros_like(log_Q))
     # the advantage log p~ - log q~, a constant; 0 log 0 = 0 on slots the student cannot emit
     mass = valid & (log_p > -math.inf)
     advantage = torch.where(mass, log_p - log_q, torch.zeros_like(log_p)).detach()
@@ -833,7 +911,8 @@ def forward_kl_upper_bound(student_logits, teacher_topk_logp, topk_ids):
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be an integer torch.Tensor, got {type(topk_ids).__name__}")
     report = Support(topk_ids, torch.ones_like(topk_ids, dtype=torch.bool), teacher_topk_logp)
-    ids, _, t = _check_support(student_logits, report, None)
+    ids, _, t = _check_support(student_logits, report, None,
+                               ("topk_ids", "valid", "teacher_topk_logp"))
     k = ids.shape[-1]
     dtype = compute_dtype(student_logits, teacher_topk_logp)
     log_p = _log_softmax(student_logits, dtype, "student_logits")  # (..., V)
@@ -975,8 +1054,7 @@ def support_bias(choice, k, student_logits, teacher_logits):
     >>> abs(bias["rel_bias"].item()) < 1e-6, bias["rel_grad_error"].item() < 1e-5
     (True, True)
     """
-    if not isinstance(choice, Choice):
-        raise TypeError(f"choice must be a Choice, got {type(choice).__name__}")
+    _check_choice(choice)
     check_float_tensor("student_logits", student_logits, 2)
     check_float_tensor("teacher_logits", teacher_logits, 2)
     if teacher_logits.shape != student_logits.shape:
@@ -986,6 +1064,32 @@ def support_bias(choice, k, student_logits, teacher_logits):
     student = student_logits.detach().to(torch.float64)
     teacher = teacher_logits.detach().to(torch.float64)
     return _bias(choice, k, student, teacher, _truth(student, teacher, choice.beta))
+
+
+_CHOICE_LOSSES = ("tail", "renormalize", "reinforce", "verl", "upper_bound")
+
+
+def _check_choice(choice):
+    r"""Raise unless ``choice`` is a ``Choice`` whose loss is computed on its rule and
+    approximates its $D_\beta$ (a mismatch would give the bias against another divergence)."""
+    if not isinstance(choice, Choice):
+        raise TypeError(f"choice must be a Choice, got {type(choice).__name__}")
+    if choice.rule not in SUPPORTS:
+        raise ValueError(f"choice.rule must be one of {SUPPORTS}, got {choice.rule!r}")
+    beta = check_finite_number("choice.beta", choice.beta, low=0.0, high=1.0)
+    if choice.loss not in _CHOICE_LOSSES:
+        raise ValueError(f"choice.loss must be one of {_CHOICE_LOSSES}, got {choice.loss!r}")
+    if choice.loss in ("verl", "upper_bound") and (choice.rule != "teacher_topk" or beta != 0):
+        raise ValueError(f"choice.loss {choice.loss!r} takes the teacher's top-k report and "
+                         "approximates the forward KL: it needs rule 'teacher_topk' and beta 0, "
+                         f"got rule {choice.rule!r} and beta {choice.beta!r}")
+    if choice.loss == "reinforce" and beta != 1:
+        raise ValueError("choice.loss 'reinforce' is Tinker's reverse KL: it needs beta 1, got "
+                         f"beta {choice.beta!r}")
+    if choice.rule in _NEEDS_TOKENS and (choice.loss not in LOSSES_ON_SUPPORT or beta == 0):
+        raise ValueError(f"choice.rule {choice.rule!r} is TRL's sampled top-1 path: it needs a "
+                         f"loss in {LOSSES_ON_SUPPORT} and beta > 0, got loss {choice.loss!r} "
+                         f"and beta {choice.beta!r}")
 
 
 def _truth(student, teacher, beta):
@@ -1050,6 +1154,14 @@ def support_study(V=4096, exponent=1.1, temperature=1.0, noise=1.0, positions=16
     for k in ks:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
             raise ValueError(f"ks must hold ints in [1, V] = [1, {V}], got {k!r}")
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"ks must not repeat a value (one row per choice and k), got {ks!r}")
+    choices = tuple(choices)
+    for choice in choices:
+        _check_choice(choice)
+    labels = [choice.label for choice in choices]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"choices must have distinct labels (the table's rows), got {labels!r}")
     pairs = [zipf_pair(V, exponent, temperature, noise, seed + i) for i in range(positions)]
     student = torch.stack([pair[0] for pair in pairs])  # (positions, V), float64
     teacher = torch.stack([pair[1] for pair in pairs])
@@ -1075,6 +1187,15 @@ def support_study(V=4096, exponent=1.1, temperature=1.0, noise=1.0, positions=16
             "positions": positions, "ks": ks, "rows": rows}
 
 
+def _check_study_data(data, keys):
+    """Raise unless ``data`` is a dict of :func:`support_study` with ``keys`` and a list of rows."""
+    if not isinstance(data, dict) or not set(keys) <= set(data) \
+            or not isinstance(data["rows"], list):
+        raise TypeError(f"data must be the dict of support_study, with keys {keys} and a list "
+                        f"of rows, got {type(data).__name__}"
+                        + (f" with keys {sorted(data)}" if isinstance(data, dict) else ""))
+
+
 def format_support_table(data, ks=(1, 8, 64, 512)):
     r"""A Markdown table of ``data`` (from :func:`support_study`) at a few values of $k$.
 
@@ -1090,6 +1211,7 @@ def format_support_table(data, ks=(1, 8, 64, 512)):
     >>> next(row for row in table if row.startswith("| sampled")).endswith(" |  |")  # k = 1 only
     True
     """
+    _check_study_data(data, ("ks", "rows"))
     lines = ["| choice | used by | " + " | ".join(f"k = {k}" for k in ks) + " |",
              "| --- | --- | " + " | ".join("---:" for _ in ks) + " |"]
     labels = list(dict.fromkeys(r["label"] for r in data["rows"]))
@@ -1135,6 +1257,11 @@ def plot_support_bias(path, data=None):
     import pathlib
 
     data = support_study() if data is None else data
+    _check_study_data(data, ("V", "positions", "rows"))
+    unknown = sorted({r["label"] for r in data["rows"]} - {c.label for c in CHOICES})
+    if unknown:
+        raise ValueError(f"data's rows must be those of CHOICES, whose styles the figure draws, "
+                         f"got the labels {unknown}")
     fig, axes = new_figure(3, 1, height=9.0, sharex=True)
     colours = {0.0: "C0", 1.0: "C1"}  # any other beta: the JSD, C2
     styles = {"tail": "--", "renormalize": "-", "reinforce": "-", "verl": ":",

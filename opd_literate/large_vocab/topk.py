@@ -75,18 +75,25 @@ default) or (b); Tinker
 cookbook's SDFT (``tinker_cookbook/distillation/sdft.py``) uses the cross-entropy of the
 student against the renormalised teacher $\tilde q$, that is $\mathrm{KL}(\tilde q \,\|\, p)
 = (c)/Q - \log Q$ in the forward direction; verl's core computes the forward (c) on the
-teacher's top-k (``loss_mode="forward_kl_topk"``, since PR #5041), with log-probabilities
-clamped below at $-10$ by default, and so does its GKD recipe (``gkd/megatron/
+teacher's top-k (``loss_mode="forward_kl_topk"``, since PR #5041; top-32 and no
+log-probability clamp in the config its trainer composes, top-128 and a clamp at $-10$ in the
+``DistillationLossConfig`` dataclass), and so does its GKD recipe (``gkd/megatron/
 megatron_kl_loss.py`` in ``verl-project/verl-recipe``).
 
 **Conventions.** NaN or $+\infty$ in ``student_logits``, a position whose logits are all
 $-\infty$, and logits whose spread overflows the compute dtype are a ``ValueError``; so is a
 NaN or positive ``teacher_topk_logp``. $-\infty$ is an impossible token: a term $a_v > 0 = b_v$
 makes the value $+\infty$ with a zero gradient, and (a) is 0 where $A = 0$ (no mass of the
-first argument on $S$: nothing to renormalise). Rounding: at $k = V$ the student's mass $P$ is
-taken as exactly 1 and the teacher's tail as exactly 0; in the reverse direction a teacher
-tail $1 - Q$ below $k \varepsilon$ (the rounding of the sum $Q$ in the compute dtype) is taken
-as $k \varepsilon$, an upper bound of the true one, which keeps (b) a lower bound and finite.
+first argument on $S$: nothing to renormalise). A position whose reported log-probabilities are
+all $-\infty$ (a set the teacher gives no mass, possible for ids that are not its top-k)
+follows the same rules, value and gradient: the reverse KLs are $+\infty$ where the student has
+mass on $S$ (else 0); forward, (a) and (c) are 0 and (b) is $-\log(1 - P)$, the teacher's whole
+mass in the bucket. The reported probabilities sum to at most 1, and to 1 at $k = V$ (to
+$\sqrt{\varepsilon}$ of their dtype, float32's at least, far above their rounding): a report
+that does not is a ``ValueError``. Rounding: at $k = V$ the student's mass $P$ is taken as
+exactly 1 and the teacher's tail as exactly 0; in the reverse direction a teacher tail $1 - Q$
+below $k \varepsilon$ (the rounding of the sum $Q$ in the compute dtype) is taken as
+$k \varepsilon$, an upper bound of the true one, which keeps (b) a lower bound and finite.
 
 Computed in torch (autograd for the gradients), in float64 for the studies; half precision is
 computed in float32. Imports: torch (and matplotlib inside
@@ -160,6 +167,31 @@ def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return torch.where(infinite, torch.full_like(total, math.inf), total)
 
 
+def _check_reported_mass(teacher_topk_logp, dtype, every_token):
+    r"""Raise unless the reported probabilities $q_v$, $v \in S$, sum to at most 1 at every
+    position, and to 1 where ``every_token`` (k = V: the teacher's tail is taken as 0).
+
+    To $\sqrt{\varepsilon_r} + 4 k \varepsilon$, with $\varepsilon_r$ the report's epsilon
+    (float32's at least: a float64 report may hold float32 log-probabilities) and
+    $\varepsilon$ the compute dtype's: a log-probability is rounded to about $\varepsilon_r$
+    times the size of the logits it came from, so $\sqrt{\varepsilon_r}$ ($3.5 \cdot 10^{-4}$
+    for float32) accepts log-probabilities computed as $z - \log \sum e^z$ in float32 from
+    logits $z$ of 1,000 (tested), and still refuses a mass of 1.3 or 0."""
+    k = teacher_topk_logp.shape[-1]
+    report = max(torch.finfo(teacher_topk_logp.dtype).eps, torch.finfo(torch.float32).eps)
+    tolerance = math.sqrt(report) + 4 * k * torch.finfo(dtype).eps
+    mass = torch.logsumexp(teacher_topk_logp.detach().to(dtype), dim=-1).exp()  # 0 for all -inf
+    bad = mass > 1.0 + tolerance
+    if every_token:
+        bad = bad | (mass < 1.0 - tolerance)
+    if bool(bad.any()):
+        index = tuple(bad.nonzero()[0].tolist())
+        expected = "1 (k = V: every token is reported)" if every_token else "at most 1"
+        raise ValueError(f"teacher_topk_logp must be log-probabilities of one distribution: the "
+                         f"reported probabilities sum to {mass[index].item():.6g} at position "
+                         f"{index}, where they must sum to {expected}")
+
+
 def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
             direction="reverse"):
     r"""The top-k approximation of a KL at every position (no reduction).
@@ -180,7 +212,8 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
         ``(..., V)`` floating, the student's full logits (carrying the gradient).
     teacher_topk_logp : torch.Tensor
         ``(..., k)`` floating, the teacher's log-probabilities of the reported tokens, under its
-        full softmax (what a server returns); treated as a constant.
+        full softmax (what a server returns): $\le 0$, summing to at most 1 (to 1 at
+        $k = V$) in probability; treated as a constant.
     topk_ids : torch.Tensor
         ``(..., k)`` integer token ids in ``[0, V)``, distinct within a position. Any set works
         (the teacher's top-k, the student's, a union); the bounds hold for every set.
@@ -252,8 +285,10 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
         raise ValueError(f"approximation must be one of {APPROXIMATIONS}, got {approximation!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    topk_ids = topk_ids.long()  # gather takes int32 or int64 ids only: a uint8 one was an error
 
     dtype = compute_dtype(student_logits, teacher_topk_logp)
+    _check_reported_mass(teacher_topk_logp, dtype, k == V)
     logits = student_logits.to(dtype)
     log_p = F.log_softmax(logits, dim=-1)  # (..., V)
     # A finite logit whose log-probability is -inf: its distance to the row's largest logit
@@ -348,6 +383,26 @@ def _true_kl(student_logits, teacher_logits, direction):
     return _kl_terms(log_p, log_q) if direction == "reverse" else _kl_terms(log_q, log_p)
 
 
+def _check_ks(ks, V):
+    """``ks`` as a list of distinct ints in [1, V] (a repeated k would repeat its rows)."""
+    ks = list(ks)
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
+            raise ValueError(f"ks must hold ints in [1, V] = [1, {V}], got {k!r}")
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"ks must not repeat a value (one row per k), got {ks!r}")
+    return ks
+
+
+def _check_figure_data(data, keys):
+    """Raise unless ``data`` is a dict of ``topk_bias_figure_data`` with ``keys``."""
+    if not isinstance(data, dict) or not set(keys) <= set(data) \
+            or not isinstance(data["rows"], dict):
+        raise TypeError(f"data must be the dict of topk_bias_figure_data, with keys {keys} and "
+                        f"its rows by temperature, got {type(data).__name__}"
+                        + (f" with keys {sorted(data)}" if isinstance(data, dict) else ""))
+
+
 def _grad(fn, student_logits):
     z = student_logits.detach().clone().requires_grad_(True)
     value = fn(z)
@@ -397,10 +452,7 @@ def topk_bias_table(ks, student_logits, teacher_logits):
         raise ValueError(f"teacher_logits must have the shape of student_logits "
                          f"{tuple(student_logits.shape)}, got {tuple(teacher_logits.shape)}")
     V = student_logits.shape[0]
-    ks = list(ks)
-    for k in ks:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
-            raise ValueError(f"ks must hold ints in [1, V] = [1, {V}], got {k!r}")
+    ks = _check_ks(ks, V)
     for name, logits in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
         if not bool((logits < math.inf).all()) or bool((logits == -math.inf).all()):
             raise ValueError(f"{name} must be finite or -inf, with one finite entry")
@@ -457,6 +509,13 @@ def topk_bias_figure_data(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noise=1
         # k from 1 to V / 2 (at k = V every approximation is the full KL), with the table's
         ks = {int(round(x)) for x in torch.logspace(0, math.log10(V / 2), 25).tolist()}
         ks = sorted(ks | {k for k in (1, 5, 20, 100, 500) if k < V})
+    elif isinstance(V, bool) or not isinstance(V, int) or V < 1:
+        raise ValueError(f"V must be a positive int, got {V!r}")
+    ks = _check_ks(ks, V)  # checked here too: with no temperature no table checks them
+    temperatures = [check_finite_number("temperatures", t, positive=True) for t in temperatures]
+    if len(set(temperatures)) != len(temperatures):
+        raise ValueError(f"temperatures must not repeat a value (one set of rows each), got "
+                         f"{temperatures!r}")
     rows = {}
     for temperature in temperatures:
         student, teacher = zipf_pair(V, exponent, temperature, noise, seed)
@@ -480,6 +539,7 @@ def format_topk_bias_table(data, ks=(1, 5, 20, 100, 500)):
     >>> cells[:3], sorted({c.lstrip("+-") for c in cells[3:]})  # zero up to rounding
     (['1', '64', '1.000'], ['0.000 / 0.000'])
     """
+    _check_figure_data(data, ("ks", "rows"))
     columns = [(d, a) for d in DIRECTIONS for a in APPROXIMATIONS]
     header = "| τ | k | teacher mass Q | " + " | ".join(
         f"{d} ({'abc'[APPROXIMATIONS.index(a)]}) {a}" for d, a in columns) + " |"
@@ -512,6 +572,7 @@ def plot_topk_bias(path, data=None):
     import pathlib
 
     data = topk_bias_figure_data() if data is None else data
+    _check_figure_data(data, ("V", "rows"))
     fig, axes = new_figure(2, 2, height=6.4, sharex=True)
     styles = {"renormalize": "-", "tail": "--", "ignore": ":"}
     for number, (temperature, rows) in enumerate(data["rows"].items()):

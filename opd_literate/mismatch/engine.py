@@ -20,11 +20,50 @@ vLLM's (``vllm/v1/sample/sampler.py`` and ``apply_top_k_top_p`` in
 * min-$p$ drops $v$ when $\mu_\tau(v) < p_{\min} \max_u \mu_\tau(u)$;
 * top-$k$ keeps every token whose scaled logit is at least the $k$-th largest (ties stay);
 * top-$p$ then works on the renormalised survivors $\tilde\mu$ and keeps $v$ exactly when the
-  tokens ranked above it carry less than $p$, $\sum_{u \succ v} \tilde\mu(u) < p$ (vLLM masks
-  where the ascending cumulative sum is at most $1 - p$: the same set), so the most likely token
-  always stays.
+  tokens ranked above it carry less than $p$, $\sum_{u \succ v} \tilde\mu(u) < p$, so the most
+  likely token always stays. vLLM masks where the ascending cumulative sum is at most $1 - p$:
+  the same set in exact arithmetic, not in float32 (**Which nucleus**, below).
 
 Min-$p$ and top-$k$ each keep a prefix of the ranking, so their order does not change $S$.
+
+**Which nucleus.** The rule above is the exact one (``sampler="exact"``: float64, a mass above
+within ``NUCLEUS_TOLERANCE`` of $p$ counted as reaching it, ties ranked by index). The frameworks
+compute theirs in float32, each in its order, and ``sampler=`` computes each as it does, up to
+the last bit of its softmax: the probabilities here are the float64 softmax of the float32
+logits rounded once to float32, where a torch kernel's exp may round an ulp away, and a
+boundary that holds exactly can go either way with it.
+
+* ``"vllm"``: vLLM's torch path, ``apply_top_k_top_p_pytorch`` (release 0.33.0 as its wheel
+  ships it, ``vllm/v1/sample/ops/topk_topp_sampler.py`` lines 524-565; the same body at
+  01fa3fe74b058bb604f236341ab2361c7cf3d25b). Temperature in float32, min-$p$, top-$k$ (ties
+  stay); the logits sorted ascending, the float32 softmax of the survivors, its cumulative sum,
+  masked where at most ``1 - p`` with ``p`` a float32 tensor, the last (largest) never. It is
+  what ``apply_top_k_top_p`` (lines 501-521) runs where Triton is absent (a CPU build without
+  Triton's CPU backend). On a CUDA GPU it runs the Triton kernel ``apply_top_k_top_p_triton``
+  instead (``topk_topp_triton.py``, its top-$p$ at lines 611-878), a pivot search for the
+  tokens whose float32 mass reaches $p$, not modelled here; with the raw log-probs FlashInfer
+  samples instead (``VLLM_USE_FLASHINFER_SAMPLER``, on by default).
+* ``"transformers"``: TRL's own generation (``use_vllm=False``) is ``model.generate``, whose
+  warpers run temperature, top-$k$ (ties stay), ``TopPLogitsWarper`` (the same ascending rule
+  with the cut ``float32(1 - p)``, ``1 - p`` taken in float64) and then min-$p$, after top-$p$
+  unlike vLLM, on float32 scores (transformers 5.24.0, ``generation/logits_process.py`` lines
+  556-568 and ``generation/utils.py`` lines 1618-1634; checked against the installed warpers).
+* ``"sglang"``: SGLang's pytorch backend, ``top_k_top_p_min_p_sampling_from_probs_torch``
+  (0.5.23, ``python/sglang/srt/layers/sampler.py`` lines 785-835), its default on a CPU and
+  with deterministic inference. The float32 softmax sorted descending; top-$k$ by rank (exactly
+  $k$, ties cut in the sort's order); top-$p$ on the mass of the full distribution, not
+  renormalised after top-$k$, cut where the float32 mass above exceeds $p$ (at $p = 1$ too,
+  once any cut runs); min-$p$. Where the platform has FlashInfer its default is FlashInfer's
+  ``top_k_top_p_sampling_from_probs`` instead, not modelled here.
+
+In exact arithmetic the first three keep the same set, and SGLang's keeps one token more where
+the mass above a token equals $p$. In float32 such a boundary is decided by rounding, and a tie
+across the cut by each sort: vLLM's and transformers' ascending sort cuts a tie's lower index
+first, the exact rule and SGLang keep it (``torch.sort`` orders ties by index on a CPU for rows
+of up to 16 entries; longer rows and CUDA promise no order, and ``sampler=`` uses the index
+order for every length). :func:`nucleus_disagreement` counts where on every decimal
+distribution of a few tokens, and :func:`boundary_toy` is a toy on which the four rules give
+four engines.
 
 **Which log-probs come back.** An engine can report $\log \mu(y_t)$ (the *processed*
 log-probs: the distribution that sampled) or $\log \mathrm{softmax}(z)_{y_t}$ (the *raw* ones:
@@ -82,6 +121,9 @@ it. The toys themselves are unchanged: ``make_toy()`` still produces the seed's 
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 
 from .._numerics import check_finite_number
@@ -94,11 +136,37 @@ from .toy import (  # noqa: F401 (the examples use make_toy)
     toy_from_logits,
 )
 
-__all__ = ["REPORTED", "processed_log_probs", "engine_toy"]
+__all__ = ["REPORTED", "SAMPLERS", "NUCLEUS_TOLERANCE", "BOUNDARY_PROBS", "processed_log_probs",
+           "top_p_kept", "nucleus_disagreement", "boundary_toy", "engine_toy"]
 
 REPORTED = ("processed", "raw")
 """The log-probs an engine can report for a sampled token: of the distribution that sampled it
 (after temperature, min-p, top-k and top-p), or of the model's raw softmax."""
+
+SAMPLERS = ("exact", "vllm", "transformers", "sglang")
+"""The samplers whose kept set :func:`processed_log_probs` computes (module docstring, **Which
+nucleus**): the exact rule, and three frameworks' rules as each computes them in float32."""
+
+NUCLEUS_TOLERANCE = 1e-12
+r"""The exact rule's float64 margin: a mass ranked above a token within this of $p$ counts as
+reaching $p$ (float64 computes that mass to about $10^{-15}$ from logits a few hundred apart), so
+a boundary that holds in exact arithmetic is decided as in exact arithmetic."""
+
+BOUNDARY_PROBS = ((0.5, 0.3, 0.15, 0.05), (0.4, 0.4, 0.1, 0.1), (0.12, 0.72, 0.12, 0.04))
+"""The positions of :func:`boundary_toy`. At ``top_p=0.8`` the first two carry 0.8 in their top
+two tokens, so each rule decides that boundary in its own arithmetic; the third has a tie across
+the cut, between token 0 (the one the toys' reward counts) and token 2, which the rules break in
+opposite directions."""
+
+# vLLM 0.33.0, vllm/v1/sample/ops/topk_topp_sampler.py (the release wheel; the same body at
+# 01fa3fe74b058bb604f236341ab2361c7cf3d25b): apply_top_k_top_p_pytorch, lines 545-562.
+# transformers 5.24.0, generation/logits_process.py: TopPLogitsWarper.__call__, lines 556-568.
+# SGLang 0.5.23, python/sglang/srt/layers/sampler.py: top_k_top_p_min_p_sampling_from_probs_torch,
+# lines 821-835.
+_FLOAT32 = np.float32
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SUM_TOLERANCE = 1e-6  # a float32 softmax sums to 1 within V half-ulps of each entry, ~6e-8
+_MAX_ENUMERATED = 2_000_000  # distributions nucleus_disagreement enumerates at most
 
 
 def _check_temperature(temperature):
@@ -123,26 +191,55 @@ def _check_min_p(min_p):
     return check_finite_number("min_p", min_p, low=0.0, high=1.0)
 
 
-def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0):
+def _check_sampler(sampler):
+    if not isinstance(sampler, str):
+        raise TypeError(f"sampler must be one of {SAMPLERS}, got {type(sampler).__name__} "
+                        f"{sampler!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    return sampler
+
+
+def _check_logits(logits, name="logits"):
+    z = np.asarray(logits)
+    if z.dtype == bool or not (np.issubdtype(z.dtype, np.floating)
+                               or np.issubdtype(z.dtype, np.integer)):
+        raise TypeError(f"{name} must hold real numbers, got dtype {z.dtype}")
+    if z.ndim == 0 or z.shape[-1] == 0:
+        raise ValueError(f"{name} must have shape (..., V) with V >= 1, got {z.shape}")
+    z = z.astype(float)
+    if not np.isfinite(z).all():
+        raise ValueError(f"{name} must be finite, got {float(z[~np.isfinite(z)][0])!r}")
+    return z
+
+
+def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0,
+                        sampler="exact"):
     r"""$\log \mu$: the log-probabilities of the distribution an engine samples from.
 
-    Temperature, then min-$p$ and top-$k$, then top-$p$ on what they left, in vLLM's order and
-    with its rules (module docstring); each row of the last axis is one position. A token cut by
-    any rule gets $-\infty$ (probability 0).
+    Temperature, min-$p$, top-$k$ and top-$p$ decide the kept set $S$ by the rules of
+    ``sampler`` (module docstring): ``"exact"`` in vLLM's order with the exact nucleus,
+    ``"vllm"``, ``"transformers"`` or ``"sglang"`` as that framework computes them, in float32,
+    in its order. Each row of the last axis is one position; $\mu$ is then the float64 softmax of
+    ``logits / temperature`` over $S$, and a cut token gets $-\infty$ (probability 0).
 
     Parameters
     ----------
     logits : array_like
-        Raw logits, any shape ``(..., V)`` with ``V >= 1``, finite.
+        Raw logits, any shape ``(..., V)`` with ``V >= 1``, finite (for a float32 sampler,
+        within float32's range).
     temperature : float
         $\tau > 0$.
     top_k : int or None
-        Keep the ``top_k`` largest logits of each row (and any tied with the smallest of them);
+        Keep the ``top_k`` largest logits of each row (and any tied with the smallest of them;
+        ``"sglang"`` keeps exactly ``top_k``, ties cut in its sort's order);
         ``None`` or ``top_k >= V``: no cut.
     top_p : float
         In $(0, 1]$; 1 is no cut.
     min_p : float
         In $[0, 1]$; 0 is no cut.
+    sampler : {"exact", "vllm", "transformers", "sglang"}
+        Whose rules decide $S$.
 
     Returns
     -------
@@ -152,14 +249,21 @@ def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.
     Examples
     --------
     Probabilities 0.5, 0.3, 0.15, 0.05. With ``top_p=0.8`` the first two carry 0.8 before the
-    third, so the third is cut: above it lie 0.8, not less than 0.8. The kept pair is
-    renormalised to 0.625 and 0.375:
+    third, so the exact rule cuts the third: above it lie 0.8, not less than 0.8. The kept pair
+    is renormalised to 0.625 and 0.375:
 
     >>> logits = np.log([0.5, 0.3, 0.15, 0.05])
     >>> np.exp(processed_log_probs(logits, top_p=0.8)).round(12).tolist()
     [0.625, 0.375, 0.0, 0.0]
     >>> np.exp(processed_log_probs(logits, top_p=0.81)).round(6).tolist()  # 0.5 / 0.95, ...
     [0.526316, 0.315789, 0.157895, 0.0]
+
+    vLLM keeps the third at 0.8: its float32 cumulative sum from below, 0.05 + 0.15, is
+    ``float32(0.2)`` = 0.20000000298, above its cut ``1 - float32(0.8)`` = 0.19999998808
+    (:func:`top_p_kept` shows each rule's arithmetic):
+
+    >>> np.isfinite(processed_log_probs(logits, top_p=0.8, sampler="vllm")).tolist()
+    [True, True, True, False]
 
     Temperature 0.5 squares the probabilities before renormalising; top-k = 1 keeps the largest:
 
@@ -169,17 +273,12 @@ def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.
     >>> np.exp(processed_log_probs(logits, top_k=1)).tolist()
     [1.0, 0.0, 0.0, 0.0]
     """
-    z = np.asarray(logits)
-    if z.dtype == bool or not (np.issubdtype(z.dtype, np.floating)
-                               or np.issubdtype(z.dtype, np.integer)):
-        raise TypeError(f"logits must hold real numbers, got dtype {z.dtype}")
-    if z.ndim == 0 or z.shape[-1] == 0:
-        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {z.shape}")
-    z = z.astype(float)
-    if not np.isfinite(z).all():
-        raise ValueError(f"logits must be finite, got {float(z[~np.isfinite(z)][0])!r}")
-    return _processed(z, _check_temperature(temperature), _check_top_k(top_k),
-                      _check_top_p(top_p), _check_min_p(min_p))
+    z = _check_logits(logits)
+    keep, scaled = _kept(z, _check_temperature(temperature), _check_top_k(top_k),
+                         _check_top_p(top_p), _check_min_p(min_p), _check_sampler(sampler))
+    if keep.all():
+        return log_softmax(scaled)
+    return log_softmax(np.where(keep, scaled, -np.inf))
 
 
 def _scaled(z, temperature, name):
@@ -193,32 +292,381 @@ def _scaled(z, temperature, name):
     return scaled
 
 
-def _processed(z, temperature, top_k, top_p, min_p=0.0, name="logits"):
-    """processed_log_probs on checked inputs."""
+def _scaled_float32(z, temperature, name, sampler):
+    """z / temperature as the frameworks hold it: z rounded to float32, divided in float32."""
+    largest = float(np.abs(z).max())
+    if largest > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be within float32's range for sampler={sampler!r} (its "
+                         f"logits are float32), got |{name}| up to {largest:.3g}")
+    tau = _FLOAT32(min(temperature, _FLOAT32_MAX))
+    if temperature > _FLOAT32_MAX or not tau > 0:
+        raise ValueError(f"temperature={temperature!r} is outside float32's positive range "
+                         f"(sampler={sampler!r} divides in float32)")
+    with np.errstate(over="ignore"):
+        scaled = z.astype(_FLOAT32) / tau
+    if not np.isfinite(scaled).all():
+        raise ValueError(f"{name} / temperature overflows float32 at temperature={temperature!r} "
+                         f"(largest |{name}| {largest:.3g}); use a larger temperature")
+    return scaled
+
+
+def _softmax_float32(scaled, keep):
+    """The float32 probabilities of a framework: the softmax of its float32 logits over ``keep``,
+    computed in float64 and rounded once (a torch kernel's exp rounds within an ulp or two)."""
+    z = np.where(keep, scaled.astype(float), -np.inf)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(_FLOAT32)
+
+
+def _partial_sums_float32(ranked):
+    """torch.cumsum of float32 on a CPU: each partial sum accumulated in float64 (torch's
+    accumulate type on CPU) and stored in float32."""
+    return np.cumsum(ranked, axis=-1, dtype=float).astype(_FLOAT32)
+
+
+def _scatter(kept_ranked, order):
+    kept = np.empty_like(kept_ranked)
+    np.put_along_axis(kept, order, kept_ranked, axis=-1)
+    return kept
+
+
+def _mass_above(probs, order):
+    """The exact rule's statistic: the mass ranked above each token, in the ranked order."""
+    ranked = np.take_along_axis(probs, order, axis=-1)
+    return np.cumsum(ranked, axis=-1) - ranked
+
+
+def _cut_exact(above, top_p, axis=-1):
+    kept_ranked = above < top_p - NUCLEUS_TOLERANCE
+    _set(kept_ranked, axis, 0)  # the first token always stays
+    return kept_ranked
+
+
+def _set(array, axis, i):
+    """array[..., i] = True, the index i along ``axis``."""
+    where = [slice(None)] * array.ndim
+    where[axis] = i
+    array[tuple(where)] = True
+
+
+def _top_p_exact(probs, top_p):
+    """Keep v when the mass ranked above it is below top_p (by more than NUCLEUS_TOLERANCE)."""
+    # Descending; a stable sort breaks ties by index (the lower index ranks first).
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    return _scatter(_cut_exact(_mass_above(probs, order), top_p), order)
+
+
+def _framework_sums(probs, order, sampler):
+    """A framework's top-p statistic on its float32 ``probs`` in its sort ``order`` (ascending
+    for vLLM and transformers, descending for SGLang): the float32 mass above each token
+    (SGLang), or the float32 cumulative sum from below (vLLM, transformers)."""
+    ranked = np.take_along_axis(probs, order, axis=-1)
+    if sampler == "sglang":
+        return _partial_sums_float32(ranked) - ranked  # probs_sum - probs_sort, in float32
+    return _partial_sums_float32(ranked)
+
+
+def _cut_framework(sums, top_p, sampler, axis=-1):
+    if sampler == "sglang":
+        # probs_sort[(probs_sum - probs_sort) > top_ps] = 0, top_ps a float32 tensor
+        return ~(sums > _FLOAT32(top_p))
+    # top_p_mask = probs_sum <= 1 - p: vLLM's p is a float32 tensor (1 - p in float32),
+    # transformers' a Python float (1 - p in float64, rounded to float32 by the comparison)
+    cut = _FLOAT32(1.0) - _FLOAT32(top_p) if sampler == "vllm" else _FLOAT32(1.0 - top_p)
+    kept_ranked = ~(sums <= cut)
+    _set(kept_ranked, axis, -1)  # "at least one": the largest logit stays
+    return kept_ranked
+
+
+def _top_p_float32(probs, order, top_p, sampler):
+    """A framework's top-p on its float32 ``probs``, in its sort ``order``."""
+    return _scatter(_cut_framework(_framework_sums(probs, order, sampler), top_p, sampler),
+                    order)
+
+
+def _min_p_float32(probs, min_p):
+    """probs < min_p * max(probs) is cut, the product in float32 (all three frameworks)."""
+    return probs >= probs.max(axis=-1, keepdims=True) * _FLOAT32(min_p)
+
+
+def _kept(z, temperature, top_k, top_p, min_p, sampler, name="logits"):
+    """The kept set S of each row (bool, the shape of z) and z / temperature in float64."""
     V = z.shape[-1]
     # Dividing by 1.0 is exact: with the defaults, the rows are the toys' log_softmax bit for bit.
     scaled = _scaled(z, temperature, name)
     keep = np.ones(z.shape, dtype=bool)
-    if top_k is not None and top_k < V:
-        kth_largest = np.sort(scaled, axis=-1)[..., V - top_k, None]
-        keep = scaled >= kth_largest  # ties with the k-th largest stay, as in vLLM
-    if min_p > 0.0:
-        # mu_tau(v) < min_p * max mu_tau, in log space: scaled_v - max < log(min_p)
-        keep &= scaled - scaled.max(axis=-1, keepdims=True) >= np.log(min_p)
-    if top_p < 1.0:
-        probs = np.exp(log_softmax(np.where(keep, scaled, -np.inf)))
-        # Descending order; a stable sort breaks ties by index, a choice only at exact ties.
+    if sampler == "exact":
+        if top_k is not None and top_k < V:
+            kth_largest = np.sort(scaled, axis=-1)[..., V - top_k, None]
+            keep = scaled >= kth_largest  # ties with the k-th largest stay, as in vLLM
+        if min_p > 0.0:
+            # mu_tau(v) < min_p * max mu_tau, in log space: scaled_v - max < log(min_p)
+            keep &= scaled - scaled.max(axis=-1, keepdims=True) >= np.log(min_p)
+        if top_p < 1.0:
+            keep &= _top_p_exact(np.exp(log_softmax(np.where(keep, scaled, -np.inf))), top_p)
+        return keep, scaled
+    s = _scaled_float32(z, temperature, name, sampler)
+    if sampler == "sglang":
+        # softmax, one descending sort of the probabilities, then top-k by rank (exactly k),
+        # top-p on the full distribution's mass (not renormalised after top-k), min-p
+        probs = _softmax_float32(s, keep)
         order = np.argsort(-probs, axis=-1, kind="stable")
-        ranked = np.take_along_axis(probs, order, axis=-1)
-        above = np.cumsum(ranked, axis=-1) - ranked  # the mass ranked above each token
-        above[..., 0] = 0.0                          # exactly: the first token always stays
-        kept_ranked = above < top_p
-        kept = np.empty_like(kept_ranked)
-        np.put_along_axis(kept, order, kept_ranked, axis=-1)
-        keep &= kept
-    if keep.all():
-        return log_softmax(scaled)
-    return log_softmax(np.where(keep, scaled, -np.inf))
+        cut_by_rank = top_k is not None and top_k < V
+        if cut_by_rank:
+            keep &= _scatter(np.broadcast_to(np.arange(V) < top_k, z.shape).copy(), order)
+        if top_p < 1.0 or cut_by_rank or min_p > 0.0:
+            # once any cut runs, its top-p line runs too, at p = 1 as well: where the float32
+            # partial sums pass 1, the tokens after are cut
+            keep &= _top_p_float32(probs, order, top_p, sampler)
+        if min_p > 0.0:
+            keep &= _min_p_float32(probs, min_p)
+        return keep, scaled
+    if sampler == "vllm" and min_p > 0.0:  # vLLM: min-p before top-k and top-p
+        keep &= _min_p_float32(_softmax_float32(s, keep), min_p)
+    if top_k is not None and top_k < V:
+        masked = np.where(keep, s, -np.inf)
+        keep &= masked >= np.sort(masked, axis=-1)[..., V - top_k, None]
+    if top_p < 1.0:
+        # the logits sorted ascending (torch.sort; ties in index order on a CPU up to 16
+        # entries), the softmax of the survivors, its cumulative sum from below
+        order = np.argsort(np.where(keep, s, -np.inf), axis=-1, kind="stable")
+        keep &= _top_p_float32(_softmax_float32(s, keep), order, top_p, sampler)
+    if sampler == "transformers" and min_p > 0.0:  # transformers: min-p after top-p
+        keep &= _min_p_float32(_softmax_float32(s, keep), min_p)
+    return keep, scaled
+
+
+def _real_array(name, values):
+    """``values`` as a finite float64 array; bool, complex, strings, None and ragged lists are
+    refused with the argument's name."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as error:  # a ragged list
+        raise ValueError(f"{name} must be a rectangular array of real numbers ({error})") from None
+    if array.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
+    array = array.astype(float)
+    if not np.isfinite(array).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        raise ValueError(f"{name} must be finite, got {float(array[bad])!r} at index "
+                         f"{bad[0] if len(bad) == 1 else bad}")
+    return array
+
+
+def top_p_kept(probs, top_p, sampler="exact"):
+    r"""The tokens top-$p$ keeps from a distribution, by the rule of ``sampler``.
+
+    The rule reads ``probs`` as the distribution it cuts (for vLLM and transformers the
+    survivors of the earlier cuts renormalised, for SGLang the full tempered softmax):
+
+    * ``"exact"``: keep $v$ when the mass ranked above it is less than $p$ (within
+      ``NUCLEUS_TOLERANCE``), ties ranked by index; the most likely token always stays.
+    * ``"vllm"``: ``probs`` rounded to float32, sorted ascending (ties in index order), cut where
+      the float32 cumulative sum is at most ``1 - float32(p)`` (computed in float32), never the
+      last (vLLM's ``apply_top_k_top_p_pytorch``).
+    * ``"transformers"``: the same with the cut ``float32(1 - p)``, ``1 - p`` in float64
+      (``TopPLogitsWarper``).
+    * ``"sglang"``: sorted descending (ties in index order), cut where the float32 mass above,
+      ``cumsum - p_v``, exceeds ``float32(p)`` (``top_k_top_p_min_p_sampling_from_probs_torch``).
+
+    In exact arithmetic the first three keep the same set, and SGLang's keeps one token more
+    where the mass above a token equals $p$; in float32 every boundary is decided by rounding.
+
+    Parameters
+    ----------
+    probs : array_like
+        ``(..., V)``, ``V >= 1``, entries in $[0, 1]$, each row summing to 1 within 1e-6.
+    top_p : float
+        In $(0, 1]$; 1 keeps every token.
+    sampler : {"exact", "vllm", "transformers", "sglang"}
+
+    Returns
+    -------
+    numpy.ndarray
+        Bool of the shape of ``probs``: True where the token is kept.
+
+    Examples
+    --------
+    At $p = 0.8$ the two smallest of 0.5, 0.3, 0.15, 0.05 carry 0.2 exactly, and each rule
+    decides the boundary in its own arithmetic. vLLM: ``float32(0.05) + float32(0.15)`` =
+    0.2000000067 stored as ``float32(0.2)`` = 0.20000000298, above ``1 - float32(0.8)`` =
+    0.19999998808, so 0.15 stays. transformers: the cut is ``float32(1 - 0.8)`` =
+    ``float32(0.2)``, and 0.15 goes. SGLang: the mass above 0.15 is ``float32(0.95000001788)``
+    (a tie, rounded to even: 0.95000004768) minus ``float32(0.15)`` = 0.80000004172, above
+    ``float32(0.8)`` = 0.80000001192, and 0.15 goes:
+
+    >>> probs = [0.5, 0.3, 0.15, 0.05]
+    >>> [top_p_kept(probs, 0.8, sampler).sum().item() for sampler in SAMPLERS]
+    [2, 3, 2, 2]
+
+    Ties break in opposite directions: vLLM's ascending sort puts the lower index first and
+    cuts it, the exact rule and SGLang rank it first and keep it:
+
+    >>> top_p_kept([0.25] * 4, 0.5).tolist(), top_p_kept([0.25] * 4, 0.5, "vllm").tolist()
+    ([True, True, False, False], [False, False, True, True])
+    >>> top_p_kept([0.25] * 4, 0.5, "sglang").tolist()  # the mass above the third is 0.5
+    [True, True, True, False]
+    """
+    p = _real_array("probs", probs)
+    if p.ndim == 0 or p.shape[-1] == 0:
+        raise ValueError(f"probs must have shape (..., V) with V >= 1, got {p.shape}")
+    if (p < 0).any() or (p > 1).any():
+        bad = float(p[(p < 0) | (p > 1)][0])
+        raise ValueError(f"probs must lie in [0, 1], got {bad!r}")
+    sums = p.sum(axis=-1)
+    if (np.abs(sums - 1) > _SUM_TOLERANCE).any():
+        bad = float(sums[np.abs(sums - 1) > _SUM_TOLERANCE][0])
+        raise ValueError(f"each row of probs must sum to 1 (within {_SUM_TOLERANCE:g}), got a row "
+                         f"summing to {bad!r}")
+    top_p, sampler = _check_top_p(top_p), _check_sampler(sampler)
+    if top_p == 1.0:
+        return np.ones(p.shape, dtype=bool)
+    if sampler == "exact":
+        return _top_p_exact(p, top_p)
+    p32 = p.astype(_FLOAT32)
+    order = np.argsort(-p32 if sampler == "sglang" else p32, axis=-1, kind="stable")
+    return _top_p_float32(p32, order, top_p, sampler)
+
+
+def _compositions(V, resolution):
+    """Every row of V positive integers summing to resolution, in lexicographic order."""
+    # Stars and bars: the V - 1 cut points, increasing, in 1 .. resolution - 1.
+    cuts = np.array(list(itertools.combinations(range(1, resolution), V - 1)),
+                    dtype=np.int64).reshape(-1, V - 1)
+    edges = np.concatenate([np.zeros((len(cuts), 1), np.int64), cuts,
+                            np.full((len(cuts), 1), resolution, np.int64)], axis=1)
+    return np.diff(edges, axis=1)
+
+
+def nucleus_disagreement(sampler, V=4, resolution=100):
+    r"""Where a sampler's top-$p$ keeps another set than the exact nucleus, on every decimal row.
+
+    The rows are every distribution of ``V`` tokens whose probabilities are positive multiples
+    of ``1 / resolution`` (``comb(resolution - 1, V - 1)`` of them, 156,849 for the defaults),
+    each at every ``top_p = j / resolution``, ``j = 1 .. resolution - 1``. The sampler receives
+    their logits $\log(k / \text{resolution})$ and cuts them as :func:`processed_log_probs` does
+    (temperature 1, no other cut); the exact nucleus is computed on the integers: keep $v$ when
+    the count ranked above it is less than $j$, ties ranked by index.
+
+    Parameters
+    ----------
+    sampler : {"exact", "vllm", "transformers", "sglang"}
+        ``"exact"`` measures the float64 implementation against the integers.
+    V : int
+        Tokens, 2 to 8.
+    resolution : int
+        From ``V`` to 1000, with at most two million distributions.
+
+    Returns
+    -------
+    dict
+        ``rows`` (distributions times top-p values); ``boundary``, the rows where the count
+        above some token is exactly $j$ (the exact rule's boundary); ``differ``, the rows whose
+        kept set is not the exact one, split into ``more`` (more tokens kept), ``fewer`` and
+        ``swapped`` (as many, others: a tie broken the other way); ``differ_off_boundary``
+        and ``resized_off_boundary`` (the differing rows off the boundary, and those of them
+        with another number of tokens);
+        ``fraction`` $=$ ``differ / rows``; ``max_mass_difference``, the largest
+        $|\mu(S) - \mu(S_{\text{exact}})|$ of kept mass, and ``worst``, a row where it is
+        reached (``probs``, ``top_p``, the two kept sets).
+
+    Examples
+    --------
+    Three tokens in tenths: ``comb(9, 2)`` = 36 distributions at 9 top-p values. Each
+    distribution sits on the exact rule's boundary at two of them, the mass of its top token and
+    that of its top two (72 rows). vLLM never keeps fewer tokens than the exact rule, and keeps
+    another number of them only on a boundary; off it, it differs only where a tie straddles
+    the cut:
+
+    >>> d = nucleus_disagreement("vllm", V=3, resolution=10)
+    >>> d["rows"], d["boundary"], d["fewer"], d["resized_off_boundary"]
+    (324, 72, 0, 0)
+    >>> nucleus_disagreement("exact", V=3, resolution=10)["differ"]  # float64, as exact
+    0
+    """
+    sampler = _check_sampler(sampler)
+    for name, value, low, high in (("V", V, 2, 8), ("resolution", resolution, V, 1000)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        if not low <= value <= high:
+            raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    V, resolution = int(V), int(resolution)
+    count = math.comb(resolution - 1, V - 1)
+    if count > _MAX_ENUMERATED:
+        raise ValueError(f"V={V}, resolution={resolution} has {count:,} distributions, more than "
+                         f"the {_MAX_ENUMERATED:,} nucleus_disagreement enumerates")
+    counts = _compositions(V, resolution)
+    logits = np.log(counts / resolution)
+    # The exact nucleus on the integers, ranked as the exact rule ranks (ties by index).
+    order_exact = np.argsort(-counts, axis=-1, kind="stable")
+    ranked = np.take_along_axis(counts, order_exact, axis=-1)
+    above_int = np.cumsum(ranked, axis=-1) - ranked
+    # What the sampler sorts and sums, computed once for every top-p; the kept sets are read
+    # back in the tokens' order through the inverse permutations.
+    if sampler == "exact":
+        probs = np.exp(log_softmax(logits))
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sums = _mass_above(probs, order)
+    else:
+        s = _scaled_float32(logits, 1.0, "logits", sampler)
+        probs = _softmax_float32(s, np.ones(s.shape, dtype=bool))
+        order = np.argsort(-probs if sampler == "sglang" else s, axis=-1, kind="stable")
+        sums = _framework_sums(probs, order, sampler)
+    # The loop works on (V, rows) arrays, the rank first: numpy reduces a short last axis
+    # slowly. A kept set is compared as a bit mask of token indices.
+    sums, above_int = sums.T.copy(), above_int.T.copy()
+    bits, bits_exact = (1 << order).T.copy(), (1 << order_exact).T.copy()
+    mass_ranked = np.take_along_axis(counts, order, axis=-1).T.copy()
+    mass_exact_ranked = ranked.T.copy()
+    stats = dict(rows=0, boundary=0, differ=0, more=0, fewer=0, swapped=0,
+                 differ_off_boundary=0, resized_off_boundary=0)
+    worst = (-1, None)
+    for j in range(1, resolution):
+        top_p = j / resolution
+        kept = (_cut_exact(sums, top_p, axis=0) if sampler == "exact"
+                else _cut_framework(sums, top_p, sampler, axis=0))
+        exact = above_int < j
+        n, n_exact = kept.sum(axis=0), exact.sum(axis=0)
+        differ = (kept * bits).sum(axis=0) != (exact * bits_exact).sum(axis=0)
+        off = ~(above_int == j).any(axis=0)
+        mass = np.abs((kept * mass_ranked).sum(axis=0) - (exact * mass_exact_ranked).sum(axis=0))
+        stats["rows"] += len(counts)
+        stats["boundary"] += int((~off).sum())
+        stats["differ"] += int(differ.sum())
+        stats["more"] += int((n > n_exact).sum())
+        stats["fewer"] += int((n < n_exact).sum())
+        stats["swapped"] += int((differ & (n == n_exact)).sum())
+        stats["differ_off_boundary"] += int((differ & off).sum())
+        stats["resized_off_boundary"] += int((off & (n != n_exact)).sum())
+        i = int(np.argmax(mass))
+        if mass[i] > worst[0]:
+            as_tokens = [_scatter(k[:, i][None], o[i][None])[0].tolist()
+                         for k, o in ((kept, order), (exact, order_exact))]
+            worst = (int(mass[i]), dict(probs=(counts[i] / resolution).tolist(), top_p=top_p,
+                                        kept=as_tokens[0], exact=as_tokens[1]))
+    return dict(stats, sampler=sampler, V=V, resolution=resolution,
+                distributions=len(counts), fraction=stats["differ"] / stats["rows"],
+                max_mass_difference=worst[0] / resolution, worst=worst[1])
+
+
+def boundary_toy():
+    r"""The toy of :func:`toy_from_logits` whose positions are the rows of ``BOUNDARY_PROBS``.
+
+    Trainer and sampler are equal ($\epsilon = 0$): at ``top_p=0.8`` the only mismatch an
+    estimator sees is the truncation, and the rules' kept sets are all that differs between
+    their engines (:func:`engine_toy` with ``sampler=``).
+
+    Examples
+    --------
+    >>> toy = boundary_toy()
+    >>> toy["T"], toy["V"], len(toy["Y"]), float(np.abs(toy["b"]).max())
+    (3, 4, 64, 0.0)
+    >>> kept = {s: engine_toy(toy, top_p=0.8, sampler=s)["Y"] for s in SAMPLERS}
+    >>> [sorted(set(kept[s][:, 2].tolist())) for s in SAMPLERS]  # the third position
+    [[0, 1], [1, 2], [1, 2], [0, 1]]
+    """
+    logits = np.log(np.array(BOUNDARY_PROBS))
+    return toy_from_logits(logits, logits)
 
 
 def _rows(target):
@@ -253,7 +701,7 @@ def _trainer(log_pi, temperature, target, writable):
 
 
 def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed",
-               trainer_temperature=True, trainer_mask=False, min_p=0.0):
+               trainer_temperature=True, trainer_mask=False, min_p=0.0, sampler="exact"):
     r"""The toy of an inference engine that samples with temperature, top-$k$ and top-$p$.
 
     The sampler's raw logits are the toy's, $z = \theta + \epsilon b$; it samples from their
@@ -267,8 +715,9 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
         [opd_literate.mismatch.toy.make_ar_toy][] or
         [opd_literate.mismatch.toy.ar_toy_from_logits][] (it needs ``theta``, ``b`` and
         ``mismatch``).
-    temperature, top_k, top_p, min_p
-        The engine's sampling parameters, as in :func:`processed_log_probs`.
+    temperature, top_k, top_p, min_p, sampler
+        The engine's sampling parameters and whose rules cut, as in
+        :func:`processed_log_probs`.
     reported : {"processed", "raw"}
         The log-probs the engine returns, which the estimators read as ``logp_sampler``:
         $\log \mu(y_t)$, or the raw $\log \mathrm{softmax}(z)_{y_t}$.
@@ -292,8 +741,8 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
         ``truncated_mass``, their probability under $\pi_\tau$; ``masked_grad``, the gradient
         of the truncated policy's objective $\nabla_\theta\, \mathbb{E}_{\pi_S}[R]$ ($\pi_S$:
         $\pi_\tau$ renormalised on the kept tokens, the kept sets held fixed); and
-        ``temperature``, ``top_k``, ``top_p``, ``reported``, ``trainer_temperature``,
-        ``trainer_mask``.
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``sampler``, ``reported``,
+        ``trainer_temperature``, ``trainer_mask``.
 
     Examples
     --------
@@ -324,6 +773,7 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     check_toy(toy, keys=("theta", "b", "mismatch", "T", "V"))
     temperature = _check_temperature(temperature)
     top_k, top_p, min_p = _check_top_k(top_k), _check_top_p(top_p), _check_min_p(min_p)
+    sampler = _check_sampler(sampler)
     if reported not in REPORTED:
         raise ValueError(f"reported must be one of {REPORTED}, got {reported!r}")
     for name, flag in (("trainer_temperature", trainer_temperature),
@@ -334,8 +784,9 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     raw = theta + toy["mismatch"] * np.asarray(toy["b"], dtype=float)  # the sampler's logits
     autoregressive = "mask" in toy
     scaled_theta = _scaled(theta, temperature, "theta")
-    log_processed = _processed(raw, temperature, top_k, top_p, min_p, "theta + mismatch * b")
-    kept = np.isfinite(log_processed)
+    kept, scaled_raw = _kept(raw, temperature, top_k, top_p, min_p, sampler,
+                             "theta + mismatch * b")
+    log_processed = log_softmax(scaled_raw if kept.all() else np.where(kept, scaled_raw, -np.inf))
 
     # Enumerate under the target with the raw log-probs (all finite), then read mu per token:
     # the toys' own enumeration of softmax(theta / tau) against softmax(theta + mismatch * b).
@@ -383,7 +834,8 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
         truncated_mass=float(target["p_train"][~writable].sum()),
         masked_grad=masked_grad,
         theta=toy["theta"], b=toy["b"], mismatch=toy["mismatch"],
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, reported=reported,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
+        reported=reported,
         trainer_temperature=bool(trainer_temperature), trainer_mask=bool(trainer_mask),
     )
     return engine

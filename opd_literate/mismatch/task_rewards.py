@@ -2,8 +2,9 @@ r"""OPD with task rewards: one gradient for the reward and the teacher, and whic
 are unbiased.
 
 verl's on-policy distillation trainer adds the task's policy gradient to the distillation loss
-(``use_task_rewards``, on by default, with ``distillation_loss_coef`` $\lambda$), and KDRL-style
-training mixes GRPO with a reverse KL to the teacher. The objective they ascend is
+(``use_task_rewards: true`` with ``distillation_loss_coef`` $\lambda = 1$ in the config its
+trainer composes, ``VERL_DISTILLATION``), and KDRL-style training mixes GRPO with a reverse KL
+to the teacher. The objective they ascend is
 
 $$
 F_\lambda(\theta) = J(\theta) - \lambda\, \mathcal{K}(\theta), \qquad
@@ -18,14 +19,16 @@ teacher's part from the same sampled response, with $d_t = \log \pi(y_t) - \log 
 trainer's log-probs) and the score $s_t = \nabla \log \pi(y_t)$:
 
 * ``k1_reward``: the per-token OPD reward $-d_t$ with discount 0, $\sum_t d_t s_t$ (sampled-token
-  OPD, and verl's ``use_policy_gradient`` with ``loss_mode="k1"``). Backpropagating $k_2 =
+  OPD, and verl's ``use_policy_gradient: true`` with ``loss_mode: k1``). Backpropagating $k_2 =
   \frac12 d_t^2$ as a loss gives the same estimate, sample for sample.
 * ``k1_return``: the same reward summed to the end of the response (discount 1),
   $\sum_t \bigl(\sum_{k \ge t} d_k\bigr) s_t$.
-* ``k3_reward``: $k_3 = e^{-d_t} - 1 + d_t$ as the per-token cost, $\sum_t k_{3,t}\, s_t$: verl's
-  default (``loss_mode="k3"`` with ``use_policy_gradient=True``).
-* ``k3_loss``: $k_3$ backpropagated as a loss (``use_policy_gradient=False``), whose gradient is
-  $\sum_t (1 - e^{-d_t})\, s_t$.
+* ``k3_reward``: $k_3 = e^{-d_t} - 1 + d_t$ as the per-token cost, $\sum_t k_{3,t}\, s_t$
+  (``loss_mode: k3`` with ``use_policy_gradient: true``, the defaults of verl's
+  ``DistillationLossConfig`` dataclass built without the YAML, ``DATACLASS_DISTILLATION``).
+* ``k3_loss``: $k_3$ backpropagated as a loss, whose gradient is $\sum_t (1 - e^{-d_t})\, s_t$:
+  what a stock ``python -m verl.trainer.main_ppo`` run computes (``loss_mode: k3``,
+  ``use_policy_gradient: false`` in the composed config, ``VERL_KIND``).
 * ``full_vocab``: the exact gradient of the per-state reverse KL at each visited state,
   $\sum_t \nabla_\theta \mathrm{KL}(\pi(\cdot \mid y_{<t}) \,\|\, \pi_T(\cdot \mid y_{<t}))$, the
   full-vocabulary loss of [opd_literate.opd.full_vocab_reverse_kl][].
@@ -51,6 +54,12 @@ unbiased on-policy. Under a mismatched sampler none of them is unbiased without 
 
 The sums run over the response's tokens (the ``seq-mean-token-sum`` reduction); the other
 reductions reweight the tokens (the mismatch chapter's table of reductions).
+
+**Checks.** A toy must carry a teacher (``add_teacher``): its log-probabilities ``(M, T)`` of the
+shape of ``toy["Y"]``, finite and $\le 0$ at the response's tokens (padding may hold anything),
+the score of the shape ``(M,) + theta.shape``, finite ``theta`` and ``phi`` of one shape; a
+mixing weight is a finite number $\ge 0$, a batch size an integer $\ge 1$, and ``kinds`` and
+``coefs`` are sequences (a bare string or number is a ``TypeError``).
 """
 
 from __future__ import annotations
@@ -69,11 +78,35 @@ from .toy import (  # noqa: F401 (the examples use make_ar_toy and toy_from_logi
     toy_from_logits,
 )
 
-__all__ = ["MIXED_ESTIMATORS", "teacher_estimate", "mixed_estimate", "mixed_targets",
+__all__ = ["MIXED_ESTIMATORS", "VERL_DISTILLATION", "DATACLASS_DISTILLATION", "VERL_KINDS",
+           "VERL_KIND", "DATACLASS_KIND", "teacher_estimate", "mixed_estimate", "mixed_targets",
            "mixed_table"]
 
 MIXED_ESTIMATORS = ("k1_reward", "k1_return", "k3_reward", "k3_loss", "full_vocab")
 """The ways of estimating the teacher's part of the gradient (module docstring)."""
+
+VERL_DISTILLATION = {"loss_mode": "k3", "use_policy_gradient": False, "use_task_rewards": True,
+                     "distillation_loss_coef": 1.0}
+"""verl 0.9.1's ``distillation.distillation_loss`` as its trainer composes it
+(``verl/trainer/config/distillation/distillation.yaml``): what ``python -m
+verl.trainer.main_ppo`` gets unless the user sets it."""
+
+DATACLASS_DISTILLATION = {"loss_mode": "k3", "use_policy_gradient": True, "use_task_rewards": True,
+                          "distillation_loss_coef": 1.0}
+"""The defaults of verl 0.9.1's ``DistillationLossConfig`` dataclass
+(``verl/workers/config/distillation.py``), which the composed config overrides."""
+
+VERL_KINDS = {("k3", False): "k3_loss", ("k3", True): "k3_reward", ("k1", True): "k1_reward",
+              ("k2", False): "k1_reward"}
+"""verl's ``(loss_mode, use_policy_gradient)`` and the estimate of the teacher's part it makes:
+the per-token loss backpropagated (``False``) or its negative as the advantage (``True``)."""
+
+VERL_KIND = VERL_KINDS[VERL_DISTILLATION["loss_mode"], VERL_DISTILLATION["use_policy_gradient"]]
+"""``"k3_loss"``: the teacher's part of a stock verl run."""
+
+DATACLASS_KIND = VERL_KINDS[DATACLASS_DISTILLATION["loss_mode"],
+                            DATACLASS_DISTILLATION["use_policy_gradient"]]
+"""``"k3_reward"``: the teacher's part with the dataclass's defaults."""
 
 
 def _check_kind(kind):
@@ -84,6 +117,45 @@ def _check_kind(kind):
 
 def _check_coef(coef):
     return check_finite_number("coef", coef, low=0.0)
+
+
+def _check_sequence(name, values):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}")
+    values = list(values)
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    return values
+
+
+def _check_real(name, value, shape):
+    array = np.asarray(value)
+    if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise TypeError(f"toy[{name!r}] must hold real numbers, got dtype {array.dtype}")
+    if shape is not None and array.shape != tuple(shape):
+        raise ValueError(f"toy[{name!r}] must have shape {tuple(shape)}, got {array.shape}")
+    return array
+
+
+def _check_teacher_toy(toy):
+    """Raise unless ``toy`` carries a teacher with consistent shapes and log-probabilities."""
+    check_toy(toy, keys=("Y", "logp_train", "logp_teacher", "score", "phi", "theta"))
+    theta = _check_real("theta", toy["theta"], None)
+    _check_real("phi", toy["phi"], theta.shape)
+    for name in ("theta", "phi"):
+        if not np.isfinite(np.asarray(toy[name])).all():
+            raise ValueError(f"toy[{name!r}] must be finite")
+    M_T = np.shape(toy["Y"])
+    _check_real("score", toy["score"], M_T[:1] + theta.shape)
+    real = response_mask(toy)
+    if real.shape != M_T or not np.isin(real, (0.0, 1.0)).all():
+        raise ValueError(f"toy['mask'] must be 0/1 of the shape of toy['Y'] {M_T}")
+    for name in ("logp_train", "logp_teacher"):
+        logp = _check_real(name, toy[name], M_T)
+        inside = logp[real > 0]
+        if np.isnan(inside).any() or (inside > 0).any() or np.isinf(inside).any():
+            raise ValueError(f"toy[{name!r}] must hold finite log-probabilities (<= 0) at the "
+                             f"response's tokens")
 
 
 def _per_token(values, score):
@@ -145,8 +217,12 @@ def teacher_estimate(toy, kind="k1_reward"):
     k3_loss False
     full_vocab True
     """
-    check_toy(toy, keys=("logp_train", "logp_teacher", "score", "phi", "theta"))
+    _check_teacher_toy(toy)
     kind = _check_kind(kind)
+    real = response_mask(toy) > 0
+    # padding is selected away before any arithmetic: whatever it holds reaches no estimate
+    toy = dict(toy, **{name: np.where(real, toy[name], 0.0)
+                       for name in ("logp_train", "logp_teacher")})
     if kind == "k1_reward":
         return opd_estimate(toy, "trainer", "none", gamma=0.0)
     if kind == "k1_return":
@@ -224,8 +300,10 @@ def mixed_table(toy, coefs, kinds=MIXED_ESTIMATORS, N=64, baseline=0.0):
     >>> [(r["kind"], r["coef"]) for r in rows if r["rel_bias"] > 1e-12]  # the biased ones
     [('k1_reward', 1.0)]
     """
-    kinds = [_check_kind(kind) for kind in kinds]
-    coefs = [_check_coef(coef) for coef in coefs]
+    kinds = [_check_kind(kind) for kind in _check_sequence("kinds", kinds)]
+    coefs = [_check_coef(coef) for coef in _check_sequence("coefs", coefs)]
+    if isinstance(N, bool) or not isinstance(N, (int, np.integer)) or N < 1:
+        raise ValueError(f"N must be an integer >= 1, got {N!r}")
     rows = []
     task = weighted_score(toy, np.ones(len(toy["Y"])), baseline)  # the same for every kind
     for kind in kinds:

@@ -1,7 +1,9 @@
 """The mismatch chapter's "engine's log-probs" claims about TRL and verl, against the installed
 releases: which log-probs they ask vLLM for, and that their trainers score a token with the
 full-vocabulary softmax at the sampling temperature (``engine_toy``'s default trainer), not the
-renormalised one of a replayed sampling mask.
+renormalised one of a replayed sampling mask; and which nucleus TRL's own generation keeps
+(``model.generate``'s warpers, transformers 5.24.0 in ``.venv-trl``), against
+``processed_log_probs(..., sampler="transformers")``.
 
 TRL (marker ``trl``) is the trl extra's 1.16.0; verl (marker ``verl``) the verl extra's 0.9.1 in
 ``.venv-verl`` (``bash tools/env.sh verl .venv-verl``). Each test skips where its framework is
@@ -84,3 +86,94 @@ def test_verls_rollout_asks_for_the_processed_log_probs():
         "processed_logprobs")
     server = _installed_file("verl", "workers/rollout/vllm_rollout/vllm_async_server.py")
     assert '"logprobs_mode": self.config.logprobs_mode' in server
+
+
+# ---------------------------------------------------------------------------------------------
+# Which nucleus TRL's own generation keeps: transformers' warpers against sampler="transformers"
+# ---------------------------------------------------------------------------------------------
+def _generate_processors(**sampling):
+    """The warpers ``model.generate`` builds for TRL's own generation (``use_vllm=False``), from
+    transformers' GenerationMixin._get_logits_processor itself; a stand-in for the model: the
+    two attributes the sampling branch reads."""
+    import types
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.utils import GenerationMixin
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(is_encoder_decoder=False))
+    model._merge_criteria_processor_list = types.MethodType(
+        GenerationMixin._merge_criteria_processor_list, model)
+    config = transformers.GenerationConfig(do_sample=True, **sampling)
+    return GenerationMixin._get_logits_processor(model, config, input_ids_seq_length=1,
+                                                 device="cpu")
+
+
+def _transformers_kept(logits, **sampling):
+    """The tokens transformers' warpers leave finite, on float32 scores as generate holds them."""
+    processors = _generate_processors(**sampling)
+    scores = torch.as_tensor(np.atleast_2d(logits), dtype=torch.float32)
+    return torch.isfinite(processors(torch.zeros(len(scores), 1, dtype=torch.long),
+                                     scores)).numpy()
+
+
+@pytest.mark.trl
+def test_trl_generates_with_its_sampling_arguments_through_generate():
+    pytest.importorskip("trl")
+    trainer = _installed_file("trl", "trainer/grpo_trainer.py")
+    for line in ('"do_sample": True', '"temperature": self.temperature', '"top_p": self.top_p',
+                 '"top_k": self.top_k', '"min_p": self.min_p',
+                 "GenerationConfig(**generation_kwargs"):
+        assert line in trainer, line
+    names = [type(p).__name__ for p in _generate_processors(temperature=0.7, top_k=3, top_p=0.8,
+                                                            min_p=0.1)]
+    assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+                     "MinPLogitsWarper"]  # min-p after top-p, unlike vLLM
+
+
+@pytest.mark.trl
+def test_transformers_warpers_keep_the_transformers_samplers_set_on_random_rows():
+    """Every row equal, on continuous logits: float32 rounding moves a cut only within about
+    1e-7 of p, which these rows are not (the skipped ones are counted)."""
+    from opd_literate.mismatch.engine import processed_log_probs
+
+    g = np.random.default_rng(0)
+    checked = skipped = 0
+    for _ in range(600):
+        V = int(g.integers(2, 40))
+        logits = g.normal(0, 2, (8, V))
+        temperature = float(g.choice([0.5, 0.7, 1.0, 1.3]))
+        top_k = [None, 1, 2, 3, 5][int(g.integers(5))]
+        top_p = float(g.choice([0.3, 0.5, 0.8, 0.9, 0.95, 1.0]))
+        min_p = float(g.choice([0.0, 0.0, 0.05, 0.2]))
+        real = _transformers_kept(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p if min_p > 0 else None)
+        ours = np.isfinite(processed_log_probs(logits, temperature, top_k, top_p, min_p,
+                                               sampler="transformers"))
+        probs = np.exp(processed_log_probs(logits, temperature, top_k))
+        prefix = np.cumsum(-np.sort(-probs, axis=-1), axis=-1)
+        near = (np.abs(prefix - top_p).min(axis=-1) < 1e-6) & (top_p < 1)
+        np.testing.assert_array_equal(real[~near], ours[~near])
+        checked += int((~near).sum())
+        skipped += int(near.sum())
+    assert checked == 4800 - skipped and skipped < 10
+
+
+@pytest.mark.trl
+def test_transformers_top_p_on_every_two_decimal_row():
+    """Every distribution of 4 tokens in twentieths at every top-p in twentieths: off the exact
+    boundary the warper and sampler="transformers" keep the same set; on it, each keeps the
+    exact set or one token more (the last bit of a float32 softmax decides which)."""
+    from opd_literate.mismatch.engine import _compositions, processed_log_probs
+
+    counts = _compositions(4, 20)
+    ranked = -np.sort(-counts, axis=-1)
+    above = np.cumsum(ranked, axis=-1) - ranked
+    logits = np.log(counts / 20)
+    for j in range(1, 20):
+        real = _transformers_kept(logits, top_p=j / 20)
+        ours = np.isfinite(processed_log_probs(logits, top_p=j / 20, sampler="transformers"))
+        boundary = (above == j).any(axis=-1)
+        np.testing.assert_array_equal(real[~boundary], ours[~boundary])
+        exact_n = (above < j).sum(axis=-1)
+        for kept in (real, ours):
+            assert np.isin(kept.sum(axis=-1)[boundary] - exact_n[boundary], (0, 1)).all()

@@ -2,9 +2,11 @@
 
 verl 0.9.1's ``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk`` is called on the
 same float64 top-k reports as ``clamps.verl_forward_kl_topk`` and ``topk_diagnostics``: its
-per-position value (before the two clamps that ``verl/trainer/distillation/losses.py`` applies
-after it, whose lines are checked in the installed file), the masses, the overlap counts and the
-overlap advantage must agree, and so must the gradients with respect to the student's logits.
+per-position value (before the clamps that ``verl/trainer/distillation/losses.py`` applies
+after it, at 0 always and at ``loss_max_clamp`` when it is set, whose lines are checked in the
+installed file), the masses, the overlap counts and the overlap advantage must agree, and so
+must the gradients with respect to the student's logits, with each clamp set and unset. The
+whole path with the config the trainer composes is in ``test_verl_config.py``.
 
 Tolerance ``rtol=atol=2e-6``: verl casts the log-probabilities to float32 before its sum
 (``kl_divergence``: ``log_p.float()``), this module keeps float64 inputs in float64; the sums
@@ -52,10 +54,20 @@ def _verl(student, values, ids, log_prob_min_clamp):
     return verl_fsdp.compute_forward_kl_topk(student, *nested, config, "thd")
 
 
-def test_the_defaults_are_verls():
+def test_the_dataclass_defaults_are_the_dataclass_constants():
+    """The dataclass's, not a run's: the trainer's composed config (``topk: 32``, no clamps) is
+    checked in ``test_verl_config.py``."""
     config = DistillationLossConfig()
     assert (config.topk, config.log_prob_min_clamp, config.loss_max_clamp) == (
-        clamps.TOPK, clamps.LOG_PROB_MIN_CLAMP, clamps.LOSS_MAX_CLAMP)
+        clamps.DATACLASS_TOPK, clamps.DATACLASS_LOG_PROB_MIN_CLAMP,
+        clamps.DATACLASS_LOSS_MAX_CLAMP)
+
+
+def test_the_log_probability_clamp_is_applied_only_when_set():
+    processor = inspect.getsource(verl_fsdp.compute_forward_kl_topk)
+    assert "if loss_config.log_prob_min_clamp is not None:" in processor
+    applied = inspect.getsource(verl_losses.distillation_loss)
+    assert "if loss_config.loss_max_clamp is not None:" in applied
 
 
 def test_verl_clamps_its_value_at_zero_then_at_loss_max_clamp():
@@ -67,16 +79,20 @@ def test_verl_clamps_its_value_at_zero_then_at_loss_max_clamp():
             "max=loss_config.loss_max_clamp)") in applied
 
 
+@pytest.mark.parametrize("loss_max_clamp", [10.0, None])
 @pytest.mark.parametrize("log_prob_min_clamp", [-10.0, -2.0, None])
 @pytest.mark.parametrize("seed", range(6))
-def test_values_gradients_and_diagnostics_are_verls(seed, log_prob_min_clamp):
+def test_values_gradients_and_diagnostics_are_verls(seed, log_prob_min_clamp, loss_max_clamp):
     student, values, ids = _report(seed)
     z_verl = student.clone().requires_grad_(True)
     out = _verl(z_verl, values, ids, log_prob_min_clamp)
-    theirs = out["distillation_losses"].clamp_min(0.0).clamp(-10.0, 10.0)
+    theirs = out["distillation_losses"].clamp_min(0.0)
+    if loss_max_clamp is not None:
+        theirs = theirs.clamp(-loss_max_clamp, loss_max_clamp)
     z_ours = student.clone().requires_grad_(True)
     ours = clamps.verl_forward_kl_topk(z_ours, values[None], ids[None],
-                                       log_prob_min_clamp=log_prob_min_clamp, loss_max_clamp=10.0)
+                                       log_prob_min_clamp=log_prob_min_clamp,
+                                       loss_max_clamp=loss_max_clamp)
     torch.testing.assert_close(ours.to(theirs.dtype), theirs, rtol=TOL, atol=TOL)
     weights = torch.linspace(0.5, 1.5, ours.shape[-1], dtype=F64)  # a gradient of every value
     (theirs * weights).sum().backward()

@@ -13,7 +13,14 @@ number of their dtype. Every function must
 * from NaN (or ``+inf``) where it is read raise a ``ValueError`` naming the argument;
 * ignore masked-out rows: the value and the gradients are the same when they hold garbage,
   and their gradient rows are exactly 0;
-* have gradients without NaN, finite wherever the loss is finite.
+* have gradients without NaN, finite wherever the loss is finite;
+* agree with a second form: the chunked losses with the dense ones of ``opd.py`` (value and
+  gradients, any chunk size, the wrappers bit for bit), the support's (a) and (b) with
+  ``topk_kl`` on the same report, every support loss at $k = V$ with the full divergence,
+  Tinker's REINFORCE form with the renormalised reverse KL, the worst tail with the forward KL
+  it bounds (equal at $k = V$), ``skip_first_tokens`` with Tinker's loop;
+* treat a position the teacher gives no mass (all ``-inf`` reported log-probabilities) as
+  documented, in value and gradient, and refuse a report whose mass exceeds 1 by name.
 
 The example count comes from the Hypothesis profile (conftest.py): "fast" by default,
 ``--hypothesis-profile=ci`` for 1,000 examples a property.
@@ -30,7 +37,13 @@ from hypothesis import strategies as st
 
 from opd_literate import opd
 from opd_literate.large_vocab import supports
-from opd_literate.large_vocab.chunked import DIVERGENCES, chunked_divergence
+from opd_literate.large_vocab.chunked import (
+    DIVERGENCES,
+    chunked_divergence,
+    chunked_forward_kl,
+    chunked_generalized_jsd,
+    chunked_reverse_kl,
+)
 from opd_literate.large_vocab.topk import (
     APPROXIMATIONS,
     DIRECTIONS,
@@ -576,3 +589,315 @@ def test_the_expected_sampled_loss_is_a_finite_lower_bound(V, exponent, temperat
     assert math.isfinite(value.item()) and value.item() <= full.item() + 1e-12 + slack
     value.backward()
     assert bool(torch.isfinite(z.grad).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_kl: positions are independent, a report without mass is defined, masked rows leave none
+# ---------------------------------------------------------------------------------------------
+def hand_value_without_teacher_mass(log_p, ids, approximation, direction):
+    """topk_kl at a position whose reported log-probabilities are all -inf (module docstring,
+    "Conventions"), from the student's log-probabilities in plain floats."""
+    P = sum(math.exp(log_p[v]) for v in ids)
+    if direction == "reverse":
+        return math.inf if P > 0 else 0.0
+    if approximation != "tail":
+        return 0.0
+    # -log(1 - P), with 1 - P summed over the tokens off S (no cancellation where P is near 1)
+    tail = sum(math.exp(log_p[v]) for v in range(len(log_p)) if v not in ids)
+    return math.inf if tail == 0 else -math.log(tail)
+
+
+@given(st.integers(1, 4), st.integers(1, 6), st.data())
+def test_topk_kl_positions_are_independent_and_a_report_without_mass_is_defined(B, V, data):
+    k = data.draw(st.integers(1, V))
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(data.draw, g, (B, V), torch.float64, cap=30.0)
+    teacher = draw_logits(data.draw, g, (B, V), torch.float64, cap=30.0)
+    ids = torch.from_numpy(np.argsort(g.random((B, V)), axis=-1)[:, :k].copy())
+    report = torch.log_softmax(teacher, -1).gather(-1, ids)
+    empty = torch.from_numpy(g.random(B) < 0.4)  # positions the teacher gives S no mass
+    report[empty] = -math.inf
+    mask = torch.from_numpy(g.random(B) < 0.6)
+    for approximation in APPROXIMATIONS:
+        for direction in DIRECTIONS:
+            z = student.clone().requires_grad_(True)
+            try:
+                value = topk_kl(z, report, ids, approximation, direction)
+            except ValueError as error:  # k = V and no mass: not a distribution
+                assert k == V and bool(empty.any())
+                assert str(error).startswith("teacher_topk_logp must be log-probabilities of "
+                                             "one distribution")
+                continue
+            assert not bool(value.isnan().any())
+            # the caller masks positions afterwards, infinite ones too
+            keep = mask & torch.isfinite(value)
+            torch.where(keep, value, torch.zeros_like(value)).sum().backward()
+            assert not bool(z.grad.isnan().any()) and bool(torch.isfinite(z.grad).all())
+            assert bool((z.grad[~keep] == 0).all())
+            log_p = torch.log_softmax(student, -1).tolist()
+            for i in range(B):
+                x = student[i].clone().requires_grad_(True)
+                alone = topk_kl(x, report[i], ids[i], approximation, direction)
+                if bool(empty[i]):
+                    want = hand_value_without_teacher_mass(log_p[i], ids[i].tolist(),
+                                                           approximation, direction)
+                    assert value[i].item() == pytest.approx(want, rel=1e-12, abs=1e-15)
+                if math.isinf(alone.item()):
+                    assert value[i].item() == alone.item()
+                    continue
+                torch.testing.assert_close(value[i], alone.detach(), rtol=1e-12, atol=1e-15)
+                if bool(keep[i]):
+                    alone.backward()
+                    torch.testing.assert_close(z.grad[i], x.grad, rtol=1e-12, atol=1e-15)
+
+
+@given(topk_case(), st.floats(0.0, 1.0), st.data())
+def test_topk_kl_refuses_a_report_of_more_than_one_in_probability_by_name(case, lift, data):
+    student, teacher_logp, ids, approximation, direction = case
+    if student.numel() == 0:
+        return
+    # lift every reported probability by a factor 1 + lift (still <= 1 each, the sum not)
+    t = (teacher_logp.double() + math.log1p(lift)).clamp_max(0.0).to(teacher_logp.dtype)
+    k, V = ids.shape[-1], student.shape[-1]
+    dtype = compute_dtype(student.dtype, teacher_logp.dtype)
+    # the documented tolerance: sqrt(eps) of the report (float32's at least) and 4 k eps
+    tolerance = math.sqrt(max(eps(teacher_logp.dtype), eps(torch.float32))) + 4 * k * eps(dtype)
+    mass = torch.logsumexp(t.double(), -1).exp()
+    if bool((mass > 1 + 2 * tolerance).any()) or (k == V and bool((mass < 1 - 2 * tolerance)
+                                                                   .any())):
+        with pytest.raises(ValueError, match="^teacher_topk_logp must be log-probabilities of "
+                                             "one distribution: the reported probabilities sum"):
+            topk_kl(student, t, ids, approximation, direction)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked_divergence: the dense loss, whatever the chunks and whatever the masked rows hold
+# ---------------------------------------------------------------------------------------------
+@st.composite
+def moderate_chunked_case(draw):
+    """float64 inputs of moderate size (logits within about 30): the dense loss's gradients
+    are then a reference to 1e-8."""
+    N, H, V = draw(st.integers(0, 6)), draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    g = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    mask = torch.from_numpy(g.random(N) < draw(st.sampled_from([0.0, 0.6, 1.0])))
+    hidden = torch.from_numpy(2 * g.standard_normal((N, H)))
+    weight = torch.from_numpy(2 * g.standard_normal((V, H)))
+    bias = None
+    if draw(st.booleans()):
+        b = g.standard_normal(V)
+        b[(g.random(V) < 0.3) & (np.arange(V) != g.integers(0, V))] = -np.inf
+        bias = torch.from_numpy(b)
+    if draw(st.booleans()):
+        teacher = {"teacher_logits": draw_logits(draw, g, (N, V), torch.float64,
+                                                 finite_rows=mask.numpy(), cap=10.0)}
+    else:
+        H_T = draw(st.integers(1, 3))
+        teacher = {"teacher_hidden": torch.from_numpy(g.standard_normal((N, H_T))),
+                   "teacher_weight": torch.from_numpy(2 * g.standard_normal((V, H_T)))}
+    options = dict(divergence=draw(st.sampled_from(DIVERGENCES)),
+                   beta=draw(st.sampled_from([0.0, 0.3, 1.0])), normalize=draw(st.booleans()),
+                   **teacher)
+    chunks = (draw(st.integers(1, 7)), draw(st.integers(1, 7)))
+    return hidden, weight, bias, mask, options, chunks, g
+
+
+@given(moderate_chunked_case())
+def test_chunked_is_the_dense_loss_for_any_chunks_and_ignores_masked_rows(case):
+    hidden, weight, bias, mask, options, (c1, c2), g = case
+    h, W, b = leaves(hidden, weight, bias)
+    got = chunked_divergence(h, W, mask, student_bias=b, chunk_size=c1, **options)
+    want, want_grads = dense_reference(hidden, weight, bias, mask, options)
+    assert not got.isnan() and got.dtype == torch.float64
+    got.backward()
+    if math.isinf(want):
+        assert got.item() == math.inf
+    else:
+        torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
+        for x, reference in zip((h, W, b), want_grads):
+            if x is not None and reference is not None:
+                torch.testing.assert_close(x.grad, reference, rtol=1e-8, atol=1e-10)
+    for x in (h, W, b):
+        assert x is None or bool(torch.isfinite(x.grad).all())
+    assert bool((h.grad[~mask] == 0).all())
+    # another chunk size: the same loss to rounding (the chunks' sums are added in another order)
+    other = chunked_divergence(hidden, weight, mask, student_bias=bias, chunk_size=c2, **options)
+    if math.isinf(got.item()):
+        assert other.item() == math.inf
+    else:
+        torch.testing.assert_close(other, got.detach(), rtol=1e-12, atol=1e-14)
+    # NaN, infinities and huge numbers in every masked-out row: bit for bit the same
+    garbage = dict(options)
+    for name in ("teacher_logits", "teacher_hidden"):
+        if name in garbage:
+            garbage[name] = with_garbage(garbage[name], mask, g)
+    h2, W2, b2 = leaves(with_garbage(hidden, mask, g), weight, bias)
+    again = chunked_divergence(h2, W2, mask, student_bias=b2, chunk_size=c1, **garbage)
+    again.backward()
+    assert torch.equal(again, got) and torch.equal(h2.grad, h.grad) and torch.equal(W2.grad,
+                                                                                   W.grad)
+    # the wrappers are chunked_divergence with their divergence, bit for bit
+    teacher = {k: v for k, v in options.items() if k.startswith("teacher")}
+    wrapper = {"reverse_kl": chunked_reverse_kl, "forward_kl": chunked_forward_kl,
+               "jsd": lambda *a, **kw: chunked_generalized_jsd(
+                   *a, beta=options["beta"], normalize=options["normalize"], **kw)}
+    wrapped = wrapper[options["divergence"]](hidden, weight, mask, student_bias=bias,
+                                             chunk_size=c1, **teacher)
+    assert torch.equal(wrapped, got.detach())
+
+
+# ---------------------------------------------------------------------------------------------
+# supports: Tinker's REINFORCE form, the worst tail, the whole vocabulary, TRL's dispatch
+# ---------------------------------------------------------------------------------------------
+@given(st.integers(1, 4), st.integers(2, 6), st.sampled_from(["teacher_topk", "student_topk",
+                                                              "union"]), st.data())
+def test_reinforce_is_the_renormalised_reverse_kl_and_ignores_masked_positions(B, V, rule, data):
+    k = data.draw(st.integers(1, V))
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(data.draw, g, (B, V), torch.float64, cap=30.0)
+    teacher = torch.from_numpy(3 * g.standard_normal((B, V)))  # finite: every slot has mass
+    support = supports.build_support(rule, k, student, teacher)
+    empty = torch.from_numpy(g.random(B) < 0.3)  # positions the teacher gives S no mass
+    support.teacher_logp[empty] = -math.inf
+    mask = torch.from_numpy(g.random(B) < 0.7).long()
+    keep = mask.bool()
+    # garbage where masked out: NaN logits, ids out of range, no valid slot, NaN log-probs
+    dirty = supports.Support(support.ids.clone(), support.valid.clone(),
+                             support.teacher_logp.clone())
+    dirty.ids[~keep], dirty.valid[~keep], dirty.teacher_logp[~keep] = V + 3, False, math.nan
+    dirty_student = torch.where(keep[:, None], student, torch.full_like(student, math.nan))
+
+    def value_and_grad(fn, z):
+        z = z.clone().requires_grad_(True)
+        value = fn(z)
+        torch.where(torch.isfinite(value), value, torch.zeros_like(value)).sum().backward()
+        return value.detach(), z.grad
+
+    value, grad = value_and_grad(lambda z: supports.reinforce_reverse_kl(z, dirty, mask=mask),
+                                 dirty_student)
+    clean = value_and_grad(lambda z: supports.reinforce_reverse_kl(z, support, mask=mask),
+                           student)
+    assert torch.equal(value, clean[0]) and torch.equal(grad, clean[1])
+    assert not bool(grad.isnan().any()) and bool(torch.isfinite(value).all())
+    # masked out, or no teacher mass on S (Tinker's weights NaN, its slot mask empty): 0
+    assert bool((value[~keep | empty] == 0).all()) and bool((grad[~keep | empty] == 0).all())
+    renormalised = value_and_grad(lambda z: supports.support_divergence(
+        z, support, beta=1.0, approximation="renormalize", mask=mask), student)
+    rows = keep & ~empty
+    torch.testing.assert_close(value[rows], renormalised[0][rows], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad[rows], renormalised[1][rows], rtol=1e-10, atol=1e-14)
+
+
+@given(st.integers(1, 3), st.integers(2, 7), st.data())
+def test_the_worst_tail_brackets_the_forward_kl_and_is_it_at_k_equal_v(B, V, data):
+    k = data.draw(st.integers(1, V))
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(data.draw, g, (B, V), torch.float64, cap=10.0)
+    teacher = draw_logits(data.draw, g, (B, V), torch.float64, cap=10.0)
+    report, ids = torch.log_softmax(teacher, -1).topk(k, dim=-1)
+    z = student.clone().requires_grad_(True)
+    bound = supports.forward_kl_upper_bound(z, report, ids)
+    forward = opd.forward_kl_per_position(student[None], teacher[None])[0]
+    bucket = supports.support_divergence(
+        student, supports.Support(ids, torch.ones_like(ids, dtype=torch.bool), report), beta=0.0,
+        max_log_mass=None)
+    assert not bool(bound.isnan().any())
+    # (b) <= KL(q || p) <= the bound, to the rounding of sums of terms up to about 20
+    slack = 1e-12 * (1 + forward.where(torch.isfinite(forward), torch.zeros_like(forward)).abs())
+    assert bool((bucket <= forward + slack).all()) and bool((forward <= bound + slack).all())
+    if k == V:  # nothing unreported: the bound is the forward KL itself
+        assert torch.equal(torch.isinf(bound), torch.isinf(forward))
+        finite = torch.isfinite(forward)
+        torch.testing.assert_close(bound[finite].detach(), forward[finite], rtol=1e-10,
+                                   atol=1e-12)
+    torch.where(torch.isfinite(bound), bound, torch.zeros_like(bound)).sum().backward()
+    assert bool(torch.isfinite(z.grad).all())
+
+
+@given(st.integers(1, 3), st.integers(1, 6), st.sampled_from(["teacher_topk", "student_topk"]),
+       st.sampled_from([0.0, 0.3, 1.0]), st.sampled_from(supports.LOSSES_ON_SUPPORT), st.data())
+def test_on_the_whole_vocabulary_the_support_loss_is_the_divergence(B, V, rule, beta,
+                                                                     approximation, data):
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(data.draw, g, (B, V), torch.float64, cap=10.0)
+    teacher = draw_logits(data.draw, g, (B, V), torch.float64, cap=10.0)
+    support = supports.build_support(rule, V, student, teacher)
+    assert torch.equal(support.ids.sort(-1).values, torch.arange(V).expand(B, V))
+    # the builder's log-normaliser is its own sum: log-probabilities up to about 60, to 1e-13
+    torch.testing.assert_close(support.teacher_logp,
+                               torch.log_softmax(teacher, -1).gather(-1, support.ids),
+                               rtol=1e-14, atol=1e-13)
+    z, full_z = (student.clone().requires_grad_(True) for _ in range(2))
+    got = supports.support_divergence(z, support, beta=beta, approximation=approximation,
+                                      max_log_mass=None)
+    want = opd.generalized_jsd_per_position(full_z[None], teacher[None], beta=beta)[0]
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-10, atol=1e-12)
+    got[finite].sum().backward()
+    want[finite].sum().backward()
+    assert not bool(z.grad.isnan().any())
+    torch.testing.assert_close(z.grad[finite], full_z.grad[finite], rtol=1e-8, atol=1e-10)
+
+
+@given(st.floats(0.0, 1.0), st.integers(0, 10), st.sampled_from(["sampled", "argmax"]),
+       st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_trls_dispatch_names_a_support_the_builder_accepts(beta, loss_top_k, mode, V, seed):
+    rule, k = supports.trl_support_rule(beta, loss_top_k, mode, vocab_size=V)
+    if rule == "full":
+        assert k == V and (loss_top_k == 0 or loss_top_k >= V)
+        assert not (beta > 0 and loss_top_k == 1)
+        return
+    assert rule in supports.SUPPORTS and 1 <= k <= V
+    g = np.random.default_rng(seed)
+    student, teacher = (torch.from_numpy(g.standard_normal((2, V))) for _ in range(2))
+    tokens = torch.from_numpy(g.integers(0, V, 2)) if rule in ("sampled",
+                                                              "teacher_top1_sampled") else None
+    support = supports.build_support(rule, k, student, teacher, tokens=tokens)
+    value = supports.support_divergence(student, support, beta=beta)
+    assert value.shape == (2,) and bool(torch.isfinite(value).all())
+
+
+@given(st.integers(0, 4), st.integers(0, 8), st.integers(0, 5), st.integers(0, 2**32 - 1))
+def test_skip_first_tokens_drops_the_first_n_completion_tokens_of_each_row(B, T, n, seed):
+    mask = torch.from_numpy(np.random.default_rng(seed).random((B, T)) < 0.6)
+    got = supports.skip_first_tokens(mask.long(), n)
+    assert got.dtype == torch.bool and got.shape == (B, T)
+    for row in range(B):
+        positions = mask[row].nonzero().reshape(-1).tolist()
+        want = torch.zeros(T, dtype=torch.bool)
+        want[positions[n:]] = True
+        assert torch.equal(got[row], want)
+
+
+@given(st.integers(1, 3), st.integers(1, 6), st.sampled_from(supports.LOSSES_ON_SUPPORT),
+       st.sampled_from([(0.0, "forward"), (1.0, "reverse")]), st.data())
+def test_the_support_loss_on_a_report_is_topk_kl_in_value_and_gradient(B, V, approximation,
+                                                                       direction, data):
+    # the same (a) and (b) and the same rounding conventions (exact student tail, no tail at
+    # k = V, the reverse floor of the teacher's tail), computed by two implementations
+    beta, direction = direction
+    k = data.draw(st.integers(1, V))
+    g = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    student = draw_logits(data.draw, g, (B, V), torch.float64, cap=1e4)
+    teacher = draw_logits(data.draw, g, (B, V), torch.float64, cap=1e4)
+    ids = torch.from_numpy(np.argsort(g.random((B, V)), axis=-1)[:, :k].copy())
+    report = torch.log_softmax(teacher, -1).gather(-1, ids)
+    support = supports.Support(ids, torch.ones_like(ids, dtype=torch.bool), report)
+    values, grads = [], []
+    for fn in (lambda z: supports.support_divergence(z, support, beta=beta,
+                                                     approximation=approximation,
+                                                     max_log_mass=None),
+               lambda z: topk_kl(z, report, ids, approximation, direction)):
+        z = student.clone().requires_grad_(True)
+        value = fn(z)
+        torch.where(torch.isfinite(value), value, torch.zeros_like(value)).sum().backward()
+        values.append(value.detach())
+        grads.append(z.grad)
+    assert not bool(values[0].isnan().any()) and not bool(grads[0].isnan().any())
+    assert torch.equal(torch.isinf(values[0]), torch.isinf(values[1]))
+    finite = torch.isfinite(values[1])
+    # terms up to |log p - log q| ~ 2e4, each rounded at 2e-16
+    scale = 1 + torch.cat([report[torch.isfinite(report)].abs(), torch.zeros(1)]).max().item()
+    torch.testing.assert_close(values[0][finite], values[1][finite], rtol=1e-12,
+                               atol=1e-14 * scale)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12 * scale)

@@ -782,3 +782,343 @@ def test_the_peak_memory_is_one_chunk_buffer():
         # pages of a buffer are counted when touched: +-0.3 buffers of bookkeeping
         assert runs[32]["added_mib"] / buffer_mib == pytest.approx(1.0, abs=0.3), runs
         assert runs[256]["added_mib"] / buffer_mib == pytest.approx(8.0, abs=0.3), runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Every refusal in full; the positions the teacher gives no mass; masked positions not read
+# ---------------------------------------------------------------------------------------------
+def _loss(fn=support_divergence, **change):
+    return lambda: fn(**_args(**change)) if fn is support_divergence else fn(
+        **{k: v for k, v in _args(**change).items() if k != "beta"})
+
+
+_PAIR = zipf_pair(V=8, noise=1.0)
+_ROWS = [{"label": "a", "framework": "f", "k": k, "rel_bias": 0.0, "rel_grad_error": 0.1,
+          "clamped": None} for k in (1, 4)]
+EVERY_REFUSAL = [
+    # support_divergence, reinforce_reverse_kl (the same checks, _inputs)
+    (_loss(student_logits=torch.zeros(())),
+     "student_logits must have a last (vocabulary) dimension of size >= 1, got shape ()"),
+    (_loss(student_logits=torch.tensor([[0.0, math.nan, 0, 0], [0.0, 0, 0, 0]])),
+     "student_logits holds NaN at a position that is read"),
+    (_loss(reinforce_reverse_kl, student_logits=torch.tensor([[0.0, math.inf, 0, 0],
+                                                              [0.0, 0, 0, 0]])),
+     "student_logits holds +inf: a logit must be finite, or -inf for an impossible token"),
+    (_loss(student_logits=torch.full((2, 4), -math.inf)),
+     "student_logits has a position whose logits are all -inf: at least one token must be "
+     "possible"),
+    (_loss(student_logits=torch.zeros(2, 4, dtype=torch.long)),
+     "student_logits must have a floating dtype, got torch.int64"),
+    (_loss(support=(1, 2)), "support must be a Support (ids, valid, teacher_logp), got tuple"),
+    (_loss(support=_GOOD._replace(ids=_GOOD.ids.float())),
+     "support.ids must be an integer torch.Tensor, got torch.float32"),
+    (_loss(support=_GOOD._replace(ids=torch.tensor([0, 1]))),
+     "support.ids must have shape (..., K), K >= 1, with the leading shape of student_logits "
+     "(2,), got (2,)"),
+    (_loss(support=_GOOD._replace(ids=torch.zeros(2, 0, dtype=torch.long))),
+     "support.ids must have shape (..., K), K >= 1, with the leading shape of student_logits "
+     "(2,), got (2, 0)"),
+    (_loss(support=_GOOD._replace(valid=torch.ones(2, 2))),
+     "support.valid must be a bool torch.Tensor, got torch.float32"),
+    (_loss(support=_GOOD._replace(valid=torch.ones(2, 3, dtype=torch.bool))),
+     "support.valid must have the shape of support.ids (2, 2), got (2, 3)"),
+    (_loss(support=_GOOD._replace(teacher_logp=torch.zeros(2, 2, dtype=torch.long))),
+     "support.teacher_logp must have a floating dtype, got torch.int64"),
+    (_loss(support=_GOOD._replace(teacher_logp=torch.full((2, 3), -1.0))),
+     "support.teacher_logp must have the shape of support.ids (2, 2), got (2, 3)"),
+    (_loss(support=_GOOD._replace(ids=torch.tensor([[0, 4], [2, 3]]))),
+     "support.ids must lie in [0, V) = [0, 4), got values from 0 to 4"),
+    (_loss(support=_GOOD._replace(ids=torch.tensor([[0, 1], [-1, 3]]))),
+     "support.ids must lie in [0, V) = [0, 4), got values from -1 to 3"),
+    (_loss(support=_GOOD._replace(valid=torch.tensor([[True, True], [False, False]]))),
+     "support.valid must mark at least one slot of every position that is read"),
+    (_loss(support=_GOOD._replace(ids=torch.tensor([[0, 0], [2, 3]]))),
+     "support.ids must be distinct among the valid slots of a position (a repeated id would "
+     "count its probability twice)"),
+    (_loss(support=_GOOD._replace(teacher_logp=torch.tensor([[-1.0, 0.5], [-1.0, -1.0]]))),
+     "support.teacher_logp must hold log-probabilities (<= 0, not NaN) at the valid slots"),
+    (_loss(reinforce_reverse_kl,
+           support=_GOOD._replace(teacher_logp=torch.tensor([[-1.0, math.nan], [-1, -1]]))),
+     "support.teacher_logp must hold log-probabilities (<= 0, not NaN) at the valid slots"),
+    # 0.7 + 0.6 at the two slots of position 0: no distribution has them
+    (_loss(support=_GOOD._replace(teacher_logp=torch.log(torch.tensor([[0.7, 0.6],
+                                                                        [0.1, 0.1]])))),
+     "support.teacher_logp must be log-probabilities of one distribution: its valid slots sum "
+     "to 1.3 > 1 in probability at position (0,)"),
+    (_loss(beta=1.5), "beta must be <= 1.0, got 1.5"),
+    (_loss(beta=math.nan), "beta must be a finite number, got nan"),
+    (_loss(approximation="ignore"),
+     "approximation must be one of ('renormalize', 'tail'), got 'ignore'"),
+    (_loss(max_log_mass=0.1), "max_log_mass must be <= 0.0, got 0.1"),
+    (_loss(mask=torch.tensor([1, 2])), "mask values must be 0 or 1, found 2"),
+    (_loss(reinforce_reverse_kl, mask=torch.ones(3)),
+     "mask must have the shape of the leading shape of student_logits (2,), got (3,)"),
+    (_loss(student_logits=torch.tensor([[3e38, -3e38, 0, 0], [0.0, 0, 0, 0]])),
+     "student_logits span more than the range of torch.float32 within a position: "
+     "log_softmax overflows (shift or rescale them)"),
+    # build_support
+    (lambda: build_support("top_p", 2, torch.zeros(2, 4), torch.zeros(2, 4)),
+     f"rule must be one of {SUPPORTS}, got 'top_p'"),
+    (lambda: build_support("union", 5, torch.zeros(2, 4), torch.zeros(2, 4)),
+     "k must be an int in [1, V] = [1, 4], got 5"),
+    (lambda: build_support("union", 2.0, torch.zeros(2, 4), torch.zeros(2, 4)),
+     "k must be an int in [1, V] = [1, 4], got 2.0"),
+    (lambda: build_support("teacher_topk", 2, torch.zeros(2, 4), torch.zeros(2, 4),
+                           tokens=torch.tensor([0, 1])),
+     "tokens are read by the rules ('sampled', 'teacher_top1_sampled') only, not "
+     "'teacher_topk'"),
+    (lambda: build_support("sampled", 1, torch.zeros(2, 4), torch.zeros(2, 4)),
+     "rule 'sampled' needs tokens, an integer torch.Tensor of the sampled ids, got NoneType"),
+    (lambda: build_support("sampled", 1, torch.zeros(2, 4), torch.zeros(2, 4),
+                           tokens=torch.tensor([0, 1, 2])),
+     "tokens must have the leading shape of the logits (2,), got (3,)"),
+    (lambda: build_support("teacher_top1_sampled", 1, torch.zeros(2, 4), torch.zeros(2, 4),
+                           tokens=torch.tensor([0, 4])),
+     "tokens must lie in [0, V) = [0, 4), got values from 0 to 4"),
+    (lambda: build_support("union", 2, torch.zeros(2, 4), torch.zeros(2, 4), chunk_size=0),
+     "chunk_size must be a positive int, got 0"),
+    (lambda: build_support("union", 2, torch.zeros(2, 4), torch.zeros(2, 5)),
+     "teacher_logits must have the shape of student_logits (2, 4), got (2, 5)"),
+    (lambda: build_support("union", 2, torch.zeros(2, 4),
+                           torch.tensor([[0.0, 0, 0, 0], [0, 0, math.nan, 0]])),
+     "teacher_logits holds NaN at a position that is read"),
+    (lambda: build_support("teacher_topk", 3, torch.zeros(1, 3),
+                           torch.tensor([[3e38, -3e38, 0.0]])),
+     "teacher_logits span more than the range of torch.float32 within a position: its "
+     "log-softmax overflows (shift or rescale them)"),
+    # trl_support_rule, skip_first_tokens
+    (lambda: trl_support_rule(-0.1, 1, vocab_size=4), "beta must be >= 0.0, got -0.1"),
+    (lambda: trl_support_rule(0.5, 1, vocab_size=0), "vocab_size must be a positive int, got 0"),
+    (lambda: trl_support_rule(0.5, -1, vocab_size=4), "loss_top_k must be an int >= 0, got -1"),
+    (lambda: trl_support_rule(0.5, 1, "greedy", vocab_size=4),
+     "reverse_kl_top_1_mode must be 'sampled' or 'argmax', got 'greedy'"),
+    (lambda: skip_first_tokens(torch.ones(3)), "mask must be a (B, T) torch.Tensor, got (3,)"),
+    (lambda: skip_first_tokens([[1, 0]]), "mask must be a (B, T) torch.Tensor, got list"),
+    (lambda: skip_first_tokens(torch.tensor([[1, 2]])), "mask values must be 0 or 1, found 2"),
+    (lambda: skip_first_tokens(torch.ones(1, 3), -1), "n must be an int >= 0, got -1"),
+    # expected_sampled_divergence
+    (lambda: expected_sampled_divergence(torch.zeros(3), torch.zeros(3), beta=0.0),
+     "beta must be > 0: TRL takes its top-1 path for beta > 0 only (at beta = 0 the support is "
+     "the teacher's top-k)"),
+    (lambda: expected_sampled_divergence(torch.zeros(3), torch.zeros(4), beta=1.0),
+     "teacher_logits must have the shape of student_logits (3,), got (4,)"),
+    (lambda: expected_sampled_divergence(torch.zeros(2, 3), torch.tensor(
+        [[0.0, 0.0, 0.0], [-math.inf] * 3]), beta=1.0),
+     "teacher_logits has a position whose logits are all -inf: at least one token must be "
+     "possible"),
+    # forward_kl_upper_bound: the report's own names
+    (lambda: forward_kl_upper_bound(torch.zeros(4), torch.tensor([-1.0]), [0]),
+     "topk_ids must be an integer torch.Tensor, got list"),
+    (lambda: forward_kl_upper_bound(torch.zeros(4), torch.tensor([-1.0, -2.0]),
+                                    torch.tensor([0, 4])),
+     "topk_ids must lie in [0, V) = [0, 4), got values from 0 to 4"),
+    (lambda: forward_kl_upper_bound(torch.zeros(4), torch.tensor([-1.0]), torch.tensor([0, 1])),
+     "teacher_topk_logp must have the shape of topk_ids (2,), got (1,)"),
+    (lambda: forward_kl_upper_bound(torch.zeros(4), torch.log(torch.tensor([0.7, 0.6])),
+                                    torch.tensor([0, 1])),
+     "teacher_topk_logp must be log-probabilities of one distribution: its valid slots sum to "
+     "1.3 > 1 in probability at position ()"),
+    (lambda: forward_kl_upper_bound(torch.zeros(4), torch.log(torch.tensor([0.2])),
+                                    torch.tensor([0])),
+     "teacher_topk_logp is not a top-k report: its unreported mass 1 - Q exceeds (V - k) "
+     "times its smallest reported probability"),
+    # a position the teacher reports no mass at: no teacher's top-k
+    (lambda: forward_kl_upper_bound(torch.zeros(2, 4), torch.tensor(
+        [[math.log(0.4), math.log(0.3)], [-math.inf, -math.inf]]), torch.tensor([[0, 1], [0, 1]])),
+     "teacher_topk_logp is not a top-k report: its unreported mass 1 - Q exceeds (V - k) "
+     "times its smallest reported probability"),
+    # support_bias: the choice must be computable and compared with its own D_beta
+    (lambda: support_bias("tail", 1, torch.zeros(1, 4), torch.zeros(1, 4)),
+     "choice must be a Choice, got str"),
+    (lambda: support_bias(sp.Choice("x", "y", "top_p", 0.0, "tail"), 1, *_PAIR),
+     f"choice.rule must be one of {SUPPORTS}, got 'top_p'"),
+    (lambda: support_bias(sp.Choice("x", "y", "union", 2.0, "tail"), 1, *_PAIR),
+     "choice.beta must be <= 1.0, got 2.0"),
+    (lambda: support_bias(sp.Choice("x", "y", "union", 0.5, "ignore"), 1, *_PAIR),
+     "choice.loss must be one of ('tail', 'renormalize', 'reinforce', 'verl', 'upper_bound'), "
+     "got 'ignore'"),
+    (lambda: support_bias(sp.Choice("x", "y", "union", 0.0, "verl"), 1, *_PAIR),
+     "choice.loss 'verl' takes the teacher's top-k report and approximates the forward KL: it "
+     "needs rule 'teacher_topk' and beta 0, got rule 'union' and beta 0.0"),
+    (lambda: support_bias(sp.Choice("x", "y", "teacher_topk", 0.5, "upper_bound"), 1, *_PAIR),
+     "choice.loss 'upper_bound' takes the teacher's top-k report and approximates the forward "
+     "KL: it needs rule 'teacher_topk' and beta 0, got rule 'teacher_topk' and beta 0.5"),
+    (lambda: support_bias(sp.Choice("x", "y", "teacher_topk", 0.5, "reinforce"), 1, *_PAIR),
+     "choice.loss 'reinforce' is Tinker's reverse KL: it needs beta 1, got beta 0.5"),
+    (lambda: support_bias(sp.Choice("x", "y", "sampled", 1.0, "reinforce"), 1, *_PAIR),
+     "choice.rule 'sampled' is TRL's sampled top-1 path: it needs a loss in ('renormalize', "
+     "'tail') and beta > 0, got loss 'reinforce' and beta 1.0"),
+    (lambda: support_bias(sp.Choice("x", "y", "teacher_top1_sampled", 0.0, "tail"), 1, *_PAIR),
+     "choice.rule 'teacher_top1_sampled' is TRL's sampled top-1 path: it needs a loss in "
+     "('renormalize', 'tail') and beta > 0, got loss 'tail' and beta 0.0"),
+    (lambda: support_bias(CHOICES[0], 1, torch.zeros(4), torch.zeros(4)),
+     "student_logits must have 2 dimensions, got shape (4,) (1 dimensions)"),
+    (lambda: support_bias(CHOICES[0], 1, torch.zeros(1, 4), torch.zeros(2, 4)),
+     "teacher_logits must have the shape of student_logits (1, 4), got (2, 4)"),
+    (lambda: support_bias(CHOICES[0], 0, torch.zeros(1, 4), torch.zeros(1, 4)),
+     "k must be an int in [1, V] = [1, 4], got 0"),
+    (lambda: support_bias(CHOICES[0], 1, torch.zeros(1, 4), torch.zeros(1, 4)),
+     "the full divergence and its gradient must be nonzero and finite at every position for a "
+     "relative bias (the student equals the teacher, or one side puts mass where the other has "
+     "none)"),
+    # support_study, format_support_table, plot_support_bias
+    (lambda: sp.support_study(V=1), "V must be an int >= 2, got 1"),
+    (lambda: sp.support_study(V=8, positions=0), "positions must be a positive int, got 0"),
+    (lambda: sp.support_study(V=8, ks=[9]), "ks must hold ints in [1, V] = [1, 8], got 9"),
+    (lambda: sp.support_study(V=8, ks=[2, 1, 2]),
+     "ks must not repeat a value (one row per choice and k), got [2, 1, 2]"),
+    (lambda: sp.support_study(V=8, ks=[2], choices=["tail"]), "choice must be a Choice, got str"),
+    (lambda: sp.support_study(V=8, ks=[2], choices=(CHOICES[0], CHOICES[0])),
+     f"choices must have distinct labels (the table's rows), got {[CHOICES[0].label] * 2!r}"),
+    (lambda: sp.format_support_table({"ks": [1]}),
+     "data must be the dict of support_study, with keys ('ks', 'rows') and a list of rows, got "
+     "dict with keys ['ks']"),
+    (lambda: sp.format_support_table(None),
+     "data must be the dict of support_study, with keys ('ks', 'rows') and a list of rows, got "
+     "NoneType"),
+    (lambda: sp.format_support_table({"ks": [1, 4], "rows": _ROWS}, ks=[2]),
+     "k = 2 is not in the data (ks = [1, 4])"),
+    (lambda: sp.plot_support_bias("unused.svg", {"V": 8, "rows": []}),
+     "data must be the dict of support_study, with keys ('V', 'positions', 'rows') and a list of "
+     "rows, got dict with keys ['V', 'rows']"),
+    (lambda: sp.plot_support_bias("unused.svg", {"V": 8, "positions": 1, "rows": _ROWS}),
+     "data's rows must be those of CHOICES, whose styles the figure draws, got the labels "
+     "['a']"),
+]
+
+
+@pytest.mark.parametrize("call,message", EVERY_REFUSAL)
+def test_every_refusal_in_full(call, message):
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        call()
+
+
+def test_a_teacher_without_mass_on_the_support_has_the_documented_value_and_gradient():
+    # Position 1's teacher log-probabilities are -inf at both valid slots; by hand (the
+    # docstring of support_divergence), with P the student's mass on S = {0, 1}:
+    s = torch.tensor([[0.3, -0.2, 0.5, 0.1], [0.0, 1.0, -1.0, 0.2]], dtype=F64)
+    t = torch.tensor([[math.log(0.3), math.log(0.2)], [-math.inf, -math.inf]], dtype=F64)
+    support = Support(torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2, dtype=torch.bool), t)
+    p = torch.softmax(s[1], -1).tolist()
+    P = p[0] + p[1]
+    want = {(1.0, "renormalize"): math.inf, (1.0, "tail"): math.inf,
+            (0.0, "renormalize"): 0.0, (0.0, "tail"): -math.log1p(-P),
+            (0.3, "renormalize"): -0.7 * math.log(0.7)}
+    for (beta, approximation), value in want.items():
+        fn = lambda z, b=beta, a=approximation: support_divergence(  # noqa: E731
+            z, support, beta=b, approximation=a, max_log_mass=None)
+        got = fn(s)
+        assert got[1].item() == pytest.approx(value, rel=1e-14)
+        z = s.clone().requires_grad_(True)
+        out = fn(z)
+        torch.where(torch.isfinite(out), out, torch.zeros_like(out)).sum().backward()
+        assert not bool(z.grad.isnan().any())
+        if (beta, approximation) == (0.0, "tail"):
+            # d(-log(1 - P))/dz_j = p_j (1[j in S] - P) / (1 - P), by hand
+            closed = torch.tensor([p[j] * ((j < 2) - P) / (1 - P) for j in range(4)], dtype=F64)
+            torch.testing.assert_close(z.grad[1], closed, rtol=1e-12, atol=1e-15)
+        else:  # a constant: +inf, 0 or -(1 - beta) log(1 - beta), no gradient (to rounding)
+            assert float(z.grad[1].abs().max()) < 1e-15
+        # position 0 is the one computed alone
+        alone = support_divergence(s[0], Support(support.ids[0], support.valid[0], t[0]),
+                                   beta=beta, approximation=approximation, max_log_mass=None)
+        assert got[0].item() == alone.item()
+    # Tinker's REINFORCE form: no slot with teacher mass is left, and the position adds 0
+    z = s.clone().requires_grad_(True)
+    value = reinforce_reverse_kl(z, support)
+    value.sum().backward()
+    assert value[1].item() == 0.0 and torch.equal(z.grad[1], torch.zeros(4, dtype=F64))
+    assert value[0].item() == pytest.approx(
+        support_divergence(s[0], Support(support.ids[0], support.valid[0], t[0]), beta=1.0,
+                           approximation="renormalize").item(), rel=1e-14)
+
+
+def test_the_ids_of_a_masked_out_position_are_not_read():
+    # garbage ids (out of range, repeated), valid slots and teacher log-probabilities in the
+    # masked-out positions: the same value and gradient as with a clean support, exactly 0 there
+    s, t, _ = _pair(13, V=5, shape=(3,))
+    support = build_support("teacher_topk", 2, s, t)
+    mask = torch.tensor([1, 0, 1])
+    garbage = Support(support.ids.clone(), support.valid.clone(), support.teacher_logp.clone())
+    garbage.ids[1] = torch.tensor([-7, 99])
+    garbage.valid[1] = False
+    garbage.teacher_logp[1] = math.inf
+    dirty_s = s.clone()
+    dirty_s[1] = math.nan
+    for fn in (lambda z, sup: support_divergence(z, sup, beta=0.4, mask=mask),
+               lambda z, sup: reinforce_reverse_kl(z, sup, mask=mask)):
+        clean, dirty = fn(s, support), fn(dirty_s, garbage)
+        assert torch.equal(clean, dirty) and dirty[1].item() == 0.0
+        grad = _grad(lambda z, f=fn: f(z, garbage), dirty_s)
+        assert torch.equal(grad, _grad(lambda z, f=fn: f(z, support), s))
+        assert torch.equal(grad[1], torch.zeros(5, dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_support_ids_of_any_integer_dtype_give_the_int64_values(dtype):
+    s, t, _ = _pair(14, V=6, shape=(2,))
+    support = build_support("union", 2, s, t)
+    narrow = support._replace(ids=support.ids.to(dtype))
+    for fn in (lambda z, sup: support_divergence(z, sup, beta=0.5),
+               lambda z, sup: reinforce_reverse_kl(z, sup),
+               lambda z, sup: forward_kl_upper_bound(z, sup.teacher_logp[..., :2],
+                                                     sup.ids[..., :2])):
+        assert torch.equal(fn(s, narrow), fn(s, support))
+        assert torch.equal(_grad(lambda z, f=fn: f(z, narrow), s),
+                           _grad(lambda z, f=fn: f(z, support), s))
+
+
+def test_the_exact_tail_bucket_is_finite_where_a_mass_rounds_to_one():
+    # max_log_mass=None: 1 - P and 1 - Q from the rounded sums P and Q made (b) +inf where the
+    # divergence is finite. (1) S holds every token: no tail on either side (the forward KL
+    # of these two near-uniform rows, 5.4e-7, was +inf: the teacher's 1 - Q rounded to 1e-16,
+    # the student's to 0; found by search).
+    s = torch.tensor([-0.0013360000000000002, 0.000887, 0.000768, 5.7e-05], dtype=F64)
+    t = torch.tensor([0.000224, 0.0005520000000000001, -0.000579, 1.8e-05], dtype=F64)
+    every = build_support("teacher_topk", 4, s, t)
+    for beta in (0.0, 0.5, 1.0):
+        got = support_divergence(s, every, beta=beta, max_log_mass=None)
+        assert got.item() == pytest.approx(_full(s, t, beta).item(), rel=1e-9, abs=1e-15)
+    # (2) the student's P rounds to 1 (p_0 = 1 - 8.5e-18): its tail is summed from its own
+    # entries, 2 e^-40 / (1 + 2 e^-40), by hand; against the teacher's 0.5 the forward bucket
+    # is 0.5 log(0.5 / p_0) + 0.5 log(0.5 / (1 - p_0)), finite
+    s = torch.tensor([0.0, -40.0, -40.0], dtype=F64)
+    q = torch.tensor([0.5, 0.25, 0.25], dtype=F64)
+    log_p0 = -math.log1p(2 * math.exp(-40.0))
+    log_tail = math.log(2.0) - 40.0 + log_p0
+    want = 0.5 * (math.log(0.5) - log_p0) + 0.5 * (math.log(0.5) - log_tail)
+    got = support_divergence(s, _support([0], q.log()), beta=0.0, max_log_mass=None)
+    assert got.item() == pytest.approx(want, rel=1e-14)
+    # (3) the teacher's Q rounds to 1 (1 - 1e-20), the student keeps 0.3 off S: the reverse
+    # bucket takes the teacher's tail as K eps, as topk_kl does (its test derives the value)
+    log_q = torch.tensor([math.log(0.5), math.log(0.5), math.log(5e-21), math.log(5e-21)],
+                         dtype=F64)
+    s = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=F64))
+    report = _support([0, 1], log_q)
+    got = support_divergence(s, report, beta=1.0, max_log_mass=None)
+    assert math.isfinite(got.item()) and got.item() <= _full(s, log_q, 1.0).item()
+    assert got.item() == pytest.approx(topk_kl(s, report.teacher_logp, report.ids, "tail",
+                                               "reverse").item(), rel=1e-14)
+    assert bool(torch.isfinite(_grad(lambda z: support_divergence(
+        z, report, beta=1.0, max_log_mass=None), s)).all())
+
+
+def test_the_expected_sampled_reverse_bucket_is_finite_where_a_teacher_mass_rounds_to_one():
+    # q_0 = 1 - 3.9e-22: log q_0 rounds to 0, and the bucket of x = 0, whose teacher tail
+    # 1 - q_0 read as 0 against the student's 2/3, was +inf (the whole expectation with it).
+    # The tail below K eps = eps is taken as eps, as in support_divergence; by hand:
+    s = torch.zeros(3, dtype=F64)  # p = (1/3, 1/3, 1/3)
+    t = torch.tensor([0.0, -50.0, -50.0], dtype=F64)
+    q = torch.softmax(t, -1).tolist()
+    assert torch.log_softmax(t, -1)[0].item() == 0.0
+    eps = torch.finfo(F64).eps
+    third = 1 / 3
+
+    def kl2(p, q_x, tail):
+        return p * math.log(p / q_x) + (1 - p) * math.log((1 - p) / tail)
+    want = third * kl2(third, 1.0, eps) + 2 * third * kl2(third, q[1], 1 - q[1])
+    got = expected_sampled_divergence(s, t, beta=1.0, max_log_mass=None)
+    assert got.item() == pytest.approx(want, rel=1e-12)
+    assert got.item() <= _full(s, t, 1.0).item()  # still a lower bound
+    assert bool(torch.isfinite(_grad(lambda z: expected_sampled_divergence(
+        z, t, beta=1.0, max_log_mass=None), s)).all())

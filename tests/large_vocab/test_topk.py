@@ -821,3 +821,171 @@ def test_a_teacher_mass_above_one_reads_as_no_tail_and_the_reverse_bucket_takes_
     forward = sum(b * math.log(b / (1 / 3)) for b in q)
     assert topk_kl(student, t, ids, "tail", "reverse").item() == pytest.approx(reverse, rel=1e-12)
     assert topk_kl(student, t, ids, "tail", "forward").item() == pytest.approx(forward, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks of every public function, and the positions the teacher gives no mass
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call,message", [
+    # 0.7 + 0.6: not two probabilities of one distribution
+    (lambda: topk_kl(torch.zeros(4), torch.log(torch.tensor([0.7, 0.6])), torch.tensor([0, 1])),
+     "teacher_topk_logp must be log-probabilities of one distribution: the reported "
+     "probabilities sum to 1.3 at position (), where they must sum to at most 1"),
+    # k = V: the report is the whole distribution (its tail is taken as 0), so it sums to 1
+    (lambda: topk_kl(torch.zeros(2, 3), torch.log(torch.tensor([[0.2, 0.3, 0.5],
+                                                                 [0.2, 0.3, 0.4]])),
+                     torch.arange(3).expand(2, 3)),
+     "teacher_topk_logp must be log-probabilities of one distribution: the reported "
+     "probabilities sum to 0.9 at position (1,), where they must sum to 1 (k = V: every token "
+     "is reported)"),
+    (lambda: topk_kl(torch.zeros(2), torch.full((2,), -math.inf), torch.tensor([1, 0])),
+     "teacher_topk_logp must be log-probabilities of one distribution: the reported "
+     "probabilities sum to 0 at position (), where they must sum to 1 (k = V: every token is "
+     "reported)"),
+    (lambda: topk_bias_table([2, 1, 2], *zipf_pair(V=4)),
+     "ks must not repeat a value (one row per k), got [2, 1, 2]"),
+    # with no temperature no table is computed: V and ks are checked all the same
+    (lambda: topk_bias_figure_data(V=0, temperatures=(), ks=[1]),
+     "V must be a positive int, got 0"),
+    (lambda: topk_bias_figure_data(V=True, temperatures=(), ks=[1]),
+     "V must be a positive int, got True"),
+    (lambda: topk_bias_figure_data(V=4, temperatures=(), ks=[5]),
+     "ks must hold ints in [1, V] = [1, 4], got 5"),
+    (lambda: topk_bias_figure_data(V=4, temperatures=(), ks=[1, 1]),
+     "ks must not repeat a value (one row per k), got [1, 1]"),
+    (lambda: topk_bias_figure_data(V=4, temperatures=(1.0, 1), ks=[1]),
+     "temperatures must not repeat a value (one set of rows each), got [1.0, 1.0]"),
+    (lambda: topk_bias_figure_data(V=4, temperatures=(0.0,), ks=[1]),
+     "temperatures must be > 0, got 0.0"),
+    (lambda: topk_bias_figure_data(V=4, temperatures=(math.nan,), ks=[1]),
+     "temperatures must be a finite number, got nan"),
+    (lambda: format_topk_bias_table({"ks": [1]}),
+     "data must be the dict of topk_bias_figure_data, with keys ('ks', 'rows') and its rows by "
+     "temperature, got dict with keys ['ks']"),
+    (lambda: format_topk_bias_table([]),
+     "data must be the dict of topk_bias_figure_data, with keys ('ks', 'rows') and its rows by "
+     "temperature, got list"),
+    (lambda: format_topk_bias_table({"ks": [1], "rows": []}),
+     "data must be the dict of topk_bias_figure_data, with keys ('ks', 'rows') and its rows by "
+     "temperature, got dict with keys ['ks', 'rows']"),
+    (lambda: plot_topk_bias("unused.svg", {"rows": {}}),
+     "data must be the dict of topk_bias_figure_data, with keys ('V', 'rows') and its rows by "
+     "temperature, got dict with keys ['rows']"),
+])
+def test_every_new_refusal_in_full(call, message):
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        call()
+
+
+def test_a_report_within_the_rounding_of_its_dtype_is_accepted():
+    # bf16 log-probabilities of (0.5, 0.3, 0.2): each rounded to 8 bits, they sum to 1.0011,
+    # within sqrt(eps) = 0.088 of 1 for bf16, not within sqrt(eps) = 3.5e-4 for float32
+    log_q = torch.log(torch.tensor([0.5, 0.3, 0.2])).bfloat16()
+    mass = log_q.double().exp().sum().item()
+    assert 2.0**-11.5 < mass - 1 < 2.0**-3.5
+    for approximation in APPROXIMATIONS:
+        got = topk_kl(torch.zeros(3), log_q, torch.arange(3), approximation, "reverse")
+        # k = V: sum_v p_v (log p_v - t_v) over the whole vocabulary, p uniform, by hand
+        # ((a) renormalises the teacher: t_v - log Q)
+        want = sum((math.log(1 / 3) - t) / 3 for t in log_q.double().tolist())
+        want += math.log(mass) if approximation == "renormalize" else 0.0
+        # float32 terms of size up to 1.6, rounded at 6e-8 each: 1e-6 absolutely
+        assert got.dtype == torch.float32 and got.item() == pytest.approx(want, abs=1e-6)
+    message = (f"teacher_topk_logp must be log-probabilities of one distribution: the reported "
+               f"probabilities sum to {mass:.6g} at position (), where they must sum to 1 (k = V: "
+               "every token is reported)")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        topk_kl(torch.zeros(3), log_q.float(), torch.arange(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_any_integer_dtype_of_ids_gives_the_int64_values_and_gradients(dtype):
+    # gather refused uint8, int8 and int16 ids with a RuntimeError
+    student, teacher = zipf_pair(V=6, noise=1.0, seed=1)
+    log_q = torch.log_softmax(teacher, -1)
+    ids = torch.tensor([3, 0, 5])
+    for approximation in APPROXIMATIONS:
+        for direction in DIRECTIONS:
+            want = _grad_of(lambda z, a=approximation, d=direction: topk_kl(
+                z, log_q[ids], ids, a, d), student)
+            got = _grad_of(lambda z, a=approximation, d=direction: topk_kl(
+                z, log_q[ids], ids.to(dtype), a, d), student)
+            assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
+def _grad_of(fn, z):
+    z = z.detach().clone().requires_grad_(True)
+    value = fn(z)
+    torch.where(torch.isfinite(value), value, torch.zeros_like(value)).sum().backward()
+    return value.detach().tolist(), z.grad
+
+
+def test_a_report_the_teacher_gives_no_mass_has_the_documented_value_and_gradient():
+    # Three positions, V = 4, S = {0, 1}. Position 0: an ordinary report; positions 1 and 2:
+    # the teacher's log-probabilities are all -inf (it gives S no mass); at position 2 the
+    # student gives S no mass either. By hand (module docstring, "Conventions"): reverse, every
+    # approximation is +inf where the student has mass on S (P > 0), 0 where it has none;
+    # forward, (a) and (c) are 0 and (b) is -log(1 - P), the teacher's mass all in the bucket.
+    student = torch.tensor([[0.3, -0.2, 0.5, 0.1], [0.4, -1.0, 0.0, 0.7],
+                            [-math.inf, -math.inf, 0.2, -0.3]], dtype=torch.float64)
+    ids = torch.tensor([0, 1]).expand(3, 2)
+    t = torch.tensor([[math.log(0.3), math.log(0.2)], [-math.inf, -math.inf],
+                      [-math.inf, -math.inf]], dtype=torch.float64)
+    p = [[math.exp(v) for v in row] for row in student.tolist()]
+    p = [[v / sum(row) for v in row] for row in p]
+    P = p[1][0] + p[1][1]
+    for approximation in APPROXIMATIONS:
+        for direction in DIRECTIONS:
+            value, grad = _grad_of(lambda z, a=approximation, d=direction: topk_kl(z, t, ids, a, d),
+                                   student)
+            if direction == "reverse":
+                assert value[1:] == [math.inf, 0.0]
+                assert torch.equal(grad[1:], torch.zeros(2, 4, dtype=torch.float64))
+            elif approximation == "tail":
+                assert value[1] == pytest.approx(-math.log1p(-P), rel=1e-14) and value[2] == 0.0
+                # d(-log(1 - P))/dz_j = p_j (1[j in S] - P) / (1 - P), by hand
+                want = [p[1][j] * ((j < 2) - P) / (1 - P) for j in range(4)]
+                torch.testing.assert_close(grad[1], torch.tensor(want, dtype=torch.float64),
+                                           rtol=1e-12, atol=1e-15)
+                assert torch.equal(grad[2], torch.zeros(4, dtype=torch.float64))
+            else:
+                assert value[1:] == [0.0, 0.0]
+                assert torch.equal(grad[1:], torch.zeros(2, 4, dtype=torch.float64))
+            # position 0 is the one computed alone
+            alone = _grad_of(lambda z, a=approximation, d=direction: topk_kl(z, t[0], ids[0], a,
+                                                                           d), student[0])
+            assert value[0] == alone[0] and torch.equal(grad[0], alone[1])
+
+
+def test_a_row_the_caller_masks_afterwards_leaves_no_nan_in_the_gradient():
+    # torch.where(mask, loss, 0) after the loss: an infinite or degenerate row masked out
+    # sends exactly 0 into the gradient, the other rows their own gradient
+    student = torch.tensor([[0.3, -0.2, 0.5], [0.1, 0.2, 0.3]], dtype=torch.float64)
+    t = torch.tensor([[math.log(0.5)], [-math.inf]], dtype=torch.float64)
+    ids = torch.tensor([[0], [1]])
+    mask = torch.tensor([True, False])
+    for approximation in APPROXIMATIONS:
+        for direction in DIRECTIONS:
+            z = student.clone().requires_grad_(True)
+            value = topk_kl(z, t, ids, approximation, direction)
+            torch.where(mask, value, torch.zeros_like(value)).sum().backward()
+            assert not bool(z.grad.isnan().any()) and torch.equal(z.grad[1], torch.zeros(3,
+                                                                  dtype=torch.float64))
+            alone = _grad_of(lambda x, a=approximation, d=direction: topk_kl(x, t[0], ids[0], a,
+                                                                           d), student[0])
+            assert torch.equal(z.grad[0], alone[1])
+
+
+def test_a_float32_report_from_logits_of_1000_is_accepted():
+    # the tolerance's docstring: log-probabilities computed as z - logsumexp(z) in float32
+    # from logits of about 1,000 are rounded to ulp(1,000) = 6e-5 each: their mass stays
+    # within sqrt(eps) = 3.5e-4 of 1, and the k = V report is accepted
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        z = 1000.0 + torch.randn(6, generator=g)
+        log_q = z - torch.logsumexp(z, -1)  # float32, the rounding of the size-1,000 sums
+        assert abs(log_q.double().exp().sum().item() - 1) < 2.0**-11.5
+        student = torch.randn(6, generator=g)
+        for approximation in APPROXIMATIONS:
+            got = topk_kl(student, log_q, torch.arange(6), approximation, "forward")
+            assert math.isfinite(got.item())

@@ -3,6 +3,7 @@ estimator does under it, proved by enumeration against independent computations.
 
 import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -10,8 +11,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opd_literate.mismatch import correction
-from opd_literate.mismatch.engine import engine_toy, processed_log_probs
+from opd_literate.mismatch import correction, engine
+from opd_literate.mismatch.engine import (
+    BOUNDARY_PROBS,
+    NUCLEUS_TOLERANCE,
+    SAMPLERS,
+    boundary_toy,
+    engine_toy,
+    nucleus_disagreement,
+    processed_log_probs,
+    top_p_kept,
+)
 from opd_literate.mismatch.estimators import (
     REGISTRY,
     comparison_table,
@@ -29,24 +39,42 @@ from opd_literate.mismatch.toy import (
     toy_from_logits,
 )
 
+F32 = np.float32
 
-def vllm_keep(logits, temperature, top_k, top_p):
-    """The kept tokens of one row, by vLLM's own algorithm (apply_top_k_top_p, read from
-    vllm/v1/sample/ops/topk_topp_sampler.py): sort ascending, mask below the k-th largest,
-    softmax, mask where the ascending cumulative sum is <= 1 - p, never the last. Written
-    independently of engine.py (torch, ascending order, a cumulative sum from below)."""
-    z = torch.as_tensor(np.asarray(logits, dtype=float)) / temperature
+
+def vllm_keep(logits, temperature, top_k, top_p, dtype=torch.float64):
+    """The kept tokens of one row, by vLLM's algorithm as its docs and source describe it
+    (apply_top_k_top_p_pytorch, vllm/v1/sample/ops/topk_topp_sampler.py lines 524-565 at
+    v0.33.0): sort ascending, mask below the k-th largest, softmax, mask where the ascending
+    cumulative sum is <= 1 - p, never the last. Written independently of engine.py (torch, an
+    ascending order, a cumulative sum from below); in ``dtype``, p a tensor of it."""
+    z = torch.as_tensor(np.asarray(logits, dtype=float)).to(dtype) / torch.tensor(temperature,
+                                                                                dtype=dtype)
     z_sort, idx = z.sort(descending=False)
     if top_k is not None and top_k < len(z):
         z_sort = z_sort.masked_fill(z_sort < z_sort[len(z) - top_k], -math.inf)
     if top_p < 1.0:
         cumulative = z_sort.softmax(-1).cumsum(-1)
-        cut = cumulative <= 1 - top_p
+        cut = cumulative <= 1 - torch.tensor(top_p, dtype=dtype)
         cut[-1] = False
         z_sort = z_sort.masked_fill(cut, -math.inf)
     kept = torch.empty(len(z), dtype=torch.bool)
     kept[idx] = torch.isfinite(z_sort)
     return kept.numpy()
+
+
+def near_a_boundary(logits, temperature, top_k, top_p, margin):
+    """Whether some prefix of the ranking carries within ``margin`` of top_p, or two kept
+    tokens tie."""
+    probs = np.exp(processed_log_probs(logits, temperature, top_k))
+    ranked = np.sort(probs[probs > 0])[::-1]
+    return top_p < 1 and (np.min(np.abs(np.cumsum(ranked) - top_p)) < margin
+                          or len(set(ranked.tolist())) < len(ranked))
+
+
+def exact_float32(x):
+    """A float32 value as an exact fraction (hand derivations of the float32 rules)."""
+    return Fraction(float(F32(x)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,13 +91,33 @@ def test_the_kept_tokens_are_vllms_on_random_rows():
         top_p = float(g.choice([0.1, 0.5, 0.9, 0.95, 1.0]))
         ours = np.isfinite(processed_log_probs(logits, temperature, top_k, top_p))
         # The two rules read the same boundary from two sums; skip rows within rounding of it.
-        probs = np.exp(processed_log_probs(logits, temperature, top_k))
-        ranked = np.sort(probs)[::-1]
-        if top_p < 1 and np.min(np.abs(np.cumsum(ranked) - top_p)) < 1e-9:
+        if near_a_boundary(logits, temperature, top_k, top_p, 1e-9):
             continue
         np.testing.assert_array_equal(ours, vllm_keep(logits, temperature, top_k, top_p))
         checked += 1
     assert checked > 350
+
+
+def test_the_vllm_sampler_is_vllms_algorithm_in_float32_off_the_boundary():
+    """sampler="vllm" against the torch float32 re-derivation above, on rows whose prefix
+    masses are at least 1e-6 from p and without ties: there the last bit of torch's softmax
+    (which this machine's kernels round as they do) cannot move the cut."""
+    g = np.random.default_rng(11)
+    checked = 0
+    for _ in range(400):
+        V = int(g.integers(1, 12))
+        logits = g.normal(0, 2, V)
+        temperature = float(g.choice([0.3, 0.7, 1.0, 1.6]))
+        top_k = [None, 1, 2, 3, 5][int(g.integers(5))]
+        top_p = float(g.choice([0.1, 0.5, 0.9, 0.95, 1.0]))
+        if near_a_boundary(logits, temperature, top_k, top_p, 1e-6):
+            continue
+        ours = np.isfinite(processed_log_probs(logits, temperature, top_k, top_p,
+                                               sampler="vllm"))
+        np.testing.assert_array_equal(ours, vllm_keep(logits, temperature, top_k, top_p,
+                                                      torch.float32))
+        checked += 1
+    assert checked > 300
 
 
 def test_a_row_is_the_renormalised_softmax_over_the_kept_tokens():
@@ -444,3 +492,383 @@ def test_min_p_is_read_after_the_temperature_and_before_top_p():
 def test_bad_min_p_is_named(min_p, message):
     with pytest.raises(ValueError, match=message):
         processed_log_probs(np.zeros(3), min_p=min_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which nucleus: the frameworks' float32 rules (module docstring). vLLM and SGLang do not
+# install on a CPU: their rules are checked here on cases derived by hand from their source,
+# vLLM release 0.33.0 (its wheel) vllm/v1/sample/ops/topk_topp_sampler.py lines 545-562, and
+# SGLang 0.5.23 python/sglang/srt/layers/sampler.py lines 821-835; transformers' is checked
+# against its installed warpers in tests/integration/test_engine_frameworks.py.
+# ---------------------------------------------------------------------------------------------
+HEADLINE = [0.5, 0.3, 0.15, 0.05]
+
+
+def test_the_float32_cuts_by_hand():
+    """vLLM: 1 - p with p a float32 tensor; transformers: float32(1 - p), 1 - p in float64."""
+    assert exact_float32(0.8) == Fraction(13421773, 2**24)  # 0.800000011920928955...
+    assert Fraction(1) - exact_float32(0.8) == Fraction(3355443, 2**24)  # exact in float32
+    assert F32(1) - F32(0.8) == F32(Fraction(3355443, 2**24))  # 0.19999998807907104
+    assert F32(1 - 0.8) == F32(0.2) == F32(Fraction(13421773, 2**26))  # 0.20000000298023224
+
+
+def test_the_headline_row_by_hand():
+    """(0.5, 0.3, 0.15, 0.05) at top-p 0.8, each rule's arithmetic on the float32 values."""
+    low = exact_float32(0.05) + exact_float32(0.15)  # the ascending cumulative sum's 2nd term
+    assert exact_float32(float(low)) == Fraction(13421773, 2**26)  # stored as float32(0.2)
+    vllm_cut, transformers_cut = Fraction(3355443, 2**24), exact_float32(0.2)
+    assert exact_float32(float(low)) > vllm_cut          # vLLM keeps 0.15
+    assert exact_float32(float(low)) <= transformers_cut  # transformers cuts it
+    # SGLang: float32(0.5 + 0.3 + 0.15) is a tie between two float32 values, rounded to even
+    top3 = exact_float32(0.5) + exact_float32(0.3) + exact_float32(0.15)
+    up = Fraction(float(np.nextafter(F32(0.95), F32(1))))
+    assert top3 == (exact_float32(0.95) + up) / 2 and exact_float32(float(top3)) == up
+    above = up - exact_float32(0.15)                       # 0.80000004172..., a tie again
+    assert exact_float32(float(above)) > exact_float32(0.8)  # SGLang cuts 0.15
+    expected = {"exact": 2, "vllm": 3, "transformers": 2, "sglang": 2}
+    for sampler, n in expected.items():
+        assert top_p_kept(HEADLINE, 0.8, sampler).sum() == n, sampler
+        kept = np.isfinite(processed_log_probs(np.log(HEADLINE), top_p=0.8, sampler=sampler))
+        assert kept.tolist() == [True] * n + [False] * (4 - n), sampler
+
+
+def test_ties_break_in_opposite_directions():
+    """An ascending sort (vLLM, transformers) puts a tie's lower index first and cuts it."""
+    uniform = [0.25] * 4  # every float32 sum here is exact
+    assert top_p_kept(uniform, 0.5).tolist() == [True, True, False, False]
+    assert top_p_kept(uniform, 0.5, "vllm").tolist() == [False, False, True, True]
+    assert top_p_kept(uniform, 0.5, "transformers").tolist() == [False, False, True, True]
+    # SGLang keeps a token whose mass above is p exactly: 0.5 > 0.5 is false
+    assert top_p_kept(uniform, 0.5, "sglang").tolist() == [True, True, True, False]
+    # Even the guard: two tied top tokens, vLLM keeps the last of its ascending order
+    pair = np.log([0.5, 0.5])
+    kept = {s: np.isfinite(processed_log_probs(pair, top_p=0.3, sampler=s)).tolist()
+            for s in SAMPLERS}
+    assert kept == {"exact": [True, False], "vllm": [False, True], "transformers": [False, True],
+                    "sglang": [True, False]}
+
+
+def test_sglang_cuts_top_k_by_rank_and_top_p_on_the_full_distribution():
+    ties = np.array([1.0, 1.0, 0.0])
+    for sampler in ("exact", "vllm", "transformers"):  # ties with the k-th largest stay
+        assert np.isfinite(processed_log_probs(ties, top_k=1, sampler=sampler)).tolist() == [
+            True, True, False]
+    assert np.isfinite(processed_log_probs(ties, top_k=1, sampler="sglang")).tolist() == [
+        True, False, False]
+    # 0.4, 0.3, 0.2, 0.1 with top-k 2 and top-p 0.5: renormalised, the mass above 0.3 is
+    # 0.4 / 0.7 = 0.571 >= 0.5 (cut); on the full distribution it is 0.4 <= 0.5 (kept)
+    logits = np.log([0.4, 0.3, 0.2, 0.1])
+    for sampler, n in {"exact": 1, "vllm": 1, "transformers": 1, "sglang": 2}.items():
+        kept = np.isfinite(processed_log_probs(logits, top_k=2, top_p=0.5, sampler=sampler))
+        assert kept.sum() == n, sampler
+
+
+def test_transformers_reads_min_p_after_top_p():
+    """0.5, 0.3, 0.2 with min-p 0.5 (cut below 0.25) and top-p 0.6. vLLM: min-p first, then
+    the mass above 0.3 among the survivors is 0.625 >= 0.6 (cut). transformers: top-p first,
+    the mass above 0.3 is 0.5 < 0.6 (kept), then min-p keeps 0.3 >= 0.25."""
+    logits = np.log([0.5, 0.3, 0.2])
+    kept = {s: np.isfinite(processed_log_probs(logits, top_p=0.6, min_p=0.5, sampler=s)).tolist()
+            for s in SAMPLERS}
+    assert kept == {"exact": [True, False, False], "vllm": [True, False, False],
+                    "transformers": [True, True, False], "sglang": [True, True, False]}
+
+
+def test_sglangs_top_p_line_cuts_past_a_float32_sum_above_one():
+    """At p = 1 the line still runs once any cut does (top_k_top_p_min_p_sampling_from_probs_
+    torch): float32(0.5) + (float32(0.5) + 2 ulps) = 1 + 2**-23 exactly, above float32(1)."""
+    probs = np.array([F32(0.5), F32(0.5) + F32(2**-23), F32(1e-9)], dtype=F32)
+    order = np.arange(3)  # already descending
+    kept = engine._cut_framework(engine._framework_sums(probs, order, "sglang"), 1.0, "sglang")
+    assert kept.tolist() == [True, True, False]
+
+
+def test_in_exact_arithmetic_vllm_and_transformers_keep_the_exact_set():
+    """On integers: masking where the cumulative sum from below is <= n - j keeps what
+    "above < j" keeps, whatever the ties (both rank them by a sort); SGLang's "above > j"
+    keeps one token more exactly where the count above a token is j."""
+    for counts in itertools.product(range(1, 8), repeat=3):
+        n_total = sum(counts)
+        ranked = sorted(counts, reverse=True)
+        above = np.cumsum(ranked) - ranked
+        below = np.cumsum(ranked[::-1])[::-1]  # the mass at or below each ranked token
+        for j in range(1, n_total):
+            exact = above < j
+            from_below = ~(below <= n_total - j)
+            from_below[0] = True
+            sglang = ~(above > j)
+            assert (from_below == exact).all()
+            assert sglang.sum() == exact.sum() + (j in above.tolist())
+
+
+def test_the_nucleus_figures_of_the_chapter():
+    """The chapter's sentences over the two-decimal table: rows and boundary rows by hand
+    (each distribution has three distinct prefix masses, its top 1, 2 and 3 tokens, all in
+    1..99 hundredths); no rule keeps fewer tokens than the exact one, or another number off
+    the boundary; vLLM and transformers break ties the other way, SGLang never."""
+    stats = {s: nucleus_disagreement(s) for s in SAMPLERS}
+    assert stats["exact"]["distributions"] == math.comb(99, 3) == 156_849
+    assert stats["exact"]["rows"] == 156_849 * 99 and stats["exact"]["boundary"] == 3 * 156_849
+    assert stats["exact"]["differ"] == 0
+    for sampler in ("vllm", "transformers", "sglang"):
+        d = stats[sampler]
+        assert d["fewer"] == 0 and d["resized_off_boundary"] == 0, sampler
+        assert d["differ"] == d["more"] + d["swapped"] and d["more"] > 0, sampler
+        assert 0 < d["fraction"] < 0.05, sampler
+    assert stats["vllm"]["swapped"] > 0 and stats["transformers"]["swapped"] > 0
+    assert stats["sglang"]["swapped"] == 0 and stats["sglang"]["differ_off_boundary"] == 0
+    # vLLM's worst row by hand: 0.01, 0.07, 0.46, 0.46 at top-p 0.46; the exact rule keeps the
+    # first 0.46 (above the second lie 0.46, not less), vLLM both
+    worst = stats["vllm"]["worst"]
+    assert worst["probs"] == [0.01, 0.07, 0.46, 0.46] and worst["top_p"] == 0.46
+    assert worst["exact"] == [False, False, True, False] and worst["kept"] == [False, False,
+                                                                               True, True]
+    assert stats["vllm"]["max_mass_difference"] == 0.46
+
+
+def test_nucleus_disagreement_against_a_direct_count():
+    """The counts of the enumeration, recounted row by row through top_p_kept on the exact
+    probabilities for sampler="exact" and through processed_log_probs for the frameworks."""
+    for sampler in SAMPLERS:
+        d = nucleus_disagreement(sampler, V=3, resolution=12)
+        differ = more = 0
+        for counts in itertools.product(range(1, 11), repeat=3):
+            if sum(counts) != 12:
+                continue
+            for j in range(1, 12):
+                ranked = sorted(counts, reverse=True)
+                exact_n = int((np.cumsum(ranked) - ranked < j).sum())
+                if sampler == "exact":
+                    kept = top_p_kept(np.array(counts) / 12, j / 12)
+                else:
+                    kept = np.isfinite(processed_log_probs(np.log(np.array(counts) / 12),
+                                                           top_p=j / 12, sampler=sampler))
+                order = sorted(range(3), key=lambda v: -counts[v])  # stable: index order
+                exact = np.zeros(3, dtype=bool)
+                exact[order[:exact_n]] = True
+                differ += bool((kept != exact).any())
+                more += int(kept.sum() > exact_n)
+        assert (d["differ"], d["more"]) == (differ, more), sampler
+
+
+def test_the_four_rules_keep_the_same_tokens_on_the_chapters_toy():
+    """The chapter: its toy's logits are random, so no row sits on a boundary or a tie."""
+    toy = make_toy()
+    raw = toy["theta"] + toy["mismatch"] * toy["b"]
+    for top_p in np.round(np.linspace(0.8, 1.0, 11), 2):  # the figure's grid
+        kept = [np.isfinite(processed_log_probs(raw, top_p=top_p, sampler=s)) for s in SAMPLERS]
+        for other in kept[1:]:
+            np.testing.assert_array_equal(other, kept[0])
+
+
+def test_on_the_boundary_toy_the_four_rules_are_four_engines():
+    """The chapter's sentence under its sampler table: four kept sets; vLLM cuts the least
+    mass yet has more bias than the exact rule (it cuts token 0, which the reward counts, at
+    the third position)."""
+    toy = boundary_toy()
+    engines = {s: engine_toy(toy, top_p=0.8, sampler=s) for s in SAMPLERS}
+    written = {s: frozenset(map(tuple, e["Y"].tolist())) for s, e in engines.items()}
+    assert len(set(written.values())) == 4
+    bias = {s: estimator_moments(e, seq_is(e))["rel_bias"] for s, e in engines.items()}
+    assert len({round(b, 6) for b in bias.values()}) == 3
+    # vLLM and transformers tie: with token 0 cut at the third position a sequence needs it at
+    # both others to earn R = 1, so vLLM's extra tokens (2 first, 3 second) carry no reward
+    assert math.isclose(bias["vllm"], bias["transformers"], rel_tol=1e-12)
+    mass = {s: e["truncated_mass"] for s, e in engines.items()}
+    assert min(mass, key=mass.get) == "vllm" and bias["vllm"] > bias["exact"]
+    assert 0 not in engines["vllm"]["Y"][:, 2] and 0 in engines["exact"]["Y"][:, 2]
+    for e in engines.values():  # epsilon = 0: seq_is misses exactly what the cut carries
+        np.testing.assert_allclose(estimator_moments(e, seq_is(e))["mean"],
+                                   e["true_grad"] - e["truncated_grad"], rtol=0, atol=1e-13)
+    assert BOUNDARY_PROBS[2][0] == BOUNDARY_PROBS[2][2]  # the tie across the cut
+
+
+def test_the_chapters_which_nucleus_sentences_are_the_ones_tested_here():
+    """docs/mismatch.md, "Which nucleus": its sentences with a number or a direction, each
+    checked by a test above (named in the comment)."""
+    import pathlib
+
+    page = " ".join((pathlib.Path(__file__).resolve().parents[2] / "docs/mismatch.md")
+                    .read_text().split())
+    for sentence in (
+        # test_the_headline_row_by_hand
+        "On $(0.5, 0.3, 0.15, 0.05)$ at top-$p$ 0.8, vLLM keeps three tokens and the others two.",
+        # test_in_exact_arithmetic_vllm_and_transformers_keep_the_exact_set
+        "In exact arithmetic vLLM's and transformers' rules keep the exact set, and SGLang's one "
+        "token more where the mass above it equals $p$.",
+        # test_ties_break_in_opposite_directions
+        "the ascending sorts cut a tie's lower index first, the exact rule and SGLang keep it.",
+        # test_the_nucleus_figures_of_the_chapter
+        "Over every distribution of four tokens in hundredths, at every top-$p$ in hundredths, no "
+        "framework keeps fewer tokens than the exact rule, and off the boundary none keeps "
+        "another number of them",
+        # test_the_four_rules_keep_the_same_tokens_on_the_chapters_toy
+        "the four rules keep the same tokens at every position for every top-$p$ of the figure",
+        # test_on_the_boundary_toy_the_four_rules_are_four_engines
+        "three positions of exact decimals, trainer and sampler equal, top-$p$ 0.8), the four "
+        "rules are four engines.",
+        "vLLM cuts the least mass there and still has more bias than the exact rule: its tie "
+        "break at the third position cuts token 0, the one the reward counts.",
+    ):
+        assert sentence in page, sentence
+
+
+def test_torch_sort_orders_ties_by_index_on_a_cpu_up_to_16_entries():
+    """The module docstring's remark on torch.sort (torch 2.13, CPU): stable=False sorts a
+    row of up to 16 entries as a stable sort does, and a longer row not always."""
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 17):
+        x = torch.randint(0, 3, (200, n), generator=g).float()
+        for descending in (False, True):
+            assert torch.equal(x.sort(dim=-1, descending=descending)[1],
+                               x.sort(dim=-1, descending=descending, stable=True)[1])
+    x = torch.zeros(17)
+    assert not torch.equal(x.sort()[1], torch.arange(17))
+
+
+def test_the_exact_rule_counts_a_mass_within_the_tolerance_as_reaching_p():
+    probs = np.array([0.5, 0.3, 0.2])
+    assert top_p_kept(probs, 0.8 + NUCLEUS_TOLERANCE / 2).tolist() == [True, True, False]
+    assert top_p_kept(probs, 0.8 + 2 * NUCLEUS_TOLERANCE).tolist() == [True, True, True]
+    assert top_p_kept(probs, 1e-15).tolist() == [True, False, False]  # the guard
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals of the samplers' functions
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(sampler="VLLM"), ValueError, r"sampler must be one of \('exact', 'vllm'"),
+    (dict(sampler=None), TypeError, "sampler must be one of .* got NoneType None"),
+    (dict(sampler="vllm", temperature=1e-46), ValueError,
+     "temperature=1e-46 is outside float32's positive range"),
+    (dict(sampler="sglang", temperature=1e39), ValueError, "outside float32's positive range"),
+])
+def test_bad_samplers_and_float32_temperatures_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        processed_log_probs(np.array([1.0, 0.0]), **kwargs)
+
+
+def test_logits_beyond_float32_are_refused_for_a_float32_sampler():
+    with pytest.raises(ValueError, match=r"logits must be within float32's range for "
+                                         r"sampler='transformers'.*1e\+39"):
+        processed_log_probs(np.array([1e39, 0.0]), sampler="transformers")
+    with pytest.raises(ValueError, match="logits / temperature overflows float32"):
+        processed_log_probs(np.array([3e38, 0.0]), temperature=0.5, sampler="vllm")
+    assert np.isfinite(processed_log_probs(np.array([1e39, 0.0]))).all()  # float64: fine
+
+
+@pytest.mark.parametrize("probs, error, message", [
+    (np.array([True, False]), TypeError, "probs must hold real numbers, got dtype bool"),
+    (np.array(0.5), ValueError, r"probs must have shape \(..., V\) with V >= 1, got \(\)"),
+    (np.zeros((2, 0)), ValueError, r"got \(2, 0\)"),
+    (np.array([0.5, np.nan]), ValueError, "probs must be finite, got nan at index 1"),
+    (np.array([1.5, -0.5]), ValueError, r"probs must lie in \[0, 1\], got 1.5"),
+    (np.array([0.5, 0.4]), ValueError, "each row of probs must sum to 1 .*got a row summing to"),
+    ([[0.5, 0.5], [0.5]], ValueError, "probs must be a rectangular array"),
+])
+def test_bad_probabilities_are_named(probs, error, message):
+    with pytest.raises(error, match=message):
+        top_p_kept(probs, 0.5)
+
+
+@pytest.mark.parametrize("top_p, sampler, error, message", [
+    (0.0, "exact", ValueError, "top_p must be > 0"),
+    (1.5, "vllm", ValueError, "top_p must be <= 1.0"),
+    (math.nan, "sglang", ValueError, "top_p must be a finite number"),
+    (True, "exact", TypeError, "top_p must be a real number"),
+    (0.5, "flashinfer", ValueError, "sampler must be one of"),
+])
+def test_bad_top_p_arguments_are_named(top_p, sampler, error, message):
+    with pytest.raises(error, match=message):
+        top_p_kept([0.5, 0.5], top_p, sampler)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(sampler="tgi"), ValueError, "sampler must be one of"),
+    (dict(sampler="vllm", V=1), ValueError, r"V must be in \[2, 8\], got 1"),
+    (dict(sampler="vllm", V=2.0), TypeError, "V must be an integer, got 2.0"),
+    (dict(sampler="vllm", V=True), TypeError, "V must be an integer, got True"),
+    (dict(sampler="vllm", V=4, resolution=3), ValueError, r"resolution must be in \[4, 1000\]"),
+    (dict(sampler="vllm", V=8, resolution=100), ValueError,
+     "V=8, resolution=100 has 14,887,031,544 distributions, more than the 2,000,000"),
+])
+def test_bad_enumerations_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        nucleus_disagreement(**kwargs)
+
+
+def test_a_bad_sampler_is_refused_by_engine_toy():
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        engine_toy(make_toy(T=2, V=2), sampler="hf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties of the samplers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.properties
+@given(V=st.integers(1, 10), seed=st.integers(0, 2**32 - 1), sampler=st.sampled_from(SAMPLERS),
+       scale=st.sampled_from([1e-3, 1.0, 5.0, 30.0]),
+       temperature=st.sampled_from([0.25, 1.0, 2.0]), top_k=st.sampled_from([None, 1, 3]),
+       top_p=st.sampled_from([1e-9, 0.3, 0.8, 0.95, 1.0]), min_p=st.sampled_from([0.0, 0.1]),
+       ties=st.booleans())
+def test_every_sampler_keeps_a_top_token_and_a_distribution(V, seed, sampler, scale, temperature,
+                                                            top_k, top_p, min_p, ties):
+    logits = np.random.default_rng(seed).normal(0, 1, (3, V)) * scale
+    if ties:
+        logits = np.round(logits)
+    out = processed_log_probs(logits, temperature, top_k, top_p, min_p, sampler)
+    assert not np.isnan(out).any() and (out <= 0).all()
+    np.testing.assert_allclose(np.exp(out).sum(-1), 1.0, rtol=1e-12)
+    kept = np.isfinite(out)
+    scaled = logits.astype(F32) / F32(temperature) if sampler != "exact" else logits / temperature
+    top = scaled == scaled.max(axis=-1, keepdims=True)
+    assert (kept & top).any(axis=-1).all()  # a most likely token always stays
+    # What stays is a prefix of the ranking: no kept token is less likely than a cut one
+    low_kept = np.where(kept, scaled, np.inf).min(axis=-1)
+    high_cut = np.where(kept, -np.inf, scaled).max(axis=-1)
+    assert (low_kept >= high_cut).all()
+
+
+@pytest.mark.properties
+@given(V=st.integers(2, 12), seed=st.integers(0, 2**32 - 1), sampler=st.sampled_from(SAMPLERS),
+       top_p=st.floats(0.01, 0.99))
+def test_off_the_boundary_every_sampler_keeps_the_exact_nucleus(V, seed, sampler, top_p):
+    """Continuous logits (no ties): the rules differ only within float32 rounding of p."""
+    logits = np.random.default_rng(seed).normal(0, 2, V)
+    probs = np.exp(processed_log_probs(logits))
+    prefix = np.cumsum(np.sort(probs)[::-1])
+    if np.min(np.abs(prefix - top_p)) < 1e-5:
+        return
+    np.testing.assert_array_equal(
+        np.isfinite(processed_log_probs(logits, top_p=top_p, sampler=sampler)),
+        top_p_kept(probs, top_p))
+
+
+@pytest.mark.properties
+@given(V=st.integers(1, 8), seed=st.integers(0, 2**32 - 1), sampler=st.sampled_from(SAMPLERS),
+       p=st.floats(1e-6, 1.0), q=st.floats(1e-6, 1.0), decimals=st.booleans())
+def test_top_p_kept_grows_with_p(V, seed, sampler, p, q, decimals):
+    g = np.random.default_rng(seed)
+    if decimals:  # exact decimals: the boundaries and ties of the chapter's table
+        counts = g.multinomial(20 - V, np.ones(V) / V) + 1
+        probs = counts / 20
+    else:
+        probs = g.dirichlet(np.ones(V))
+    low, high = sorted((p, q))
+    small, large = top_p_kept(probs, low, sampler), top_p_kept(probs, high, sampler)
+    assert not (small & ~large).any() and small.any()
+
+
+@pytest.mark.properties
+@given(V=st.integers(2, 5), resolution=st.integers(5, 24), sampler=st.sampled_from(SAMPLERS))
+def test_no_sampler_keeps_fewer_tokens_than_the_exact_nucleus(V, resolution, sampler):
+    if resolution < V:
+        return
+    d = nucleus_disagreement(sampler, V, resolution)
+    assert d["fewer"] == 0 and d["resized_off_boundary"] == 0
+    assert d["differ"] == d["more"] + d["swapped"]
+    assert d["rows"] == math.comb(resolution - 1, V - 1) * (resolution - 1)
+    if sampler == "exact":
+        assert d["differ"] == 0
+    if sampler == "sglang":
+        assert d["swapped"] == 0

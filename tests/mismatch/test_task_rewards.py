@@ -2,6 +2,8 @@
 to, exactly, against gradients computed independently with torch autograd."""
 
 import math
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opd_literate.mismatch import task_rewards
 from opd_literate.mismatch.opd_mismatch import add_teacher
 from opd_literate.mismatch.task_rewards import (
     MIXED_ESTIMATORS,
@@ -22,7 +25,9 @@ from opd_literate.mismatch.toy import (
     estimator_moments,
     make_ar_toy,
     make_toy,
+    toy_from_logits,
 )
+from tests.helpers.committed import assert_matches_committed
 
 COEFS = (0.0, 0.1, 0.3, 1.0, 3.0)  # the mismatch chapter's table
 
@@ -176,3 +181,225 @@ def test_at_lambda_1_the_return_has_the_smallest_error_of_a_batch_of_64():
     best = min(rows, key=lambda row: row["rel_rmse"])
     assert best["kind"] == "k1_return"
     assert best["var"] > min(row["var"] for row in rows)  # not the smallest variance: the bias
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's configurations as the chapter names them (verl itself: tests/integration/
+# test_verl_config.py and test_verl_task_rewards.py), and the numbers it reads from the table
+# ---------------------------------------------------------------------------------------------
+
+PAGE = pathlib.Path(__file__).parents[2] / "docs" / "mismatch.md"
+
+
+def test_the_chapter_names_k3_loss_as_the_stock_run_and_k3_reward_as_the_dataclass():
+    assert (task_rewards.VERL_KIND, task_rewards.DATACLASS_KIND) == ("k3_loss", "k3_reward")
+    page = " ".join(PAGE.read_text().split())
+    assert (f"* `{task_rewards.VERL_KIND}`: $k_3$ backpropagated, what a stock verl run computes "
+            "(`use_policy_gradient: false` in the composed config);") in page
+    assert (f"* `{task_rewards.DATACLASS_KIND}`: $k_3$ as the per-token cost (the dataclass's "
+            "`use_policy_gradient: true`);") in page
+    assert "verl's default;" not in page
+    doc = " ".join(task_rewards.__doc__.split())
+    assert "what a stock ``python -m verl.trainer.main_ppo`` run computes" in doc
+
+
+def test_the_chapters_k3_numbers_at_lambda_1_are_the_tables():
+    """The sentence under the table, against mixed_table on the chapter's toy (docs/hooks/
+    generate.py: the autoregressive toy with T = 5, V = 3, on-policy)."""
+    page = " ".join(PAGE.read_text().split())
+    found = re.search(r"at \$\\lambda = 1\$ `k3_loss` has relative bias ([0-9.]+) against "
+                      r"\$\\nabla F_1\$ and ([0-9.]+) against the per-state objective, "
+                      r"`k3_reward` ([0-9.]+) and ([0-9.]+)\.", page)
+    assert found, "the sentence on k3 at lambda = 1 is not on the page"
+    rows = {r["kind"]: r for r in mixed_table(_ar_teacher_toy(T=5, V=3), [1.0],
+                                              kinds=["k3_loss", "k3_reward"])}
+    stated = [float(x) for x in found.groups()]
+    table = [rows["k3_loss"]["rel_bias"], rows["k3_loss"]["rel_bias_per_state"],
+             rows["k3_reward"]["rel_bias"], rows["k3_reward"]["rel_bias_per_state"]]
+    assert_matches_committed(table, stated, rtol=0, atol=5e-4,
+                             why="the page gives three decimals: half a unit of the last one")
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------------
+
+
+def _broken(change):
+    toy = dict(_ar_teacher_toy(T=2, V=2))
+    change(toy)
+    return toy
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda t: t.update(logp_teacher=t["logp_teacher"][:, :1]), ValueError,
+     r"toy\['logp_teacher'\] must have shape \(\d+, 2\)"),
+    (lambda t: t.update(logp_train=t["logp_train"].astype(complex)), TypeError,
+     r"toy\['logp_train'\] must hold real numbers"),
+    (lambda t: t.update(logp_teacher=np.where(t["mask"] > 0, 0.5, 0.0)), ValueError,
+     r"toy\['logp_teacher'\] must hold finite log-probabilities \(<= 0\)"),
+    (lambda t: t.update(logp_train=np.where(t["mask"] > 0, np.nan, 0.0)), ValueError,
+     r"toy\['logp_train'\] must hold finite log-probabilities"),
+    (lambda t: t.update(phi=t["phi"][:1]), ValueError, r"toy\['phi'\] must have shape"),
+    (lambda t: t.update(theta=np.full_like(t["theta"], np.inf)), ValueError,
+     r"toy\['theta'\] must be finite"),
+    (lambda t: t.update(score=t["score"][:1]), ValueError, r"toy\['score'\] must have shape"),
+    (lambda t: t.update(mask=t["mask"] * 0.5), ValueError, r"toy\['mask'\] must be 0/1"),
+])
+@pytest.mark.parametrize("kind", MIXED_ESTIMATORS)
+def test_a_broken_toy_is_refused_with_the_key_named(change, error, message, kind):
+    with pytest.raises(error, match=message):
+        teacher_estimate(_broken(change), kind)
+
+
+def test_padding_may_hold_anything():
+    toy = _ar_teacher_toy(T=3, V=2)
+    assert (toy["mask"] == 0).any()
+    padded = dict(toy, logp_teacher=np.where(toy["mask"] > 0, toy["logp_teacher"], np.nan))
+    for kind in MIXED_ESTIMATORS:
+        np.testing.assert_array_equal(teacher_estimate(padded, kind), teacher_estimate(toy, kind))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(coefs=1.0), TypeError, "coefs must be a sequence, got float"),
+    (dict(coefs=[]), ValueError, "coefs must not be empty"),
+    (dict(coefs=[1.0], kinds="k3_loss"), TypeError, "kinds must be a sequence, got str"),
+    (dict(coefs=[1.0], N=0), ValueError, "N must be an integer >= 1, got 0"),
+    (dict(coefs=[1.0], N=2.5), ValueError, "N must be an integer >= 1, got 2.5"),
+    (dict(coefs=[True]), TypeError, "coef must be a real number"),
+])
+def test_mixed_table_names_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        mixed_table(_ar_teacher_toy(T=2, V=2), **kwargs)
+
+
+@pytest.mark.properties
+@given(T=st.integers(1, 3), V=st.integers(2, 4), seed=st.integers(0, 2**32 - 1),
+       scale=st.sampled_from([1e-3, 1.0, 5.0]))
+def test_k3_loss_averages_to_the_per_state_forward_kl_gradient_on_random_toys(T, V, seed, scale):
+    """A stock verl run's teacher part, on any autoregressive toy: the visited states' forward
+    KL gradient, sum over (m, t) of p(m) (pi - q) in the row of the state (one autograd-free
+    sum, independent of teacher_estimate's closed form)."""
+    g = np.random.default_rng(seed)
+    theta = g.normal(0, scale, (T, V + 1, V))
+    toy = add_teacher(ar_toy_from_logits(theta, theta), phi=g.normal(0, scale, theta.shape))
+    pi = np.exp(theta - np.logaddexp.reduce(theta, axis=-1, keepdims=True))
+    q = np.exp(toy["phi"] - np.logaddexp.reduce(toy["phi"], axis=-1, keepdims=True))
+    expected = np.zeros_like(theta)
+    for m in range(len(toy["Y"])):
+        for t in range(T):
+            if toy["mask"][m, t]:
+                row = (t, toy["prev"][m, t])
+                expected[row] += toy["p_train"][m] * (pi[row] - q[row])
+    np.testing.assert_allclose(_mean(toy, teacher_estimate(toy, task_rewards.VERL_KIND)),
+                               expected, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by mutation testing (tools/mutation.sh mismatch.task_rewards; docs/mutation.md)
+# ---------------------------------------------------------------------------------------------
+
+LN_1_75, LN_2, LN_3_5 = math.log(1.75), math.log(2.0), math.log(3.5)
+
+
+def _hand_toy():
+    """One position, two tokens, on-policy: pi = (0.7, 0.3), teacher q = (0.4, 0.6), R = (1, 0).
+
+    By hand: the scores are s_0 = e_0 - pi = 0.3 (1, -1) and s_1 = -0.7 (1, -1); the gaps
+    d_0 = ln(0.7 / 0.4) = ln 1.75 and d_1 = ln(0.3 / 0.6) = -ln 2; grad J = 0.7 s_0 = 0.21 (1, -1)
+    and grad KL = pi_0 (ln 1.75 - KL) (1, -1) = 0.21 (ln 1.75 + ln 2) (1, -1) = 0.21 ln 3.5 (1, -1).
+    """
+    logits = np.log([[0.7, 0.3]])
+    return add_teacher(toy_from_logits(logits, logits), phi=np.log([[0.4, 0.6]]))
+
+
+def _k1_reward_by_hand(coef, baseline):
+    """(a_0, a_1) of the k1_reward mixture g_m = (R_m - b) s_m - coef d_m s_m = a_m (1, -1)."""
+    return (0.3 * (1.0 - baseline - coef * LN_1_75), -0.7 * (-baseline + coef * LN_2))
+
+
+def test_the_default_kind_is_k1_reward_and_the_default_baseline_0():
+    toy = _hand_toy()
+    direction = np.array([[1.0, -1.0]])
+    # teacher_estimate(toy): d_m s_m, (0.3 ln 1.75, 0.7 ln 2) times (1, -1)
+    expected = np.stack([0.3 * LN_1_75 * direction, 0.7 * LN_2 * direction])
+    np.testing.assert_allclose(teacher_estimate(toy), expected, rtol=0, atol=1e-15)
+    a_0, a_1 = _k1_reward_by_hand(0.5, 0.0)
+    np.testing.assert_allclose(mixed_estimate(toy, 0.5), np.stack([a_0 * direction,
+                                                                  a_1 * direction]),
+                               rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("N", [1, 64])
+@pytest.mark.parametrize("baseline", [0.0, 0.25])
+def test_the_tables_moments_on_the_hand_toy(N, baseline):
+    """On-policy k1_reward is unbiased here (one position: the per-state gradient is the
+    sequence one); its variance is p_0 p_1 (a_0 - a_1)^2 per coordinate, two coordinates, and
+    rel_rmse(N) = sqrt(var / N) / ||grad J - coef grad KL||, the norm 0.21 |1 - coef ln 3.5| sqrt 2.
+    N = 1 is the smallest batch; N = 64 and baseline 0 are the defaults."""
+    coef = 0.5
+    a_0, a_1 = _k1_reward_by_hand(coef, baseline)
+    var = 2 * 0.7 * 0.3 * (a_0 - a_1) ** 2
+    norm = 0.21 * abs(1.0 - coef * LN_3_5) * math.sqrt(2.0)
+    kwargs = {} if N == 64 else dict(N=N)
+    kwargs.update({} if baseline == 0.0 else dict(baseline=baseline))
+    (row,) = mixed_table(_hand_toy(), [coef], kinds=["k1_reward"], **kwargs)
+    assert (row["kind"], row["coef"]) == ("k1_reward", coef)
+    assert row["rel_bias"] < 1e-12 and row["rel_bias_per_state"] < 1e-12
+    assert abs(row["var"] - var) < 1e-14
+    assert abs(row["rel_rmse"] - math.sqrt(var / N) / norm) < 1e-13
+
+
+def test_a_log_probability_of_exactly_0_is_accepted():
+    """A teacher with phi = (0, -1000) gives its token 0 log-probability 0.0 exactly (ln(1 +
+    e^-1000) rounds to 0): a certain token, not an error. k1_reward there, by hand:
+    d_0 = ln 0.7 - 0 and d_1 = ln 0.3 + 1000, times s_0 = 0.3 (1, -1), s_1 = -0.7 (1, -1)."""
+    logits = np.log([[0.7, 0.3]])
+    toy = add_teacher(toy_from_logits(logits, logits), phi=np.array([[0.0, -1000.0]]))
+    assert toy["logp_teacher"][0, 0] == 0.0
+    expected = np.array([[[0.3, -0.3]], [[-0.7, 0.7]]]) * np.array(
+        [math.log(0.7), math.log(0.3) + 1000.0])[:, None, None]
+    np.testing.assert_allclose(teacher_estimate(toy, "k1_reward"), expected, rtol=1e-13, atol=0)
+    certain = dict(toy, logp_train=np.zeros_like(toy["logp_train"]))
+    assert np.isfinite(teacher_estimate(certain, "k3_loss")).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_float32_and_integer_parameters_are_real_numbers(dtype):
+    """theta and phi hold small integers, exact in float32 and int64: the same estimates."""
+    theta = np.array([[0.0, 1.0, -2.0], [3.0, 0.0, 1.0]])
+    toy = add_teacher(toy_from_logits(theta, theta), phi=np.array([[1.0, 0.0, 0.0],
+                                                                   [0.0, -1.0, 2.0]]))
+    cast = dict(toy, theta=toy["theta"].astype(dtype), phi=toy["phi"].astype(dtype))
+    for kind in MIXED_ESTIMATORS:
+        np.testing.assert_array_equal(teacher_estimate(cast, kind), teacher_estimate(toy, kind))
+
+
+def test_a_complex_theta_is_refused_with_the_whole_message():
+    toy = dict(_ar_teacher_toy(T=2, V=2))
+    toy["theta"] = toy["theta"].astype(complex)
+    with pytest.raises(TypeError) as info:
+        teacher_estimate(toy)
+    assert str(info.value) == "toy['theta'] must hold real numbers, got dtype complex128"
+
+
+@pytest.mark.parametrize("missing", ["kl_grad", "kl_grad_per_state", "true_grad"])
+def test_mixed_targets_names_a_missing_gradient(missing):
+    toy = {key: value for key, value in _hand_toy().items() if key != missing}
+    with pytest.raises(ValueError) as info:
+        mixed_targets(toy, 1.0)
+    assert str(info.value) == f"toy is missing the keys {[missing]}; build it with make_toy"
+
+
+def test_a_padded_position_carries_no_cost_in_any_kind():
+    """No token at a padded position, so no per-token factor there (0, whatever kind): finite
+    values in the score's padded rows (0 in a consistent toy) reach no estimate."""
+    toy = _ar_teacher_toy(T=3, V=2)
+    padding = toy["mask"] == 0
+    assert padding.any()
+    score = toy["score"].copy()
+    score[padding] = 7.0
+    garbled = dict(toy, score=score)
+    for kind in MIXED_ESTIMATORS:
+        np.testing.assert_array_equal(teacher_estimate(garbled, kind), teacher_estimate(toy, kind),
+                                      err_msg=kind)
