@@ -204,8 +204,10 @@ def quantize_per_channel(weight, bits):
         raise TypeError(f"weight must be a 2-D floating tensor (out, in), got "
                         f"{getattr(weight, 'dtype', type(weight).__name__)} of shape "
                         f"{tuple(getattr(weight, 'shape', ()))}")
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)) \
+            or not 2 <= bits <= 8:
         raise ValueError(f"bits must be an integer from 2 to 8, got {bits!r}")
+    bits = int(bits)
     if not torch.isfinite(weight).all():
         raise ValueError("weight must be finite: a NaN or inf has no quantization scale")
     # float32 for a half-precision weight (widened exactly); float32 and float64 as they are

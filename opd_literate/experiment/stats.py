@@ -78,7 +78,15 @@ def _check_bootstrap(level, resamples, seed):
 def _resampled_means(values, rng, resamples):
     """The means of ``resamples`` draws of the seeds' values, with replacement: (resamples,)."""
     x = np.asarray(values, dtype=float)
-    return x[rng.integers(0, len(x), (resamples, len(x)))].mean(axis=1)
+    draws = x[rng.integers(0, len(x), (resamples, len(x)))]
+    with np.errstate(over="ignore"):
+        means = draws.mean(axis=1)
+    if not np.isfinite(means).all():
+        # The sum of finite values near float64's largest can overflow where their mean does
+        # not: divide by a power of two (exact) before summing, multiply back after.
+        exponent = np.frexp(np.abs(x).max())[1]
+        means = np.ldexp(np.ldexp(draws, -exponent).mean(axis=1), exponent)
+    return means
 
 
 def _percentile_interval(draws, level):

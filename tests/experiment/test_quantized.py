@@ -665,3 +665,10 @@ def test_every_public_function_names_a_malformed_argument(case):
     _, call, error, message = case
     with pytest.raises(error, match=message):
         call()
+
+
+def test_bits_may_be_a_numpy_integer_but_not_a_bool():
+    weight = torch.tensor([[0.5, -1.0, 0.25]])
+    assert torch.equal(quantize_per_channel(weight, np.int64(4)), quantize_per_channel(weight, 4))
+    with pytest.raises(ValueError, match=r"^bits must be an integer from 2 to 8, got True$"):
+        quantize_per_channel(weight, True)

@@ -125,3 +125,16 @@ def test_a_method_without_a_learning_rate_is_printed_with_a_dash():
 def test_every_function_names_a_malformed_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_the_interval_of_values_near_the_largest_float_is_finite_and_inside_them():
+    """A resampled sum of values near float64's largest overflows where the mean does not: every
+    draw of three values from {1.7e308, -1.7e308} has a mean in [-1.7e308, 1.7e308], and the
+    mean of three copies of one value is that value (the power-of-two rescaling is exact)."""
+    from opd_literate.experiment.stats import bootstrap_interval
+
+    low, high = bootstrap_interval([1.7e308, -1.7e308, 1.7e308])
+    assert -1.7e308 <= low <= high <= 1.7e308
+    assert bootstrap_interval([1.7e308, 1.7e308, 1.7e308]) == (1.7e308, 1.7e308)
+    low, high = bootstrap_interval([1.7e308, 1.7e308, 1.0])
+    assert 1.0 <= low <= high <= 1.7e308
