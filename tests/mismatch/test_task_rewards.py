@@ -131,11 +131,36 @@ def test_only_lambda_0_makes_the_k3_forms_unbiased():
 
 
 def test_full_vocab_has_less_variance_than_the_sampled_reward_at_the_tables_weights():
-    """The chapter's statement, for the default toy and the weights of its table."""
-    toy = _ar_teacher_toy()
+    """The chapter's sentence, read off the page, for its toy (T = 5, V = 3) and the weights of
+    its table: equal at lambda = 0 (the same estimator), strictly smaller at every lambda > 0."""
+    page = " ".join(PAGE.read_text().split())
+    assert ("on this toy the full-vocabulary loss has the smaller variance of the two at every "
+            "$\\lambda > 0$ of the table; at $\\lambda = 0$ they are the same estimator") in page
+    toy = _ar_teacher_toy(T=5, V=3)
     rows = {(r["kind"], r["coef"]): r["var"] for r in mixed_table(toy, COEFS)}
+    assert COEFS[0] == 0.0
+    assert rows[("full_vocab", 0.0)] == rows[("k1_reward", 0.0)]
+    np.testing.assert_array_equal(mixed_estimate(toy, 0.0, "full_vocab"),
+                                  mixed_estimate(toy, 0.0, "k1_reward"))
     for coef in COEFS[1:]:
-        assert rows[("full_vocab", coef)] < rows[("k1_reward", coef)]
+        assert rows[("full_vocab", coef)] < rows[("k1_reward", coef)], coef
+
+
+def test_the_sampled_reward_can_have_less_variance_than_full_vocab():
+    """The module's counterexample, by hand on one position: pi = (0.7, 0.3), pi_T = (0.4, 0.6),
+    R = (1, 0), lambda = 1, b = 0.5. Both estimates are a_m (1, -1) with s_0 = 0.3 (1, -1) and
+    s_1 = -0.7 (1, -1); full_vocab's teacher term is the same for both responses, so its variance
+    is the task's, 2 p_0 p_1 (0.3 (1 - b) - 0.7 b)^2 = 2 (0.21) (0.3 - b)^2 = 0.0168; k1_reward's
+    is 2 (0.21) (a_0 - a_1)^2 with a_0 = 0.3 (1 - b - ln 1.75), a_1 = -0.7 (-b + ln 2)."""
+    (k1, full) = mixed_table(_hand_toy(), [1.0], kinds=["k1_reward", "full_vocab"], baseline=0.5)
+    a_0, a_1 = _k1_reward_by_hand(1.0, 0.5)
+    assert abs(k1["var"] - 2 * 0.21 * (a_0 - a_1) ** 2) < 1e-15
+    assert abs(full["var"] - 2 * 0.21 * (0.3 - 0.5) ** 2) < 1e-15
+    assert round(k1["var"], 5) == 0.00578 and round(full["var"], 4) == 0.0168  # the docstring's
+    assert k1["var"] < full["var"]
+    doc = " ".join(task_rewards.__doc__.split())
+    assert "neither has the smaller variance in general" in doc
+    assert "the sampled one has (variance 0.00578 against 0.0168" in doc
 
 
 def test_under_mismatch_no_mixture_is_unbiased_without_a_correction():
@@ -196,11 +221,14 @@ def test_the_chapter_names_k3_loss_as_the_stock_run_and_k3_reward_as_the_datacla
     page = " ".join(PAGE.read_text().split())
     assert (f"* `{task_rewards.VERL_KIND}`: $k_3$ backpropagated, what a stock verl run computes "
             "(`use_policy_gradient: false` in the composed config);") in page
+    assert ("The two $k_3$ kinds are verl's wherever $k_3 \\le 10$ at every token, as on this "
+            "toy (its largest $k_3$ is 1.67)") in page
     assert (f"* `{task_rewards.DATACLASS_KIND}`: $k_3$ as the per-token cost (the dataclass's "
             "`use_policy_gradient: true`);") in page
     assert "verl's default;" not in page
     doc = " ".join(task_rewards.__doc__.split())
     assert "what a stock ``python -m verl.trainer.main_ppo`` run computes" in doc
+    assert "wherever $k_{3,t} \\le 10$ at every token (verl's clamps, below)" in doc
 
 
 def test_the_chapters_k3_numbers_at_lambda_1_are_the_tables():
@@ -244,6 +272,8 @@ def _broken(change):
     (lambda t: t.update(theta=np.full_like(t["theta"], np.inf)), ValueError,
      r"toy\['theta'\] must be finite"),
     (lambda t: t.update(score=t["score"][:1]), ValueError, r"toy\['score'\] must have shape"),
+    (lambda t: t.update(score=np.where(t["score"] != 0, t["score"], np.nan)), ValueError,
+     r"toy\['score'\] must be finite"),
     (lambda t: t.update(mask=t["mask"] * 0.5), ValueError, r"toy\['mask'\] must be 0/1"),
 ])
 @pytest.mark.parametrize("kind", MIXED_ESTIMATORS)
@@ -293,6 +323,167 @@ def test_k3_loss_averages_to_the_per_state_forward_kl_gradient_on_random_toys(T,
                 expected[row] += toy["p_train"][m] * (pi[row] - q[row])
     np.testing.assert_allclose(_mean(toy, teacher_estimate(toy, task_rewards.VERL_KIND)),
                                expected, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's clamp of k3 (verl itself: tests/integration/test_verl_task_rewards.py), overflow, and
+# the refusals of the targets, the batch size and the rows of the autoregressive toy
+# ---------------------------------------------------------------------------------------------
+
+K3_KINDS = ("k3_reward", "k3_loss")
+
+
+def _k3_by_hand(d):
+    return math.exp(-d) - 1.0 + d
+
+
+def test_the_chapters_toy_never_reaches_verls_clamp():
+    """The page's "largest k3 is 1.67" on its toy (T = 5, V = 3), so the clamp is idle there and
+    the table's numbers are verl's, with or without verl_clamps."""
+    toy = _ar_teacher_toy(T=5, V=3)
+    real = toy["mask"] > 0
+    k3 = [_k3_by_hand(d) for d in (toy["logp_train"] - toy["logp_teacher"])[real]]
+    assert round(max(k3), 2) == 1.67 and max(k3) < task_rewards.VERL_K3_CLAMP
+    for kind in K3_KINDS:
+        np.testing.assert_array_equal(teacher_estimate(toy, kind, verl_clamps=True),
+                                      teacher_estimate(toy, kind))
+    assert (mixed_table(toy, COEFS, kinds=K3_KINDS, verl_clamps=True)
+            == mixed_table(toy, COEFS, kinds=K3_KINDS))
+
+
+def test_the_clamps_bounds_are_the_roots_of_k3_equal_10():
+    """The docstring's d_- ~ -2.61087 and d_+ ~ 10.99998, by hand on either side."""
+    doc = " ".join(task_rewards.__doc__.split())
+    assert "$d_- \\approx -2.61087$ and $d_+ \\approx 10.99998$" in doc
+    assert _k3_by_hand(-2.61088) > 10 > _k3_by_hand(-2.61086)
+    assert _k3_by_hand(10.99997) < 10 < _k3_by_hand(10.99999)
+    assert _k3_by_hand(20.0) > 10 and _k3_by_hand(-20.0) > 10  # the clamp of -d at 20 is idle
+
+
+@pytest.mark.parametrize("d, inside", [(-2.61086, True), (-2.61088, False), (10.99997, True),
+                                       (10.99999, False), (0.5, True), (-800.0, False)])
+def test_verl_clamps_give_the_cost_min_k3_10_and_slope_0_beyond(d, inside):
+    """One position, the hand toy with its log-probabilities replaced: d at both responses'
+    tokens, so each estimate is (factor) times the score s_m."""
+    toy = dict(_hand_toy(), logp_train=np.full((2, 1), min(d, 0.0) - 1.0),
+               logp_teacher=np.full((2, 1), min(d, 0.0) - 1.0 - d))
+    score = toy["score"]
+    cost = teacher_estimate(toy, "k3_reward", verl_clamps=True)
+    slope = teacher_estimate(toy, "k3_loss", verl_clamps=True)
+    if inside:
+        np.testing.assert_allclose(cost, _k3_by_hand(d) * score, rtol=1e-12, atol=0)
+        np.testing.assert_allclose(slope, (1 - math.exp(-d)) * score, rtol=1e-12, atol=0)
+    else:
+        np.testing.assert_array_equal(cost, 10.0 * score)
+        np.testing.assert_array_equal(slope, 0.0 * score)
+
+
+@pytest.mark.parametrize("kind", K3_KINDS)
+def test_an_unrepresentable_k3_is_an_error_not_nan(kind):
+    """A finite trainer log-probability of -800 against a certain teacher token: d = -800,
+    e^800 beyond float64. Unclamped it is refused by name; with verl's clamp it is finite."""
+    toy = _ar_teacher_toy(T=3, V=2)
+    real = toy["mask"] > 0
+    far = dict(toy, logp_train=np.where(real, -800.0, 0.0), logp_teacher=np.zeros_like(
+        toy["logp_teacher"]))
+    with pytest.raises(ValueError, match=r"e\^\(-d\) overflows float64 at d = -800"):
+        teacher_estimate(far, kind)
+    with pytest.raises(ValueError, match=r"overflows float64"):
+        mixed_table(far, [1.0], kinds=[kind])
+    assert np.isfinite(teacher_estimate(far, kind, verl_clamps=True)).all()
+    for other in ("k1_reward", "k1_return", "full_vocab"):
+        assert np.isfinite(teacher_estimate(far, other)).all()
+
+
+@pytest.mark.parametrize("kind", ["k1_reward", "k3_reward"])
+def test_a_product_beyond_float64_is_refused(kind):
+    """Finite factors (d = 1e300) times a finite score of 1e10: the estimate is not
+    representable."""
+    toy = _ar_teacher_toy(T=2, V=2)
+    real = toy["mask"] > 0
+    big = dict(toy, logp_teacher=np.where(real, -1e300, 0.0), score=toy["score"] * 1e10)
+    with pytest.raises(ValueError, match=r"overflows float64"):
+        teacher_estimate(big, kind)
+
+
+def test_a_mixing_weight_whose_product_overflows_is_refused():
+    """d_1 = ln 0.3 + 1000 (a teacher with phi = (0, -1000)): k1_reward's estimate at response 1
+    is 0.7 d_1 (1, -1) ~ 699 (1, -1), times 1e308 beyond float64."""
+    logits = np.log([[0.7, 0.3]])
+    far = add_teacher(toy_from_logits(logits, logits), phi=np.array([[0.0, -1000.0]]))
+    with pytest.raises(ValueError, match=r"task - coef \* teacher overflows float64"):
+        mixed_estimate(far, 1e308, "k1_reward")
+    assert np.isfinite(mixed_estimate(far, 1e300, "k1_reward")).all()
+    toy = _ar_teacher_toy(T=2, V=2)
+    with pytest.raises(ValueError, match=r"overflows float64"):
+        mixed_targets(dict(toy, kl_grad=np.full_like(toy["kl_grad"], 10.0)), 1e308)
+
+
+def test_padding_is_selected_away_from_the_product_with_the_score():
+    """_per_token selects with np.where: a NaN or inf in a padded row of the score (refused at
+    the public door) would not become 0 * inf = NaN."""
+    real = np.array([[True, False]])
+    score = np.array([[[0.5, -0.5], [np.nan, np.inf]]])
+    out = task_rewards._per_token(np.array([[2.0, 0.0]]), score, real)
+    np.testing.assert_array_equal(out, [[[1.0, -1.0], [0.0, 0.0]]])
+
+
+@pytest.mark.parametrize("prev, message", [
+    (lambda p: p + 10, r"toy\['prev'\] must hold rows in \[0, 3\) at the response's tokens"),
+    (lambda p: p - 5, r"toy\['prev'\] must hold rows in \[0, 3\)"),
+    (lambda p: p.astype(float), r"toy\['prev'\] must be integers of the shape of toy\['Y'\]"),
+    (lambda p: p[:, :1], r"toy\['prev'\] must be integers of the shape of toy\['Y'\]"),
+])
+def test_rows_out_of_range_are_refused_by_name(prev, message):
+    toy = _ar_teacher_toy(T=2, V=2)
+    with pytest.raises(ValueError, match=message):
+        teacher_estimate(dict(toy, prev=prev(toy["prev"])), "full_vocab")
+
+
+def test_independent_positions_visit_only_their_real_rows():
+    """make_toy's rows with a mask: a masked position is no state, so full_vocab is 0 there."""
+    toy = add_teacher(make_toy(T=2, V=2, mismatch=0.0))
+    mask = np.ones(np.shape(toy["Y"]))
+    mask[0, 1] = 0.0
+    masked = teacher_estimate(dict(toy, mask=mask), "full_vocab")
+    full = teacher_estimate(toy, "full_vocab")
+    np.testing.assert_array_equal(masked[0, 1], 0.0)
+    np.testing.assert_array_equal(masked[1:], full[1:])
+    np.testing.assert_array_equal(masked[0, 0], full[0, 0])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: dict(t, kl_grad=t["kl_grad"][:1]),
+     r"toy\['kl_grad'\] must have shape \(\d+, 3, 2\), got \(1, 3, 2\)"),
+    (lambda t: dict(t, kl_grad=0.0), r"toy\['kl_grad'\] must have shape \(\d+, 3, 2\), got \(\)"),
+    (lambda t: dict(t, kl_grad_per_state=t["kl_grad_per_state"][None]),
+     r"toy\['kl_grad_per_state'\] must have shape"),
+    (lambda t: dict(t, kl_grad=t["kl_grad"] * np.nan), r"toy\['kl_grad'\] must be finite"),
+    (lambda t: dict(t, true_grad=np.full_like(t["true_grad"], np.inf)),
+     r"toy\['true_grad'\] must be finite"),
+])
+def test_mixed_targets_refuses_broadcasting_and_nan(change, message):
+    with pytest.raises(ValueError, match=message):
+        mixed_targets(change(_ar_teacher_toy(T=2, V=2)), 1.0)
+
+
+def test_the_batch_size_is_bounded_by_2_53():
+    toy = _ar_teacher_toy(T=2, V=2)
+    (row,) = mixed_table(toy, [1.0], kinds=["k1_return"], N=2**53)
+    assert 0 <= row["rel_rmse"] < 1e-6
+    for N, shown in [(2**53 + 1, str(2**53 + 1)), (10**400, "an int of 401 digits")]:
+        with pytest.raises(ValueError, match=rf"N must be <= 2\*\*53 .*got {shown}"):
+            mixed_table(toy, [1.0], kinds=["k1_return"], N=N)
+
+
+@pytest.mark.parametrize("call", [
+    lambda toy: teacher_estimate(toy, "k3_loss", verl_clamps=1),
+    lambda toy: mixed_estimate(toy, 1.0, "k3_loss", verl_clamps="yes"),
+    lambda toy: mixed_table(toy, [1.0], kinds=["k3_loss"], verl_clamps=None),
+])
+def test_verl_clamps_must_be_a_bool(call):
+    with pytest.raises(TypeError, match="verl_clamps must be a bool"):
+        call(_ar_teacher_toy(T=2, V=2))
 
 
 # ---------------------------------------------------------------------------------------------
