@@ -31,7 +31,10 @@ within ``NUCLEUS_TOLERANCE`` of $p$ counted as reaching it, ties ranked by index
 compute theirs in float32, each in its order, and ``sampler=`` computes each as it does, up to
 the last bit of its softmax: the probabilities here are the float64 softmax of the float32
 logits rounded once to float32, where a torch kernel's exp may round an ulp away, and a
-boundary that holds exactly can go either way with it.
+boundary that holds exactly can go either way with it. On every distribution of four tokens in
+hundredths at every top-$p$ in hundredths, transformers' installed ``TopPLogitsWarper`` and
+``sampler="transformers"`` keep other sets on 71,424 of the 470,547 boundary rows (torch 2.13.0,
+its AVX2 kernels) and on none off it (``tests/integration/test_engine_frameworks.py``).
 
 * ``"vllm"``: vLLM's torch path, ``apply_top_k_top_p_pytorch`` (release 0.33.0 as its wheel
   ships it, ``vllm/v1/sample/ops/topk_topp_sampler.py`` lines 524-565; the same body at
@@ -201,16 +204,38 @@ def _check_sampler(sampler):
 
 
 def _check_logits(logits, name="logits"):
-    z = np.asarray(logits)
-    if z.dtype == bool or not (np.issubdtype(z.dtype, np.floating)
-                               or np.issubdtype(z.dtype, np.integer)):
-        raise TypeError(f"{name} must hold real numbers, got dtype {z.dtype}")
+    z = _real_array(name, logits)
     if z.ndim == 0 or z.shape[-1] == 0:
         raise ValueError(f"{name} must have shape (..., V) with V >= 1, got {z.shape}")
-    z = z.astype(float)
-    if not np.isfinite(z).all():
-        raise ValueError(f"{name} must be finite, got {float(z[~np.isfinite(z)][0])!r}")
     return z
+
+
+def _check_engine_toy(toy):
+    """theta, b (float64, of the shape T and V give) and the finite number mismatch of a toy,
+    with the sampler's logits theta + mismatch * b, refused where that sum overflows."""
+    check_toy(toy, keys=("theta", "b", "mismatch", "T", "V"))
+    autoregressive = "mask" in toy
+    if autoregressive:
+        check_toy(toy, keys=("eos",))
+    theta = _real_array("toy['theta']", toy["theta"])
+    T, V = toy["T"], toy["V"]
+    expected, named = ((T, V + 1, V), "(T, V + 1, V)") if autoregressive else ((T, V), "(T, V)")
+    if theta.shape != expected:
+        raise ValueError(f"toy['theta'] must have shape {named} = {expected} (toy['T'] = {T!r}, "
+                         f"toy['V'] = {V!r}), got {theta.shape}")
+    b = _real_array("toy['b']", toy["b"])
+    if b.shape != theta.shape:  # nothing is broadcast: b is one error per logit
+        raise ValueError(f"toy['b'] must have the shape of toy['theta'] {theta.shape}, got "
+                         f"{b.shape}")
+    mismatch = check_finite_number("toy['mismatch']", toy["mismatch"])
+    with np.errstate(over="ignore", invalid="ignore"):
+        raw = theta + mismatch * b
+    if not np.isfinite(raw).all():
+        raise ValueError(f"the sampler's logits toy['theta'] + toy['mismatch'] * toy['b'] "
+                         f"overflow float64 (mismatch {mismatch!r}, largest |b| "
+                         f"{float(np.abs(b).max()):.3g}, largest |theta| "
+                         f"{float(np.abs(theta).max()):.3g})")
+    return theta, raw, autoregressive
 
 
 def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0,
@@ -770,19 +795,19 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     >>> round(engine["truncated_mass"], 12)
     0.2
     """
-    check_toy(toy, keys=("theta", "b", "mismatch", "T", "V"))
+    theta, raw, autoregressive = _check_engine_toy(toy)
     temperature = _check_temperature(temperature)
     top_k, top_p, min_p = _check_top_k(top_k), _check_top_p(top_p), _check_min_p(min_p)
     sampler = _check_sampler(sampler)
+    if not isinstance(reported, str):
+        raise TypeError(f"reported must be one of {REPORTED}, got {type(reported).__name__} "
+                        f"{reported!r}")
     if reported not in REPORTED:
         raise ValueError(f"reported must be one of {REPORTED}, got {reported!r}")
     for name, flag in (("trainer_temperature", trainer_temperature),
                        ("trainer_mask", trainer_mask)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    theta = np.asarray(toy["theta"], dtype=float)
-    raw = theta + toy["mismatch"] * np.asarray(toy["b"], dtype=float)  # the sampler's logits
-    autoregressive = "mask" in toy
     scaled_theta = _scaled(theta, temperature, "theta")
     kept, scaled_raw = _kept(raw, temperature, top_k, top_p, min_p, sampler,
                              "theta + mismatch * b")

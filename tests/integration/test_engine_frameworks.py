@@ -3,7 +3,8 @@ releases: which log-probs they ask vLLM for, and that their trainers score a tok
 full-vocabulary softmax at the sampling temperature (``engine_toy``'s default trainer), not the
 renormalised one of a replayed sampling mask; and which nucleus TRL's own generation keeps
 (``model.generate``'s warpers, transformers 5.24.0 in ``.venv-trl``), against
-``processed_log_probs(..., sampler="transformers")``.
+``processed_log_probs(..., sampler="transformers")``, and the installed warper's own count on the
+chapter's hundredths rows (about 15 s and 30 s of CPU for its two tests).
 
 TRL (marker ``trl``) is the trl extra's 1.16.0; verl (marker ``verl``) the verl extra's 0.9.1 in
 ``.venv-verl`` (``bash tools/env.sh verl .venv-verl``). Each test skips where its framework is
@@ -177,3 +178,120 @@ def test_transformers_top_p_on_every_two_decimal_row():
         exact_n = (above < j).sum(axis=-1)
         for kept in (real, ours):
             assert np.isin(kept.sum(axis=-1)[boundary] - exact_n[boundary], (0, 1)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The installed warper's own count on every hundredths row: the mismatch chapter's figures
+# ---------------------------------------------------------------------------------------------
+# The chapter's table counts each rule's arithmetic (sampler=) with the probabilities the exact
+# softmax rounded once to float32. TopPLogitsWarper takes torch's float32 softmax, whose exp
+# rounds elsewhere, and so decides more of the boundary rows its own way. Its counts (transformers
+# 5.24.0, torch 2.13.0+cpu, AMD EPYC x86-64, V = 4 in hundredths, 15,528,051 rows), by torch's CPU
+# kernels (ATEN_CPU_CAPABILITY; the mismatch chapter, "Which nucleus"):
+WARPER_COUNTS = {
+    "AVX2": dict(differ=318_713, more=81_128, swapped=237_585, beside_rule=71_424),
+    "DEFAULT": dict(differ=314_885, more=77_240, swapped=237_645, beside_rule=None),
+}
+# A CPU whose kernels round some exp an ulp elsewhere (AVX-512, NEON) moves boundary rows: the
+# two kernels here are 3,828 rows apart, and the chapter states the fraction to 0.01%. So each
+# count is compared within 0.05% of the rows (7,764), about twice that spread.
+WARPER_TOLERANCE = 7_764
+HUNDREDTHS_ROWS, HUNDREDTHS_BOUNDARY = 15_528_051, 470_547  # comb(99, 3) * 99; on the boundary
+TIES_ACROSS_THE_CUT = 226_056  # rows off the boundary whose exact cut splits a tie: any kernel
+
+
+def _warper_on_every_hundredths_row(with_rule=True):
+    """Every distribution of 4 tokens in hundredths at every top-p in hundredths, cut by the
+    warpers ``generate`` builds (and by ``sampler="transformers"``, unless ``with_rule`` is
+    False), against the exact nucleus on the integers (keep a token when the count ranked above
+    it is below j, ties by index)."""
+    from opd_literate.mismatch.engine import _compositions, processed_log_probs
+
+    counts = _compositions(4, 100)
+    logits = np.log(counts / 100)
+    order = np.argsort(-counts, axis=-1, kind="stable")
+    ranked = np.take_along_axis(counts, order, axis=-1)
+    above = np.empty_like(counts)
+    np.put_along_axis(above, order, np.cumsum(ranked, axis=-1) - ranked, axis=-1)
+    stats = dict(rows=0, boundary=0, differ=0, more=0, fewer=0, swapped=0, differ_off=0,
+                 straddle_off=0, differ_off_elsewhere=0, resized_off=0, beside_rule=0,
+                 beside_rule_off=0, on_beyond_one=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per-row arithmetic either way; one thread is faster here
+    try:
+        for j in range(1, 100):
+            real = _transformers_kept(logits, top_p=j / 100)
+            rule = (np.isfinite(processed_log_probs(logits, top_p=j / 100, sampler="transformers"))
+                    if with_rule else real)
+            exact = above < j
+            on = (above == j).any(axis=-1)
+            n, n_exact = real.sum(axis=-1), exact.sum(axis=-1)
+            differ, beside = (real != exact).any(axis=-1), (real != rule).any(axis=-1)
+            # a tie across the exact cut: the last kept token and the first cut one are equal
+            last = np.take_along_axis(ranked, np.minimum(n_exact, 4)[:, None] - 1, axis=-1)[:, 0]
+            first_cut = np.take_along_axis(ranked, np.minimum(n_exact, 3)[:, None], axis=-1)[:, 0]
+            straddle = (n_exact < 4) & (last == first_cut)
+            stats["rows"] += len(counts)
+            stats["boundary"] += int(on.sum())
+            stats["differ"] += int(differ.sum())
+            stats["more"] += int((n > n_exact).sum())
+            stats["fewer"] += int((n < n_exact).sum())
+            stats["swapped"] += int((differ & (n == n_exact)).sum())
+            stats["differ_off"] += int((differ & ~on).sum())
+            stats["straddle_off"] += int((straddle & ~on).sum())
+            stats["differ_off_elsewhere"] += int((differ & ~on & ~straddle).sum())
+            stats["resized_off"] += int((~on & (n != n_exact)).sum())
+            stats["beside_rule"] += int(beside.sum())
+            stats["beside_rule_off"] += int((beside & ~on).sum())
+            stats["on_beyond_one"] += int((on & ~np.isin(n - n_exact, (0, 1))).sum())
+    finally:
+        torch.set_num_threads(threads)
+    return stats
+
+
+def _check_warper_counts(stats, capability):
+    assert stats["rows"] == HUNDREDTHS_ROWS and stats["boundary"] == HUNDREDTHS_BOUNDARY
+    # Exact on any CPU: never fewer tokens; off the boundary the warper is sampler="transformers"
+    # and differs from the exact set only where a tie straddles the cut (the other token of it);
+    # on the boundary it keeps the exact number or one more.
+    assert stats["fewer"] == 0 and stats["on_beyond_one"] == 0
+    assert stats["beside_rule_off"] == 0
+    assert stats["differ_off"] == stats["straddle_off"] == TIES_ACROSS_THE_CUT
+    assert stats["differ_off_elsewhere"] == 0 and stats["resized_off"] == 0
+    # The boundary rows it decides, through the tolerance (each CPU's exp kernels round them).
+    expected = WARPER_COUNTS.get(capability, WARPER_COUNTS["AVX2"])
+    for key, value in expected.items():
+        if value is not None:
+            assert abs(stats[key] - value) <= WARPER_TOLERANCE, (key, stats[key], value)
+
+
+@pytest.mark.trl
+def test_the_installed_warpers_count_on_every_hundredths_row():
+    """The chapter's figure for TopPLogitsWarper itself, with this CPU's kernels (~15 s)."""
+    pytest.importorskip("transformers")
+    _check_warper_counts(_warper_on_every_hundredths_row(),
+                         torch.backends.cpu.get_cpu_capability())
+
+
+@pytest.mark.trl
+def test_the_installed_warpers_count_with_torchs_portable_kernels():
+    """The same with ATEN_CPU_CAPABILITY=default (read at torch's import: a fresh process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         check=True, timeout=600, cwd=pathlib.Path(__file__).parents[2])
+    capability, stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert capability == "DEFAULT"
+    _check_warper_counts(stats, capability)
+
+
+if __name__ == "__main__":  # the count in a fresh process (the test above)
+    import json
+
+    print(json.dumps([torch.backends.cpu.get_cpu_capability(),
+                      _warper_on_every_hundredths_row(with_rule=False)]))
