@@ -27,9 +27,12 @@ loss at all, and one that sets ``loss_mode=forward_kl_topk`` gets the top-32 val
 and nowhere else. The ``DistillationLossConfig`` dataclass, built in Python without the YAML,
 has other defaults: ``topk=128``, ``log_prob_min_clamp=-10.0``, ``loss_max_clamp=10.0``
 (``DATACLASS_TOPK``, ``DATACLASS_LOG_PROB_MIN_CLAMP``, ``DATACLASS_LOSS_MAX_CLAMP``); beside its
-$c = -10$ each term is at most $10\, q_v$, so the value is at most $10\, Q$ and its $M = 10$
-never binds. The functions below default to the composed config; pass the dataclass's clamps
-to study them. ``tests/integration/test_verl_config.py`` composes the trainer's config with
+$c = -10$ each term is at most $10\, q_v$, so the value is at most $10\, Q \le 10$ and its
+$M = 10$ never binds: a report's probabilities sum to $Q \le 1$, and one whose sum exceeds 1
+by more than the rounding ``topk`` allows ($\sqrt{\varepsilon}$ of float32, $3.5 \cdot
+10^{-4}$) is a ``ValueError`` (within it, $M$ binds by at most $10 (Q - 1)$). The functions
+below default to the composed config; pass the dataclass's clamps to study them.
+``tests/integration/test_verl_config.py`` composes the trainer's config with
 Hydra as the trainer does, checks the constants against it and against the dataclass, and runs
 verl's loss with it.
 
@@ -59,13 +62,39 @@ $-\infty$, a NaN or positive ``teacher_topk_logp``, a report whose log-probabili
 $-\infty$ (it holds no probability, $Q = 0$), and a repeated or out-of-range id are each a
 ``ValueError``. A $-\infty$ student logit at a reported id (an impossible token the teacher
 gives probability $q_v > 0$) makes the unclamped value $+\infty$, its true value, with a zero
-gradient at that position; a reported $\log q_v = -\infty$ contributes 0. Half precision is
-computed in float32.
+gradient at that position; a reported $\log q_v = -\infty$ contributes 0. Finite logits whose
+spread within a position overflows the compute dtype (a finite logit of log-probability
+$-\infty$) are a ``ValueError``, as in ``topk.topk_kl``. Half precision is computed in float32.
+
+**Rounding.** The studies count a clamp, a cap and $P > Q$ only beyond the rounding of the
+compute dtype ($\varepsilon$ its epsilon), so that a value that is exactly 0 (a report of the
+whole vocabulary and $p = q$) computed as $-10^{-17}$ is not a clamp. A log-probability
+$s_v = z_v - m - \log \sum e^{z - m}$ is rounded by about $\varepsilon (|s_v| + 2)$ plus the
+rounding of the sum of $V$ exponentials, taken as $\sqrt V \varepsilon$ (the size of $V$
+independent roundings; the worst case of a recursive sum is $V \varepsilon$), and a sum of $k$
+terms adds $k \varepsilon$ of their size. Hence, for one position and report:
+
+* the value before its clamps counts as negative where it is below
+  $-3 \varepsilon \sum_{v \in S} \bar q_v (1 + |\bar t_v| + |\bar s_v| + \sqrt V + k)
+  (1 + |\bar t_v - \bar s_v|)$, and as capped where it exceeds $M$ by as much;
+* $P > Q$ where $P - Q$ exceeds $\varepsilon \sum_{v \in S} [p_v (|s_v| + \sqrt V + 2 + k) +
+  q_v (|t_v| + \sqrt V + 2 + k)]$;
+* the position has no gradient where $\lVert p - q \rVert \le 6 \varepsilon (1 + \sqrt V)$
+  (each of $p$ and $q$ is rounded by at most $\varepsilon (\sqrt V / e + \sqrt V + \log V + 3)$
+  in norm). There the relative gradient error has no denominator: it is 0 where the estimate is
+  exact to rounding as well, $\lVert \hat g - g \rVert \le 12 \varepsilon (1 + \sqrt V) +
+  k \varepsilon$ ((c) at $k = V$; (b) wherever $p = q$), and $+\infty$ elsewhere ((c) at
+  $k < V$ and $p = q$ sends $Q p - q \mathbb{1}_S \ne 0$ where the true gradient is 0), and
+  such a position carries no weight in ``lost``.
+
+``tests/large_vocab/test_clamps.py`` checks each bound against the float64 computation of
+float32 inputs, at random and at near-ties.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +106,7 @@ from .._numerics import (
     compute_dtype,
     select,
 )
-from .topk import topk_kl, zipf_pair
+from .topk import _check_reported_mass, topk_kl, zipf_pair
 
 __all__ = ["VERL_TOPK", "VERL_LOG_PROB_MIN_CLAMP", "VERL_LOSS_MAX_CLAMP", "DATACLASS_TOPK",
            "DATACLASS_LOG_PROB_MIN_CLAMP", "DATACLASS_LOSS_MAX_CLAMP", "verl_forward_kl_topk",
@@ -152,6 +181,11 @@ def _check_report(student_logits, teacher_topk_logp, teacher_topk_ids, mask):
     if bool(((teacher_topk_logp == -math.inf).all(-1) & rows).any()):
         raise ValueError(f"teacher_topk_logp must not be -inf at every reported token of a "
                          f"position{where} (a report that holds no probability, Q = 0)")
+    # Q <= 1 (to the rounding topk allows), at the positions that count: a masked-out one is
+    # read as a report of nothing. Beyond 1 the bound (c) <= -c Q <= -c would not hold.
+    _check_reported_mass(torch.where(rows[..., None], teacher_topk_logp,
+                                     torch.full_like(teacher_topk_logp, -math.inf)),
+                         compute_dtype(student_logits, teacher_topk_logp), False)
     return keep
 
 
@@ -179,7 +213,13 @@ def _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, log_prob
     """``(s, t, s_bar, t_bar)``: the student's log-probabilities on the report before and after
     the clamp, and the teacher's; in the compute dtype (float32 at least, as verl's)."""
     dtype = compute_dtype(student_logits, teacher_topk_logp)
-    log_p = F.log_softmax(student_logits.to(dtype), dim=-1)
+    logits = student_logits.to(dtype)
+    log_p = F.log_softmax(logits, dim=-1)
+    # a finite logit whose log-probability is -inf: its distance to the row's largest logit
+    # overflowed the dtype (a spread above 3.4e38 in float32); topk_kl refuses it the same way
+    if bool(((log_p == -math.inf) & (logits > -math.inf)).any()):
+        raise ValueError(f"student_logits span more than the range of {dtype} within a "
+                         "position: log_softmax overflows (shift or rescale them)")
     s = torch.gather(log_p, -1, teacher_topk_ids.long())
     t = teacher_topk_logp.to(dtype)
     if log_prob_min_clamp is None:
@@ -277,14 +317,18 @@ def verl_forward_kl_topk(student_logits, teacher_topk_logp, teacher_topk_ids, ma
     return select(keep, value)
 
 
-def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, *,
+def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask=None, *,
                      log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP):
     r"""What verl logs beside ``forward_kl_topk``, per position and as its batch metrics.
 
     Per position: the student's and the teacher's mass on the report, $P$ and $Q$; the number
     of reported ids that are also among the student's own top-$k$ (``overlap_count``); and the
     mean of $-\bar q_v (\bar t_v - \bar s_v)$ over those ids (``overlap_token_advantage``, 0
-    where there are none). What they say about the step:
+    where there are none). The student's top-$k$ is taken among the tokens it can emit
+    ($p_v > 0$): where it has fewer than $k$, verl's ``topk`` of the logits would also name
+    tokens of logit $-\infty$, whose advantage $-q_v \log(q_v / 0)$ is $-\infty$ (and NaN in
+    verl's masked sum); here they are not in the overlap, and every output is finite. What
+    they say about the step:
 
     * $Q$ near 1: the report holds the teacher's distribution, and (c) is close to the
       forward KL (its exact bias is $-(1 - Q)\bigl[\log\frac{1 - Q}{1 - P} +
@@ -297,9 +341,10 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
     ----------
     student_logits, teacher_topk_logp, teacher_topk_ids
         As for :func:`verl_forward_kl_topk`.
-    mask : torch.Tensor
+    mask : torch.Tensor or None
         0/1 over the leading shape: which positions count in the batch metrics (verl's
         ``response_mask``); the per-position outputs are 0 at the others, whatever they hold.
+        ``None``: every position.
     log_prob_min_clamp : float or None
         As for :func:`verl_forward_kl_topk`.
 
@@ -326,10 +371,15 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
     low = _clamp_option("log_prob_min_clamp", log_prob_min_clamp, -1)
     student_logits, teacher_topk_logp, teacher_topk_ids = _selected(
         keep, student_logits, teacher_topk_logp, teacher_topk_ids)
+    if keep is None:
+        keep = torch.ones(student_logits.shape[:-1], dtype=torch.bool,
+                          device=student_logits.device)
     s, t, s_bar, t_bar = _clamped_terms(student_logits, teacher_topk_logp, teacher_topk_ids, low)
     k = teacher_topk_ids.shape[-1]
     student_top = torch.topk(student_logits, k=k, dim=-1).indices
-    overlap = (teacher_topk_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
+    possible = torch.gather(student_logits, -1, student_top) > -math.inf
+    overlap = ((teacher_topk_ids.unsqueeze(-1) == student_top.unsqueeze(-2))
+               & possible.unsqueeze(-2)).any(-1)
     count = torch.where(keep, overlap.sum(-1), torch.zeros_like(overlap.sum(-1)))
     token_kl = _token_terms(s_bar, t_bar)
     advantage = torch.where(overlap, -token_kl, torch.zeros_like(token_kl)).sum(-1)
@@ -341,7 +391,7 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
     def stat(x, how):
         if not any_kept:
             return math.nan
-        return float(getattr(x[keep], how)())
+        return float(getattr(x.detach()[keep], how)())
 
     with_overlap = keep & (count > 0)
     metrics = {
@@ -352,7 +402,7 @@ def topk_diagnostics(student_logits, teacher_topk_logp, teacher_topk_ids, mask, 
         "teacher_mass_min": stat(teacher_mass, "min"),
         "teacher_mass_max": stat(teacher_mass, "max"),
         "overlap_ratio": stat(count.to(student_mass.dtype), "mean") / k,
-        "overlap_token_advantage": (float(advantage[with_overlap].mean())
+        "overlap_token_advantage": (float(advantage.detach()[with_overlap].mean())
                                     if bool(with_overlap.any()) else 0.0),
     }
     return {"student_mass": student_mass, "teacher_mass": teacher_mass,
@@ -365,6 +415,43 @@ def _row_gradients(fn, logits):
     z = logits.detach().clone().requires_grad_(True)
     fn(z).sum().backward()
     return z.grad
+
+
+def _integer(value):
+    """``value`` as an int if it is an integer (Python's, numpy's or a 0-d integer tensor), else
+    None; a bool is not one (``k=True`` is a mistake, not a report of one token)."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0 and not (value.is_floating_point() or value.is_complex()
+                                    or value.dtype == torch.bool):
+            return int(value.item())
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None  # numpy's integers are numbers.Integral, numpy's bool is not
+    return int(value)
+
+
+def _gradient_noise(V, dtype):
+    r"""$6 \varepsilon (1 + \sqrt V)$: a bound of the rounding of $\lVert p - q \rVert$
+    (module docstring, "Rounding")."""
+    return 6 * torch.finfo(dtype).eps * (1 + math.sqrt(V))
+
+
+def _value_noise(s_bar, t_bar, V):
+    r"""$3 \varepsilon \sum_{v \in S} \bar q_v (1 + |\bar t_v| + |\bar s_v| + \sqrt V + k)
+    (1 + |\bar t_v - \bar s_v|)$ per position: a bound of the rounding of (c) before its
+    clamps (module docstring, "Rounding")."""
+    k = s_bar.shape[-1]
+    size = (1 + t_bar.abs() + s_bar.abs() + math.sqrt(V) + k) * (1 + (t_bar - s_bar).abs())
+    return 3 * torch.finfo(s_bar.dtype).eps * (t_bar.exp() * size).sum(-1)
+
+
+def _mass_noise(s, t, V):
+    r"""$\varepsilon \sum_{v \in S} [p_v (|s_v| + \sqrt V + 2 + k) + q_v (|t_v| + \sqrt V + 2
+    + k)]$ per position: a bound of the rounding of $P - Q$ (module docstring, "Rounding")."""
+    k = s.shape[-1]
+    extra = math.sqrt(V) + 2 + k
+    return torch.finfo(s.dtype).eps * (s.exp() * (s.abs() + extra)
+                                       + t.exp() * (t.abs() + extra)).sum(-1)
 
 
 def _check_sequence(name, values):
@@ -388,18 +475,21 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
     tokens), the row holds:
 
     * ``clamped``: the fraction of positions where verl's loss is clamped to 0 (its value
-      before ``max(., 0)`` is negative), with the given ``log_prob_min_clamp`` (by default
-      none, as the trainer's composed config);
-    * ``capped``: the fraction whose value exceeds ``loss_max_clamp`` (0 when it is ``None``);
-    * ``p_above_q``: the fraction with $P > Q$ (necessary for a clamp without the
-      log-probability clamp, module docstring);
+      before ``max(., 0)`` is negative beyond its rounding, module docstring), with the given
+      ``log_prob_min_clamp`` (by default none, as the trainer's composed config);
+    * ``capped``: the fraction whose value exceeds ``loss_max_clamp`` beyond its rounding (0
+      when it is ``None``);
+    * ``p_above_q``: the fraction with $P > Q$ beyond rounding (necessary for a clamp without
+      the log-probability clamp, module docstring);
     * ``lost``: $\sum_{\text{clamped or capped}} \lVert \nabla \mathrm{KL} \rVert \big/
       \sum_{\text{all}} \lVert \nabla \mathrm{KL} \rVert$, the share of the true gradients'
       size that the positions whose value is clamped carry and do not send (0 when none is);
     * ``c_grad_error`` and ``b_grad_error``: the mean relative gradient error
       $\lVert \hat g - g \rVert / \lVert g \rVert$ of verl's clamped (c) and of the tail bucket
       (b), against the full forward KL's gradient $g = p - q$ with respect to the student's
-      logits.
+      logits; at a position where $g$ is 0 to rounding, 0 if $\hat g$ is too, else $+\infty$
+      (module docstring, "Rounding"): with ``noises=(0.0,)`` (the student is the teacher)
+      (c) has error $+\infty$ at $k < V$ and 0 at $k = V$, (b) 0 at every $k$.
 
     Returns
     -------
@@ -419,10 +509,11 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
     temperatures = _check_sequence("temperatures", temperatures)
     noises = _check_sequence("noises", noises)
     ks = _check_sequence("ks", ks)
-    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+    if _integer(positions) is None or _integer(positions) < 1:
         raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if _integer(seed) is None or _integer(seed) < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    positions, seed = _integer(positions), _integer(seed)
     rows = []
     for temperature in temperatures:
         for noise in noises:
@@ -446,7 +537,9 @@ def weighted_clamp_study(student_logits, teacher_logits, weights,
 
     Each row $i$ is one position: the student's and the teacher's full logits there, and its
     probability $w_i$ of being visited (a state distribution: the fractions and means are
-    $\sum_i w_i x_i / \sum_i w_i$). The teacher reports its top-$k$ log-probabilities.
+    $\sum_i w_i x_i / \sum_i w_i$, over the states of weight $w_i > 0$, with the weights
+    divided by their largest first so that their sum does not overflow). The teacher reports
+    its top-$k$ log-probabilities.
 
     Parameters
     ----------
@@ -455,7 +548,8 @@ def weighted_clamp_study(student_logits, teacher_logits, weights,
     weights : torch.Tensor
         ``(N,)``, non-negative and not all 0.
     ks : sequence of int
-        The report sizes, each in ``[1, V]``.
+        The report sizes, each in ``[1, V]``: Python or numpy integers or 0-d integer tensors,
+        not bools.
     log_prob_min_clamp, loss_max_clamp : float or None
         verl's clamps, as for :func:`verl_forward_kl_topk` (by default the composed config's,
         none).
@@ -497,44 +591,64 @@ def weighted_clamp_study(student_logits, teacher_logits, weights,
         raise ValueError("weights must be finite, >= 0 and not all 0")
     V = student_logits.shape[-1]
     ks = _check_sequence("ks", ks)
-    for k in ks:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
+    for i, k in enumerate(ks):
+        if _integer(k) is None or not 1 <= _integer(k) <= V:
             raise ValueError(f"every k must be an integer in [1, V] = [1, {V}], got {k!r}")
+        ks[i] = _integer(k)
     low = _clamp_option("log_prob_min_clamp", log_prob_min_clamp, -1)
     high = _clamp_option("loss_max_clamp", loss_max_clamp, +1)
     dtype = compute_dtype(student_logits, teacher_logits)
-    student, w = student_logits.to(dtype), weights.to(dtype)
+    student = student_logits.to(dtype)
+    # by the largest weight first: finite weights whose sum overflows (3e38 + 3e38) still mean
+    w = weights.to(dtype)
+    w = w / w.max()
     log_q = F.log_softmax(teacher_logits.to(dtype), -1)
     g = F.softmax(student, -1) - log_q.exp()  # the forward KL's gradient, p - q
     norm = g.norm(dim=-1)
+    # the rounding of g (module docstring, "Rounding"): a position with ||g|| at or below it
+    # has no gradient to measure an error against, only the noise of computing p - q
+    g_noise = _gradient_noise(V, dtype)
+    moved = norm > g_noise
+    moved_norm = torch.where(moved, norm, torch.zeros_like(norm))
 
-    def mean(x):
-        return float((w * x.to(dtype)).sum() / w.sum())
+    def mean(x):  # a state of weight 0 does not count, even where x is +inf there
+        x = x.to(dtype)
+        return float(torch.where(w > 0, w * x, torch.zeros_like(x)).sum() / w.sum())
+
+    def relative_error(estimate, k):
+        # ||g^ - g|| / ||g|| where g moves; where it does not, 0 if g^ is 0 to its own rounding
+        # as well (exact, as (c) at k = V), else +inf: a gradient where the true one is 0
+        error = (estimate - g).norm(dim=-1)
+        still = torch.where(error <= 2 * g_noise + k * torch.finfo(dtype).eps,
+                            torch.zeros_like(error),
+                            torch.full_like(error, math.inf))
+        return torch.where(moved, error / torch.where(moved, norm, torch.ones_like(norm)), still)
 
     rows = []
     for k in ks:
         report, ids = log_q.topk(k, -1)
-        s, t, _, _ = _clamped_terms(student, report, ids, low)
+        s, t, s_bar, t_bar = _clamped_terms(student, report, ids, low)
         _, raw = _value(student, report, ids, low, high)
-        clamped = raw < 0
-        capped = raw > high if high is not None else torch.zeros_like(clamped)
+        # a clamp (or cap) counts only beyond the rounding of the value before it: a true
+        # value of 0 (k = V, p = q) computed as -1e-17 is not a clamp of the approximation
+        value_noise = _value_noise(s_bar, t_bar, V)
+        clamped = raw < -value_noise
+        capped = (raw > high + value_noise if high is not None
+                  else torch.zeros_like(clamped))
+        # P > Q likewise beyond the rounding of the two sums
+        p_above_q = s.exp().sum(-1) - t.exp().sum(-1) > _mass_noise(s, t, V)
         g_c = _row_gradients(lambda z, r=report, i=ids: _value(z, r, i, low, high)[0], student)
         g_b = _row_gradients(lambda z, r=report, i=ids: topk_kl(z, r, i, "tail", "forward"),
                              student)
-        # a state where student and teacher agree exactly has g = 0: no relative error there
-        moved = norm > 0
-        safe = torch.where(moved, norm, torch.ones_like(norm))
         silent = clamped | capped
+        total = (w * moved_norm).sum()
         rows.append({
             "k": k,
             "clamped": mean(clamped),
             "capped": mean(capped),
-            "p_above_q": mean(s.exp().sum(-1) > t.exp().sum(-1)),
-            "lost": float((w * norm * silent).sum() / (w * norm).sum()) if bool(
-                (w * norm).sum() > 0) else 0.0,
-            "c_grad_error": mean(torch.where(moved, (g_c - g).norm(dim=-1) / safe,
-                                             torch.zeros_like(norm))),
-            "b_grad_error": mean(torch.where(moved, (g_b - g).norm(dim=-1) / safe,
-                                             torch.zeros_like(norm))),
+            "p_above_q": mean(p_above_q),
+            "lost": float((w * moved_norm * silent).sum() / total) if bool(total > 0) else 0.0,
+            "c_grad_error": mean(relative_error(g_c, k)),
+            "b_grad_error": mean(relative_error(g_b, k)),
         })
     return rows

@@ -366,3 +366,201 @@ def test_the_topk_module_and_the_chapter_state_the_composed_and_the_dataclass_de
     assert (f"| verl `forward_kl_topk` | the teacher's top-$k$ ({clamps.VERL_TOPK} in the "
             f"composed config, {clamps.DATACLASS_TOPK} in the dataclass) |") in page
     assert "defaults to 128" not in flat and "(default $-10$)" not in flat
+
+
+# ---------------------------------------------------------------------------------------------
+# Rounding: what the studies count as a clamp, as P > Q and as a position without gradient
+# ---------------------------------------------------------------------------------------------
+
+
+def _float32_against_float64(seed, V, k, scale, near, low):
+    """The noises of the module docstring's "Rounding" against the float64 computation of the
+    same float32 logits (whose own rounding, 1e-16, is far below float32's)."""
+    g = torch.Generator().manual_seed(seed)
+    student = (scale * torch.randn(V, generator=g, dtype=F64)).float()
+    noise = 1e-6 if near else scale
+    teacher = (student.double() + noise * torch.randn(V, generator=g, dtype=F64)).float()
+    log_q32 = torch.log_softmax(teacher, -1)
+    report, ids = log_q32.topk(k, -1)
+    s32, t32, s_bar32, t_bar32 = clamps._clamped_terms(student, report, ids, low)
+    raw32 = clamps._value(student, report, ids, low, None)[1]
+    t64 = torch.log_softmax(teacher.double(), -1)[ids]
+    s64, _, s_bar64, t_bar64 = clamps._clamped_terms(student.double(), t64, ids, low)
+    raw64 = clamps._token_terms(s_bar64, t_bar64).sum(-1)
+    g32 = torch.softmax(student, -1) - log_q32.exp()
+    g64 = torch.softmax(student.double(), -1) - torch.log_softmax(teacher.double(), -1).exp()
+    return dict(
+        value=(abs(raw32.item() - raw64.item()), clamps._value_noise(s_bar32, t_bar32, V).item()),
+        mass=(abs((s32.exp().sum() - t32.exp().sum()).item()
+                  - (s64.exp().sum() - t64.exp().sum()).item()),
+              clamps._mass_noise(s32, t32, V).item()),
+        gradient=((g32.double() - g64).norm().item(), clamps._gradient_noise(V, torch.float32)))
+
+
+@settings(deadline=None)
+@given(seed=st.integers(0, 10_000), V=st.integers(1, 400), k_share=st.floats(0.0, 1.0),
+       scale=st.sampled_from([0.01, 1.0, 5.0, 30.0]), near=st.booleans(),
+       low=st.sampled_from([None, -10.0]))
+def test_the_rounding_bounds_hold_against_float64(seed, V, k_share, scale, near, low):
+    k = max(1, round(k_share * V))
+    for name, (error, bound) in _float32_against_float64(seed, V, k, scale, near, low).items():
+        assert error <= bound, (name, error, bound)
+
+
+def test_the_rounding_bounds_are_not_vacuous():
+    # the bounds are a few hundred epsilons: far below a clamp the study is meant to count
+    measured = _float32_against_float64(0, 256, 32, 1.0, False, None)
+    eps = torch.finfo(torch.float32).eps
+    assert measured["gradient"][1] == pytest.approx(6 * eps * 17)
+    assert measured["value"][1] < 1e-3 and measured["mass"][1] < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_student_equal_to_the_teacher_is_exact_at_k_equal_to_v(dtype):
+    """p = q: the true gradient is 0 and (c) at k = V is the KL itself (value and gradient 0);
+    (b) is a KL of the coarse-grained p and q, also 0 with gradient 0, at every k; (c) at
+    k < V sends Q p - q 1_S, not 0, where the truth sends nothing: no finite relative error."""
+    s = torch.randn(4, 50, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    one, full = clamps.weighted_clamp_study(s, s.clone(), torch.ones(4, dtype=dtype), ks=[1, 50])
+    for row in (one, full):
+        assert (row["clamped"], row["capped"], row["p_above_q"], row["lost"]) == (0, 0, 0, 0)
+        assert row["b_grad_error"] == 0.0
+    assert full["c_grad_error"] == 0.0
+    # Q p - q 1_S at k = 1, its norm computed apart: far from 0, so the error is +inf
+    p = torch.softmax(s.double(), -1)
+    top = p.argmax(-1, keepdim=True)
+    q_top = p.gather(-1, top)
+    grad = q_top * p - torch.zeros_like(p).scatter(-1, top, q_top)
+    assert bool((grad.norm(dim=-1) > 1e-3).all()) and one["c_grad_error"] == math.inf
+
+
+def test_the_study_of_a_student_that_is_its_teacher():
+    rows = clamps.clamp_study(V=256, temperatures=(1.0,), noises=(0.0,), positions=4,
+                              ks=(1, 8, 256))
+    assert [r["c_grad_error"] for r in rows] == [math.inf, math.inf, 0.0]
+    assert all(r["b_grad_error"] == 0.0 and r["clamped"] == 0.0 and r["lost"] == 0.0
+               and r["p_above_q"] == 0.0 for r in rows)
+
+
+def test_a_near_tie_in_float32_is_no_clamp_at_k_equal_to_v():
+    """At k = V (c) is the KL, >= 0: a float32 value of -1e-7 there is rounding, not a clamp."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(4, 50, generator=g)
+    t = s + 1e-6 * torch.randn(4, 50, generator=g)
+    [row] = clamps.weighted_clamp_study(s, t, torch.ones(4), ks=[50])
+    assert (row["clamped"], row["lost"], row["p_above_q"]) == (0.0, 0.0, 0.0)
+    # a real clamp is still counted: the docstring's P = 0.9 > Q = 0.75, value -0.0059
+    student = torch.log(torch.tensor([[0.8, 0.1, 0.1]]))
+    teacher = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    [row] = clamps.weighted_clamp_study(student, teacher, torch.ones(1), ks=[2])
+    assert row["clamped"] == 1.0 and row["p_above_q"] == 1.0
+
+
+def test_a_state_of_weight_zero_does_not_count_even_with_an_infinite_error():
+    g = torch.Generator().manual_seed(2)
+    s, t = torch.randn(2, 6, generator=g, dtype=F64), torch.randn(2, 6, generator=g, dtype=F64)
+    t[1] = s[1]  # the second state: p = q, (c) at k = 1 has no finite relative error there
+    both = clamps.weighted_clamp_study(s, t, torch.tensor([1.0, 0.0], dtype=F64), ks=[1])
+    alone = clamps.weighted_clamp_study(s[:1], t[:1], torch.ones(1, dtype=F64), ks=[1])
+    assert both == alone and math.isfinite(both[0]["c_grad_error"])
+
+
+def test_weights_whose_sum_overflows_give_the_same_means():
+    """The means are invariant to scaling the weights: 3e38 each is 1 each."""
+    g = torch.Generator().manual_seed(4)
+    s, t = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+    huge = clamps.weighted_clamp_study(s, t, torch.tensor([3e38, 3e38]), ks=[1, 2])
+    unit = clamps.weighted_clamp_study(s, t, torch.ones(2), ks=[1, 2])
+    assert huge == unit and all(r["c_grad_error"] > 0.1 for r in unit)
+
+
+def test_integer_report_sizes_of_numpy_and_torch_are_accepted_bools_are_not():
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    s, t = torch.randn(2, 3, generator=g, dtype=F64), torch.randn(2, 3, generator=g, dtype=F64)
+    w = torch.ones(2, dtype=F64)
+    plain = clamps.weighted_clamp_study(s, t, w, ks=[1, 2])
+    assert clamps.weighted_clamp_study(s, t, w, ks=[np.int64(1), torch.tensor(2)]) == plain
+    assert clamps.weighted_clamp_study(s, t, w, ks=torch.tensor([1, 2])) == plain
+    assert [r["k"] for r in plain] == [1, 2] and type(plain[0]["k"]) is int
+    for bad in (True, np.bool_(True), 1.0, torch.tensor([1]), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=r"every k must be an integer in \[1, V\] = \[1, 3\]"):
+            clamps.weighted_clamp_study(s, t, w, ks=[bad])
+    rows = clamps.clamp_study(V=16, temperatures=(1.0,), noises=(1.0,), ks=(np.int64(2),),
+                              positions=np.int64(2), seed=np.int32(0))
+    assert rows == clamps.clamp_study(V=16, temperatures=(1.0,), noises=(1.0,), ks=(2,),
+                                      positions=2, seed=0)
+    with pytest.raises(ValueError, match="positions must be an integer >= 1, got True"):
+        clamps.clamp_study(V=16, positions=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports beyond one distribution, overflowing logits, diagnostics without a mask
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_report_that_sums_to_more_than_one_is_refused_where_it_counts():
+    """The bound (c) <= -c Q <= 10 needs Q <= 1: a report of Q = 2 made the value 20, capped."""
+    student, ids = torch.tensor([0.0, 0.0, 20.0]), torch.tensor([0, 1])
+    for call in (lambda r, m=None: clamps.verl_forward_kl_topk(
+            student.expand(2, 3) if m is not None else student, r, ids.expand(2, 2)
+            if m is not None else ids, m, log_prob_min_clamp=-10.0, loss_max_clamp=10.0),
+                 lambda r, m=None: clamps.topk_diagnostics(
+            student.expand(2, 3) if m is not None else student, r, ids.expand(2, 2)
+            if m is not None else ids, m)):
+        with pytest.raises(ValueError, match="reported probabilities sum to 2 at position .*"
+                                             "must sum to at most 1"):
+            call(torch.zeros(2))
+        # masked out, the same report counts for nothing
+        call(torch.tensor([[0.0, 0.0], [math.log(0.5), math.log(0.25)]]), torch.tensor([0, 1]))
+        # within rounding of 1 it is a report of one distribution
+        call(torch.log(torch.tensor([0.5, 0.5 + 1e-5])))
+    value = clamps.verl_forward_kl_topk(student.expand(2, 3), torch.tensor(
+        [[0.0, 0.0], [math.log(0.5), math.log(0.25)]]), ids.expand(2, 2), torch.tensor([0, 1]))
+    assert value[0].item() == 0.0 and value[1].item() > 0
+
+
+def test_logits_whose_spread_overflows_are_refused_as_by_topk_kl():
+    student = torch.tensor([3e38, -3e38, 0.0])
+    report, ids = torch.log(torch.tensor([0.5, 0.25])), torch.tensor([0, 1])
+    message = "student_logits span more than the range of torch.float32 within a position"
+    with pytest.raises(ValueError, match=message):
+        topk_kl(student, report, ids, "ignore", "forward")
+    with pytest.raises(ValueError, match=message):
+        clamps.verl_forward_kl_topk(student, report, ids)
+    with pytest.raises(ValueError, match=message):
+        clamps.topk_diagnostics(student, report, ids)
+    # in float64 the spread fits, and the value is finite: 0.25 (log 0.25 - log p_1) ~ 1.5e38
+    value = clamps.verl_forward_kl_topk(student.double(), report.double(), ids)
+    assert value.item() == pytest.approx(0.25 * 6e38, rel=1e-6)
+    # masked out, the row is never computed
+    rows = torch.stack([student, torch.zeros(3)])
+    out = clamps.verl_forward_kl_topk(rows, report.expand(2, 2), ids.expand(2, 2),
+                                      torch.tensor([0, 1]))
+    assert out[0].item() == 0.0
+
+
+def test_diagnostics_without_a_mask_count_every_position():
+    g = torch.Generator().manual_seed(6)
+    student = torch.randn(3, 7, generator=g, dtype=F64)
+    report, ids = torch.log_softmax(torch.randn(3, 7, generator=g, dtype=F64), -1).topk(3, -1)
+    free = clamps.topk_diagnostics(student, report, ids)
+    full = clamps.topk_diagnostics(student, report, ids, torch.ones(3))
+    for name in ("student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage"):
+        assert torch.equal(free[name], full[name]), name
+    assert free["metrics"] == full["metrics"]
+
+
+def test_an_impossible_token_in_the_students_top_k_is_not_in_the_overlap():
+    """z = (-inf, 0), k = 2: torch.topk names both tokens; token 0 has p = 0 < q = 0.5, whose
+    advantage -q log(q / 0) is -inf. The overlap is token 1 alone: -0.5 log(0.5 / 1)."""
+    z = torch.tensor([-math.inf, 0.0], dtype=F64, requires_grad=True)
+    d = clamps.topk_diagnostics(z, torch.log(torch.tensor([0.5, 0.5], dtype=F64)),
+                                torch.tensor([0, 1]))
+    assert d["overlap_count"].item() == 1
+    assert d["overlap_token_advantage"].item() == pytest.approx(0.5 * math.log(2), rel=1e-15)
+    assert all(math.isfinite(v) for v in d["metrics"].values())
+    assert d["metrics"]["overlap_ratio"] == 0.5
+    d["overlap_token_advantage"].backward()
+    assert bool(torch.isfinite(z.grad).all())
