@@ -79,6 +79,12 @@ def _check_states(states, prompts=None):
         raise ValueError("states['parent'] must index an earlier state (or be -1 at the root)")
     if bool(((states["parent"] == -1) != (states["position"] == 0)).any()):
         raise ValueError("states['parent'] must be -1 exactly at the states of position 0")
+    child = states["parent"] >= 0
+    parents = states["parent"][child]
+    if bool((states["position"][parents] != states["position"][child] - 1).any()) or bool(
+            (states["prompt"][parents] != states["prompt"][child]).any()):
+        raise ValueError("states['parent'] must be a state of the same prompt one position "
+                         "earlier")
     if prompts is not None and bool(((states["prompt"] < 0)
                                      | (states["prompt"] >= prompts.shape[0])).any()):
         raise ValueError(f"states['prompt'] must index the {prompts.shape[0]} prompts")
