@@ -492,15 +492,15 @@ SAMPLER_NAMES = {"exact": "exact", "vllm": "vLLM", "transformers": "transformers
                  "sglang": "SGLang"}
 
 
+NUCLEUS_DISAGREEMENT = DOCS / "data" / "engine" / "nucleus_disagreement.json"
+
+
 def _engine_samplers():
     """Which nucleus (mismatch chapter): each sampler's biases on the boundary toy, and where
-    its kept sets differ from the exact nucleus on every two-decimal distribution."""
-    from opd_literate.mismatch.engine import (
-        SAMPLERS,
-        boundary_toy,
-        engine_toy,
-        nucleus_disagreement,
-    )
+    its kept sets differ from the exact nucleus on every two-decimal distribution, from
+    docs/data/engine/nucleus_disagreement.json (``--nucleus-disagreement``: 15.5 million rows a
+    sampler, 10 to 15 s, most of a build's budget)."""
+    from opd_literate.mismatch.engine import SAMPLERS, boundary_toy, engine_toy
     from opd_literate.mismatch.estimators import comparison_table
 
     toy = boundary_toy()
@@ -518,9 +518,9 @@ def _engine_samplers():
                                             for s in SAMPLERS) + " |")
     _write("engine_samplers_table.md", "\n".join(lines) + "\n")
 
-    stats = {s: nucleus_disagreement(s) for s in SAMPLERS}
+    stats = json.loads(NUCLEUS_DISAGREEMENT.read_text())["samplers"]
     first = stats["exact"]
-    lines = ["| sampler | rows kept otherwise | more tokens | as many, others | largest "
+    lines = ["| rule (`sampler=`) | rows kept otherwise | more tokens | as many, others | largest "
              "difference of kept mass | where |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for s in SAMPLERS:
@@ -530,12 +530,19 @@ def _engine_samplers():
         lines.append(f"| {SAMPLER_NAMES[s]} | {d['differ']:,} ({100 * d['fraction']:.2f}%) | "
                      f"{d['more']:,} | {d['swapped']:,} | {d['max_mass_difference']:.2f} | "
                      f"{where} |")
-    lines += ["", f"The rows: the {first['distributions']:,} distributions of {first['V']} tokens "
+    lines += ["", "Each rule's arithmetic as `processed_log_probs(..., sampler=)` computes it, its "
+              "probabilities the exact softmax of the float32 logits rounded once to float32 (the "
+              "installed transformers warper's own count follows the table). "
+              f"The rows: the {first['distributions']:,} distributions of {first['V']} tokens "
               f"whose probabilities are positive multiples of 1/{first['resolution']}, each at the "
               f"{first['resolution'] - 1} top-p values 1/{first['resolution']} to "
               f"{first['resolution'] - 1}/{first['resolution']}: {first['rows']:,} rows, "
               f"{first['boundary']:,} ({100 * first['boundary'] / first['rows']:.2f}%) of them on "
-              "the exact rule's boundary, where the tokens ranked above one carry exactly $p$."]
+              "the exact rule's boundary, where the tokens ranked above one carry exactly $p$. "
+              "Counted by `python -m opd_literate.experiment --nucleus-disagreement --out "
+              "docs/data/engine` (numpy 2.4.6 on a 2-core AMD EPYC with AVX2); the counts are "
+              "those of any CPU whose float64 exp and log lie within 100 ulps of that machine's, "
+              "where every probability that `sampler=` rounds to float32 rounds alike."]
     _write("engine_nucleus_table.md", "\n".join(lines) + "\n")
 
 

@@ -2,7 +2,9 @@
 estimator does under it, proved by enumeration against independent computations."""
 
 import itertools
+import json
 import math
+import pathlib
 from fractions import Fraction
 
 import numpy as np
@@ -38,6 +40,7 @@ from opd_literate.mismatch.toy import (
     make_toy,
     toy_from_logits,
 )
+from tests.helpers.committed import assert_matches_committed
 
 F32 = np.float32
 
@@ -601,15 +604,30 @@ def test_in_exact_arithmetic_vllm_and_transformers_keep_the_exact_set():
             assert sglang.sum() == exact.sum() + (j in above.tolist())
 
 
+NUCLEUS_RECORD = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "data" / "engine"
+                  / "nucleus_disagreement.json")
+
+
 def test_the_nucleus_figures_of_the_chapter():
-    """The chapter's sentences over the two-decimal table: rows and boundary rows by hand
-    (each distribution has three distinct prefix masses, its top 1, 2 and 3 tokens, all in
-    1..99 hundredths); no rule keeps fewer tokens than the exact one, or another number off
-    the boundary; vLLM and transformers break ties the other way, SGLang never."""
-    stats = {s: nucleus_disagreement(s) for s in SAMPLERS}
+    """The chapter's sentences over the two-decimal table, on the committed record that the
+    table is drawn from (``--nucleus-disagreement``; the slow tier recomputes it): rows and
+    boundary rows by hand (each distribution has three distinct prefix masses, its top 1, 2 and
+    3 tokens, all in 1..99 hundredths); no rule keeps fewer tokens than the exact one, or another
+    number off the boundary; vLLM and transformers break ties the other way, SGLang never."""
+    record = json.loads(NUCLEUS_RECORD.read_text())
+    # the record is of the defaults (the chapter's four tokens in hundredths), every sampler
+    assert nucleus_disagreement.__defaults__ == (4, 100)
+    assert record["arguments"] == {"V": 4, "resolution": 100}
+    assert tuple(record["samplers"]) == SAMPLERS
+    stats = record["samplers"]
     assert stats["exact"]["distributions"] == math.comb(99, 3) == 156_849
     assert stats["exact"]["rows"] == 156_849 * 99 and stats["exact"]["boundary"] == 3 * 156_849
     assert stats["exact"]["differ"] == 0
+    for sampler in SAMPLERS:
+        d = stats[sampler]
+        assert (d["sampler"], d["V"], d["resolution"]) == (sampler, 4, 100)
+        assert (d["rows"], d["boundary"]) == (stats["exact"]["rows"], stats["exact"]["boundary"])
+        assert d["fraction"] == d["differ"] / d["rows"], sampler  # the record's own quotient
     for sampler in ("vllm", "transformers", "sglang"):
         d = stats[sampler]
         assert d["fewer"] == 0 and d["resized_off_boundary"] == 0, sampler
@@ -626,29 +644,133 @@ def test_the_nucleus_figures_of_the_chapter():
     assert stats["vllm"]["max_mass_difference"] == 0.46
 
 
-def test_nucleus_disagreement_against_a_direct_count():
-    """The counts of the enumeration, recounted row by row through top_p_kept on the exact
-    probabilities for sampler="exact" and through processed_log_probs for the frameworks."""
-    for sampler in SAMPLERS:
-        d = nucleus_disagreement(sampler, V=3, resolution=12)
-        differ = more = 0
-        for counts in itertools.product(range(1, 11), repeat=3):
-            if sum(counts) != 12:
-                continue
-            for j in range(1, 12):
-                ranked = sorted(counts, reverse=True)
-                exact_n = int((np.cumsum(ranked) - ranked < j).sum())
-                if sampler == "exact":
-                    kept = top_p_kept(np.array(counts) / 12, j / 12)
-                else:
-                    kept = np.isfinite(processed_log_probs(np.log(np.array(counts) / 12),
-                                                           top_p=j / 12, sampler=sampler))
-                order = sorted(range(3), key=lambda v: -counts[v])  # stable: index order
-                exact = np.zeros(3, dtype=bool)
-                exact[order[:exact_n]] = True
-                differ += bool((kept != exact).any())
-                more += int(kept.sum() > exact_n)
-        assert (d["differ"], d["more"]) == (differ, more), sampler
+def test_the_float32_probabilities_of_the_nucleus_count_are_the_same_on_every_cpu():
+    """Why the record's counts are compared exactly with a recount on any machine.
+
+    A framework sampler of ``nucleus_disagreement`` rounds float64 values to float32 twice: the
+    99 logits ``log(k / 100)``, and each row's probabilities ``e_v / sum(e)``, ``e = exp(z -
+    max z)`` of those float32 logits. Everything after is exact or IEEE 754 arithmetic on the
+    same float32 numbers (the differences ``z - max z`` are exact in float64, the partial sums
+    of four float32 probabilities above 0.01 too, then comparisons), and the exact nucleus is
+    counted on integers; the ``"exact"`` sampler decides with a margin of 1e-12 against float64
+    errors near 1e-16, off the boundary 0.01 away. Only ``log`` and ``exp`` are the CPU's (numpy
+    picks its AVX-512 kernels or libm, each accurate to a few ulps). Here every ``log`` and every
+    ``exp`` is moved by 100 ulps in the direction that moves each rounded value most, both
+    ways: every value rounds to the same float32 still, so the probabilities, and every count,
+    are the same on any CPU whose exp and log are within 100 ulps of this one's (the page's
+    footnote under the table says so)."""
+    delta = 100 * 2.0**-52
+
+    def same_float32(low, value, high):
+        return ((low.astype(F32) == value.astype(F32)) & (high.astype(F32)
+                                                          == value.astype(F32))).all()
+
+    counts = engine._compositions(4, 100)
+    assert counts.shape == (math.comb(99, 3), 4) and (counts > 0).all()
+    assert (counts.sum(axis=1) == 100).all()
+    assert (np.diff(counts @ 100 ** np.arange(3, -1, -1)) > 0).all()  # increasing: distinct
+    logs = np.log(np.arange(1, 100) / 100)  # negative: (1 + delta) moves them down
+    assert same_float32(logs * (1 + delta), logs, logs * (1 - delta))
+    logits = np.log(counts / 100)
+    z = logits.astype(F32).astype(float)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    rest = e.sum(axis=1, keepdims=True) - e  # the other three exponentials of each row
+    x = e / (e + rest)
+    low = e * (1 - delta) / (e * (1 - delta) + rest * (1 + delta))
+    high = e * (1 + delta) / (e * (1 + delta) + rest * (1 - delta))
+    assert same_float32(low, x, high)
+    # x is the quotient the samplers round: their float32 probabilities, bit for bit
+    s = engine._scaled_float32(logits, 1.0, "logits", "vllm")
+    np.testing.assert_array_equal(engine._softmax_float32(s, np.ones(s.shape, dtype=bool)),
+                                  (e / e.sum(axis=1, keepdims=True)).astype(F32))
+    np.testing.assert_array_equal(x.astype(F32), (e / e.sum(axis=1, keepdims=True)).astype(F32))
+
+
+@pytest.mark.slow
+def test_the_committed_nucleus_record_is_the_count_recomputed_here(tmp_path):
+    """The documented command, run here (10 to 15 s on 2 cores), writes the committed record."""
+    from opd_literate.experiment import cli
+
+    assert cli.main(["--nucleus-disagreement", "--out", str(tmp_path)]) == 0
+    computed = json.loads((tmp_path / "nucleus_disagreement.json").read_text())
+    # The counts are integers, compared exactly by the helper; they are the same on every CPU
+    # (test_the_float32_probabilities_of_the_nucleus_count_are_the_same_on_every_cpu).
+    assert_matches_committed(
+        computed, json.loads(NUCLEUS_RECORD.read_text()), rtol=0.0, atol=0.0,
+        why="every float of the record is a quotient of two integers (differ / rows, a kept mass "
+            "in 1/resolution, a probability k / resolution, a top-p j / resolution), which IEEE "
+            "754 rounds alike on every CPU", where="nucleus_disagreement.json")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--quick"], "--quick is not supported"),
+    (["--seed", "0", "--steps", "3"], "--seed and --steps are not supported"),
+    (["--methods", "rl"], "--methods is not supported"),
+    (["--clamp-study"], "--clamp-study and --nucleus-disagreement write different files"),
+])
+def test_the_nucleus_command_refuses_the_trainings_options(options, message, tmp_path, capsys):
+    """The count has fixed arguments and no seed: an option of the training is refused in one
+    line (exit code 2) before any work, not silently ignored."""
+    from opd_literate.experiment import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--nucleus-disagreement", "--out", str(tmp_path), *options])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "nucleus_disagreement.json").exists()
+
+
+def _nucleus_count(sampler, V, resolution):
+    """``nucleus_disagreement``'s dict counted again, without its vectorised loop: the rows by
+    itertools (in lexicographic order, as its), each top-p one call of processed_log_probs on
+    every row, the exact nucleus from the integers by Python's stable sort; the worst row the
+    first of the largest mass difference, in the order of top-p then of the rows."""
+    rows = np.array([c for c in itertools.product(range(1, resolution), repeat=V)
+                     if sum(c) == resolution])
+    ranks = [sorted(range(V), key=lambda v: -c[v]) for c in rows.tolist()]  # ties by index
+    above = np.array([[sum(c[u] for u in rank[:i]) for i in range(V)]
+                      for c, rank in zip(rows.tolist(), ranks)])  # in rank order
+    stats = dict(rows=0, boundary=0, differ=0, more=0, fewer=0, swapped=0,
+                 differ_off_boundary=0, resized_off_boundary=0)
+    worst_mass, worst = -1, None
+    for j in range(1, resolution):
+        kept = np.isfinite(processed_log_probs(np.log(rows / resolution), top_p=j / resolution,
+                                               sampler=sampler))
+        exact = np.zeros_like(kept)
+        for i, rank in enumerate(ranks):
+            exact[i, [v for v, a in zip(rank, above[i]) if a < j]] = True
+        n, n_exact = kept.sum(axis=1), exact.sum(axis=1)
+        differ = (kept != exact).any(axis=1)
+        off = ~(above == j).any(axis=1)
+        stats["rows"] += len(rows)
+        stats["boundary"] += int((~off).sum())
+        stats["differ"] += int(differ.sum())
+        stats["more"] += int((n > n_exact).sum())
+        stats["fewer"] += int((n < n_exact).sum())
+        stats["swapped"] += int((differ & (n == n_exact)).sum())
+        stats["differ_off_boundary"] += int((differ & off).sum())
+        stats["resized_off_boundary"] += int((off & (n != n_exact)).sum())
+        mass = np.abs((rows * kept).sum(axis=1) - (rows * exact).sum(axis=1))
+        if mass.max() > worst_mass:
+            i = int(np.argmax(mass))
+            worst_mass = int(mass[i])
+            worst = dict(probs=(rows[i] / resolution).tolist(), top_p=j / resolution,
+                         kept=kept[i].tolist(), exact=exact[i].tolist())
+    return dict(stats, sampler=sampler, V=V, resolution=resolution, distributions=len(rows),
+                fraction=stats["differ"] / stats["rows"],
+                max_mass_difference=worst_mass / resolution, worst=worst)
+
+
+@pytest.mark.parametrize("V, resolution", [(3, 12), (4, 20)])
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_nucleus_disagreement_against_a_direct_count(sampler, V, resolution):
+    """Every field of the enumeration, recounted through processed_log_probs (the kept sets of
+    each top-p) and the integers (the exact nucleus): small cases where every framework keeps
+    more tokens and vLLM and transformers swap a tie, so that each count is exercised."""
+    d = nucleus_disagreement(sampler, V, resolution)
+    assert d == _nucleus_count(sampler, V, resolution)
+    if sampler != "exact":
+        assert d["more"] > 0 and (d["swapped"] > 0) == (sampler != "sglang")
 
 
 def test_the_four_rules_keep_the_same_tokens_on_the_chapters_toy():
@@ -872,3 +994,75 @@ def test_no_sampler_keeps_fewer_tokens_than_the_exact_nucleus(V, resolution, sam
         assert d["differ"] == 0
     if sampler == "sglang":
         assert d["swapped"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# engine_toy's and processed_log_probs' refusals: nothing broadcast, NaN named first
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, error, message", [
+    (dict(b=np.zeros((1, 4))), ValueError,
+     r"toy\['b'\] must have the shape of toy\['theta'\] \(3, 4\), got \(1, 4\)"),
+    (dict(b=0.0), ValueError,
+     r"toy\['b'\] must have the shape of toy\['theta'\] \(3, 4\), got \(\)"),
+    (dict(theta=np.full((3, 4), np.nan)), ValueError,
+     r"toy\['theta'\] must be finite, got nan at index \(0, 0\)"),
+    (dict(b=np.where(np.eye(3, 4) > 0, np.inf, 0.0)), ValueError,
+     r"toy\['b'\] must be finite, got inf at index \(0, 0\)"),
+    (dict(mismatch=math.nan), ValueError, r"toy\['mismatch'\] must be a finite number, got nan"),
+    (dict(mismatch=True), TypeError, r"toy\['mismatch'\] must be a real number, got bool"),
+    (dict(mismatch="1"), TypeError, r"toy\['mismatch'\] must be a real number"),
+    (dict(theta=np.ones((3, 4), dtype=bool)), TypeError,
+     r"toy\['theta'\] must hold real numbers, got dtype bool"),
+    (dict(theta=np.zeros((2, 4))), ValueError,
+     r"toy\['theta'\] must have shape \(T, V\) = \(3, 4\) \(toy\['T'\] = 3, toy\['V'\] = 4\), "
+     r"got \(2, 4\)"),
+    (dict(b=np.full((3, 4), 1e308), mismatch=10.0), ValueError,
+     r"toy\['theta'\] \+ toy\['mismatch'\] \* toy\['b'\] overflow float64"),
+])
+def test_engine_toy_refuses_a_bad_toy_by_name(change, error, message):
+    with pytest.raises(error, match=message):
+        engine_toy(dict(boundary_toy(), **change))
+
+
+def test_engine_toy_refuses_a_bad_autoregressive_toy_by_name():
+    toy = make_ar_toy(T=2, V=2)
+    with pytest.raises(ValueError, match=r"toy\['b'\] must have the shape of toy\['theta'\] "
+                                         r"\(2, 3, 2\), got \(3, 2\)"):
+        engine_toy(dict(toy, b=toy["b"][0]))
+    with pytest.raises(ValueError, match=r"must have shape \(T, V \+ 1, V\) = \(2, 3, 2\)"):
+        engine_toy(dict(toy, theta=toy["theta"][:, :2], b=toy["b"][:, :2]))
+
+
+@pytest.mark.parametrize("reported", [["raw"], np.array(["raw"]), None])
+def test_engine_toy_refuses_a_reported_that_is_not_a_string(reported):
+    with pytest.raises(TypeError, match=r"reported must be one of \('processed', 'raw'\), got"):
+        engine_toy(boundary_toy(), reported=reported)
+
+
+def test_numpy_numbers_are_accepted_and_numpy_bools_refused():
+    toy = boundary_toy()
+    base = engine_toy(toy, top_k=2, top_p=0.9, temperature=0.5)
+    same = engine_toy(dict(toy, mismatch=np.float64(1.0), T=np.int64(3), V=np.int64(4)),
+                      top_k=np.int64(2), top_p=np.float64(0.9), temperature=np.float32(0.5),
+                      reported=np.str_("processed"))
+    for key in ("Y", "logp_sampler", "p_sampler", "true_grad"):
+        np.testing.assert_array_equal(same[key], base[key])
+    # integer logits are real numbers: the same as their floats
+    np.testing.assert_array_equal(processed_log_probs(np.array([2, 0, 1]), top_k=np.int32(2)),
+                                  processed_log_probs([2.0, 0.0, 1.0], top_k=2))
+    with pytest.raises(TypeError, match="top_k must be None or an integer >= 1, got np.True_"):
+        processed_log_probs([2.0, 0.0, 1.0], top_k=np.bool_(True))
+    with pytest.raises(TypeError, match="top_p must be a real number, got bool"):
+        engine_toy(toy, top_p=np.bool_(True))
+
+
+@pytest.mark.parametrize("logits, error, message", [
+    ([[0.0, 1.0], [0.0]], ValueError, "logits must be a rectangular array of real numbers"),
+    (np.array([1 + 2j, 0.0]), TypeError, "logits must hold real numbers, got dtype complex128"),
+    ([0.0, None], TypeError, "logits must hold real numbers, got dtype object"),
+    (np.array([[0.0, 1.0], [np.nan, 0.0]]), ValueError,
+     r"logits must be finite, got nan at index \(1, 0\)"),
+])
+def test_bad_logits_are_refused_by_name_before_any_arithmetic(logits, error, message):
+    with pytest.raises(error, match=message):
+        processed_log_probs(logits, top_p=0.5, sampler="vllm")
