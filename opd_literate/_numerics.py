@@ -43,6 +43,7 @@ __all__ = [
     "check_band",
     "check_reduction",
     "check_real_array",
+    "check_reported_mass",
     "compute_dtype",
     "select",
     "masked_mean",
@@ -391,3 +392,30 @@ def check_real_array(name: str, values, ndim: int | None = 1, *, min_size: int =
         where = bad[0] if len(bad) == 1 else bad
         raise ValueError(f"{name} must be finite, got {float(array[bad])!r} at index {where}")
     return array
+
+
+def check_reported_mass(teacher_topk_logp, dtype, every_token):
+    r"""Raise unless the reported probabilities $q_v$, $v \in S$, sum to at most 1 at every
+    position, and to 1 where ``every_token`` (k = V: the teacher's tail is taken as 0).
+
+    To $\sqrt{\varepsilon_r} + 4 k \varepsilon$, with $\varepsilon_r$ the report's epsilon
+    (float32's at least: a float64 report may hold float32 log-probabilities) and
+    $\varepsilon$ the compute dtype's: a log-probability is rounded to about $\varepsilon_r$
+    times the size of the logits it came from, so $\sqrt{\varepsilon_r}$ ($3.5 \cdot 10^{-4}$
+    for float32) accepts log-probabilities computed as $z - \log \sum e^z$ in float32 from
+    logits $z$ of 1,000 (tested), and still refuses a mass of 1.3 or 0."""
+    import torch
+
+    k = teacher_topk_logp.shape[-1]
+    report = max(torch.finfo(teacher_topk_logp.dtype).eps, torch.finfo(torch.float32).eps)
+    tolerance = math.sqrt(report) + 4 * k * torch.finfo(dtype).eps
+    mass = torch.logsumexp(teacher_topk_logp.detach().to(dtype), dim=-1).exp()  # 0 for all -inf
+    bad = mass > 1.0 + tolerance
+    if every_token:
+        bad = bad | (mass < 1.0 - tolerance)
+    if bool(bad.any()):
+        index = tuple(bad.nonzero()[0].tolist())
+        expected = "1 (k = V: every token is reported)" if every_token else "at most 1"
+        raise ValueError(f"teacher_topk_logp must be log-probabilities of one distribution: the "
+                         f"reported probabilities sum to {mass[index].item():.6g} at position "
+                         f"{index}, where they must sum to {expected}")

@@ -103,10 +103,11 @@ from .._numerics import (
     check_finite_number,
     check_float_tensor,
     check_mask,
+    check_reported_mass,
     compute_dtype,
     select,
 )
-from .topk import _check_reported_mass, topk_kl, zipf_pair
+from .topk import topk_kl, zipf_pair
 
 __all__ = ["VERL_TOPK", "VERL_LOG_PROB_MIN_CLAMP", "VERL_LOSS_MAX_CLAMP", "DATACLASS_TOPK",
            "DATACLASS_LOG_PROB_MIN_CLAMP", "DATACLASS_LOSS_MAX_CLAMP", "verl_forward_kl_topk",
@@ -183,7 +184,7 @@ def _check_report(student_logits, teacher_topk_logp, teacher_topk_ids, mask):
                          f"position{where} (a report that holds no probability, Q = 0)")
     # Q <= 1 (to the rounding topk allows), at the positions that count: a masked-out one is
     # read as a report of nothing. Beyond 1 the bound (c) <= -c Q <= -c would not hold.
-    _check_reported_mass(torch.where(rows[..., None], teacher_topk_logp,
+    check_reported_mass(torch.where(rows[..., None], teacher_topk_logp,
                                      torch.full_like(teacher_topk_logp, -math.inf)),
                          compute_dtype(student_logits, teacher_topk_logp), False)
     return keep

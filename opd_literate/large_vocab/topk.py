@@ -108,7 +108,12 @@ import torch
 import torch.nn.functional as F
 
 from .._figures import new_figure, svg_bytes
-from .._numerics import check_finite_number, check_float_tensor, compute_dtype
+from .._numerics import (
+    check_finite_number,
+    check_float_tensor,
+    check_reported_mass,
+    compute_dtype,
+)
 
 __all__ = [
     "APPROXIMATIONS",
@@ -165,31 +170,6 @@ def _kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     total = terms.sum(dim=-1)
     infinite = (support & ~both).any(dim=-1)
     return torch.where(infinite, torch.full_like(total, math.inf), total)
-
-
-def _check_reported_mass(teacher_topk_logp, dtype, every_token):
-    r"""Raise unless the reported probabilities $q_v$, $v \in S$, sum to at most 1 at every
-    position, and to 1 where ``every_token`` (k = V: the teacher's tail is taken as 0).
-
-    To $\sqrt{\varepsilon_r} + 4 k \varepsilon$, with $\varepsilon_r$ the report's epsilon
-    (float32's at least: a float64 report may hold float32 log-probabilities) and
-    $\varepsilon$ the compute dtype's: a log-probability is rounded to about $\varepsilon_r$
-    times the size of the logits it came from, so $\sqrt{\varepsilon_r}$ ($3.5 \cdot 10^{-4}$
-    for float32) accepts log-probabilities computed as $z - \log \sum e^z$ in float32 from
-    logits $z$ of 1,000 (tested), and still refuses a mass of 1.3 or 0."""
-    k = teacher_topk_logp.shape[-1]
-    report = max(torch.finfo(teacher_topk_logp.dtype).eps, torch.finfo(torch.float32).eps)
-    tolerance = math.sqrt(report) + 4 * k * torch.finfo(dtype).eps
-    mass = torch.logsumexp(teacher_topk_logp.detach().to(dtype), dim=-1).exp()  # 0 for all -inf
-    bad = mass > 1.0 + tolerance
-    if every_token:
-        bad = bad | (mass < 1.0 - tolerance)
-    if bool(bad.any()):
-        index = tuple(bad.nonzero()[0].tolist())
-        expected = "1 (k = V: every token is reported)" if every_token else "at most 1"
-        raise ValueError(f"teacher_topk_logp must be log-probabilities of one distribution: the "
-                         f"reported probabilities sum to {mass[index].item():.6g} at position "
-                         f"{index}, where they must sum to {expected}")
 
 
 def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
@@ -288,7 +268,7 @@ def topk_kl(student_logits, teacher_topk_logp, topk_ids, approximation="tail",
     topk_ids = topk_ids.long()  # gather takes int32 or int64 ids only: a uint8 one was an error
 
     dtype = compute_dtype(student_logits, teacher_topk_logp)
-    _check_reported_mass(teacher_topk_logp, dtype, k == V)
+    check_reported_mass(teacher_topk_logp, dtype, k == V)
     logits = student_logits.to(dtype)
     log_p = F.log_softmax(logits, dim=-1)  # (..., V)
     # A finite logit whose log-probability is -inf: its distance to the row's largest logit
