@@ -44,6 +44,7 @@ __all__ = [
     "check_reduction",
     "check_real_array",
     "check_reported_mass",
+    "check_sequence",
     "compute_dtype",
     "select",
     "masked_mean",
@@ -419,3 +420,14 @@ def check_reported_mass(teacher_topk_logp, dtype, every_token):
         raise ValueError(f"teacher_topk_logp must be log-probabilities of one distribution: the "
                          f"reported probabilities sum to {mass[index].item():.6g} at position "
                          f"{index}, where they must sum to {expected}")
+
+
+def check_sequence(name, values):
+    """``values`` as a non-empty list, or a named error: a string, bytes or a non-iterable is no
+    sequence of settings (``ks``, ``kinds``, ``coefs``), and an empty one has nothing to run."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}")
+    values = list(values)
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    return values

@@ -104,6 +104,7 @@ from .._numerics import (
     check_float_tensor,
     check_mask,
     check_reported_mass,
+    check_sequence,
     compute_dtype,
     select,
 )
@@ -455,15 +456,6 @@ def _mass_noise(s, t, V):
                                        + t.exp() * (t.abs() + extra)).sum(-1)
 
 
-def _check_sequence(name, values):
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}")
-    values = list(values)
-    if not values:
-        raise ValueError(f"{name} must not be empty")
-    return values
-
-
 def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0, 2.0),
                 ks=(1, 8, VERL_TOPK, DATACLASS_TOPK), positions=64, seed=0, *,
                 log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP, loss_max_clamp=VERL_LOSS_MAX_CLAMP):
@@ -507,9 +499,9 @@ def clamp_study(V=4096, exponent=1.1, temperatures=(0.7, 1.0), noises=(0.5, 1.0,
     >>> row["clamped"] == row["p_above_q"], row["capped"]
     (True, 0.0)
     """
-    temperatures = _check_sequence("temperatures", temperatures)
-    noises = _check_sequence("noises", noises)
-    ks = _check_sequence("ks", ks)
+    temperatures = check_sequence("temperatures", temperatures)
+    noises = check_sequence("noises", noises)
+    ks = check_sequence("ks", ks)
     if _integer(positions) is None or _integer(positions) < 1:
         raise ValueError(f"positions must be an integer >= 1, got {positions!r}")
     if _integer(seed) is None or _integer(seed) < 0:
@@ -591,7 +583,7 @@ def weighted_clamp_study(student_logits, teacher_logits, weights,
             (weights > 0).any()):
         raise ValueError("weights must be finite, >= 0 and not all 0")
     V = student_logits.shape[-1]
-    ks = _check_sequence("ks", ks)
+    ks = check_sequence("ks", ks)
     for i, k in enumerate(ks):
         if _integer(k) is None or not 1 <= _integer(k) <= V:
             raise ValueError(f"every k must be an integer in [1, V] = [1, {V}], got {k!r}")

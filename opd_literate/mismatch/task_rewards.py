@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._numerics import check_finite_number
+from .._numerics import check_finite_number, check_sequence
 from .estimators import weighted_score
 from .opd_mismatch import add_teacher, opd_estimate  # noqa: F401 (the examples use add_teacher)
 from .toy import (  # noqa: F401 (the examples use make_ar_toy, make_toy, toy_from_logits)
@@ -162,15 +162,6 @@ def _check_finite_result(what, array, hint):
     if not np.isfinite(array).all():
         raise ValueError(f"{what} overflows float64 (not representable); {hint}")
     return array
-
-
-def _check_sequence(name, values):
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}")
-    values = list(values)
-    if not values:
-        raise ValueError(f"{name} must not be empty")
-    return values
 
 
 def _check_real(name, value, shape):
@@ -428,8 +419,8 @@ def mixed_table(toy, coefs, kinds=MIXED_ESTIMATORS, N=64, baseline=0.0, verl_cla
     >>> [(r["kind"], r["coef"]) for r in rows if r["rel_bias"] > 1e-12]  # the biased ones
     [('k1_reward', 1.0)]
     """
-    kinds = [_check_kind(kind) for kind in _check_sequence("kinds", kinds)]
-    coefs = [_check_coef(coef) for coef in _check_sequence("coefs", coefs)]
+    kinds = [_check_kind(kind) for kind in check_sequence("kinds", kinds)]
+    coefs = [_check_coef(coef) for coef in check_sequence("coefs", coefs)]
     if isinstance(N, bool) or not isinstance(N, (int, np.integer)) or N < 1:
         raise ValueError(f"N must be an integer >= 1, got {N!r}")
     if N > MAX_BATCH:
