@@ -672,3 +672,359 @@ def test_bits_may_be_a_numpy_integer_but_not_a_bool():
     assert torch.equal(quantize_per_channel(weight, np.int64(4)), quantize_per_channel(weight, 4))
     with pytest.raises(ValueError, match=r"^bits must be an integer from 2 to 8, got True$"):
         quantize_per_channel(weight, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by mutation testing: each test below fails on mutants of quantized.py that the tests
+# above let through (mutmut 3.8.1; docs/mutation.md). Expected values are derived by hand in
+# the comments, or by an independent computation (named), and messages are compared whole.
+# ---------------------------------------------------------------------------------------------
+def _whole(message):
+    """A pytest.raises pattern matching ``message`` exactly, from its start to its end."""
+    import re
+
+    return "^" + re.escape(message) + "$"
+
+
+
+def _states_2x2(eos=1):
+    """The docstring example's states: a root (position 0) and its child after token 0."""
+    return answer_states(torch.zeros((1, 1), dtype=torch.long), 2, vocab=2, eos=eos)
+
+
+def _mutation_refusals():
+    """(label, call, error, whole message): the argument checks, one case per mutant family."""
+    from types import SimpleNamespace
+
+    from opd_literate.experiment import quantized as Q
+
+    half = np.log(np.full((2, 2), 0.5))
+    bad_rows = np.log(np.array([[0.5, 0.5], [0.2, 0.3]]))  # row 1 sums to 0.5
+    states = _states_2x2()
+
+    def one(Y, mask, prompt):
+        return np.ones(len(Y))
+
+    def toy(log_pi=half, log_mu=half, reward=one, eos=1, pad=1, **kw):  # a call, repeatable
+        return lambda: answer_toy(states, log_pi, log_mu, reward, eos=eos, pad=pad, **kw)
+
+    class Stand(torch.nn.Module):  # a module with some of TinyLM's attributes
+        def __init__(self, **attributes):
+            super().__init__()
+            for k, v in attributes.items():
+                setattr(self, k, v)
+
+    real = "(a bool, a complex number, a string or None?)"
+    inf_row = np.array([[0.0, -np.inf], [np.log(0.5), np.log(0.5)]])
+    return [
+        # quantize_per_channel: the message names what it got
+        ("quantize 1-D", lambda: quantize_per_channel(torch.ones(3), 8), TypeError,
+         "weight must be a 2-D floating tensor (out, in), got torch.float32 of shape (3,)"),
+        ("quantize list", lambda: quantize_per_channel([[1.0]], 8), TypeError,
+         "weight must be a 2-D floating tensor (out, in), got list of shape ()"),
+        ("quantize NaN", lambda: quantize_per_channel(torch.tensor([[1.0, float("nan")]]), 8),
+         ValueError, "weight must be finite: a NaN or inf has no quantization scale"),
+        ("quantize bits str", lambda: quantize_per_channel(torch.ones(1, 2), "4"), ValueError,
+         "bits must be an integer from 2 to 8, got '4'"),
+        ("quantize bits float", lambda: quantize_per_channel(torch.ones(1, 2), 4.0), ValueError,
+         "bits must be an integer from 2 to 8, got 4.0"),
+        # _check_model (through sampler_states): each of its four conditions alone
+        ("model with models", lambda: Q.sampler_states(
+            Stand(mlp=torch.nn.Sequential(), digits=1, models=[]), torch.tensor([[1, 2]]),
+            "int8"), TypeError, "model must be a TinyLM, got Stand"),
+        ("model without digits", lambda: Q.sampler_states(
+            Stand(mlp=torch.nn.Sequential()), torch.tensor([[1, 2]]), "int8"), TypeError,
+         "model must be a TinyLM, got Stand"),
+        ("model not a module", lambda: Q.sampler_states(
+            SimpleNamespace(mlp=None, digits=1), torch.tensor([[1, 2]]), "int8"), TypeError,
+         "model must be a TinyLM, got SimpleNamespace"),
+        ("sampler_states sampler", lambda: Q.sampler_states(None, torch.tensor([[1, 2]]), "int3"),
+         ValueError, "sampler must be one of ['bf16', 'fp16', 'fp32', 'int4', 'int8'], got 'int3'"),
+        # _check_pairs
+        ("pairs list", lambda: Q._check_pairs([[1, 2]], 1), TypeError,
+         "pairs must be a (B, 2) long tensor, got list"),
+        ("pairs empty", lambda: Q._check_pairs(torch.zeros((0, 2), dtype=torch.long), 1),
+         ValueError, "pairs must have shape (B, 2) with B >= 1, got (0, 2)"),
+        ("pairs 2-digit", lambda: Q._check_pairs(torch.tensor([[25, 100]]), 2), ValueError,
+         "pairs must be operands in [0, 100) for 2-digit prompts, got 100"),
+        # _check_log_probs
+        ("log probs 1-D", lambda: Q._check_log_probs("x", [0.0]), ValueError,
+         "x must have 2 dimensions, got shape (1,)"),
+        ("log probs -inf first", lambda: Q._check_log_probs("x", [[-np.inf, np.nan, 0.0]]),
+         ValueError, "x must be finite: a token of probability 0 has no log-ratio, got -inf"),
+        ("log probs shape", lambda: Q._check_log_probs("x", half[:1], shape=(2, 2)), ValueError,
+         "x must have shape (2, 2), got (1, 2)"),
+        # the row named is the one farthest from 1: |0.5 - 1| > |1 - 1|, and |1.5 - 1| > |0.6 - 1|
+        ("log probs row", lambda: Q._check_log_probs("x", np.log([[0.5, 0.5], [0.25, 0.25]])),
+         ValueError, "x must hold log-probabilities: exp of row 1 sums to 0.5, not 1"),
+        ("log probs row above", lambda: Q._check_log_probs("x", np.log([[1.0, 0.5], [0.3, 0.3]])),
+         ValueError, "x must hold log-probabilities: exp of row 0 sums to 1.5, not 1"),
+        # _check_prompts
+        ("prompts float", lambda: Q._check_prompts(2.0, 16), ValueError,
+         "prompts must be an integer in [1, 16] (the test prompts), got 2.0"),
+        # token_mismatch: each argument named
+        ("token_mismatch 1-D log_pi", lambda: token_mismatch(np.zeros(2), half, np.ones(2)),
+         ValueError, "log_pi must have 2 dimensions, got shape (2,)"),
+        ("token_mismatch 1-D log_mu", lambda: token_mismatch(half, np.zeros(2), np.ones(2)),
+         ValueError, "log_mu must have 2 dimensions, got shape (2,)"),
+        ("token_mismatch -inf log_pi", lambda: token_mismatch(inf_row, half, np.ones(2)),
+         ValueError, "log_pi must be finite: a token of probability 0 has no log-ratio, got -inf"),
+        ("token_mismatch -inf log_mu", lambda: token_mismatch(half, inf_row, np.ones(2)),
+         ValueError, "log_mu must be finite: a token of probability 0 has no log-ratio, got -inf"),
+        ("token_mismatch bool log_mu", lambda: token_mismatch(half, half > 0, np.ones(2)),
+         TypeError, f"log_mu must hold real numbers, got dtype bool {real}"),
+        ("token_mismatch no states", lambda: token_mismatch(half[:0], half[:0], np.ones(0)),
+         ValueError, "log_pi and log_mu must be (N, V) of one shape with N, V >= 1, got shape "
+         "(0, 2) and (0, 2)"),
+        ("token_mismatch unnormalized log_mu", lambda: token_mismatch(half, bad_rows, np.ones(2)),
+         ValueError, "log_mu must hold log-probabilities: exp of row 1 sums to 0.5, not 1"),
+        ("token_mismatch bool visits", lambda: token_mismatch(half, half, np.ones(2) > 0),
+         TypeError, f"visits must hold real numbers, got dtype bool {real}"),
+        ("token_mismatch 2-D visits", lambda: token_mismatch(half, half, np.ones((2, 1))),
+         ValueError, "visits must have shape (2,), got (2, 1)"),
+        ("token_mismatch visits length",
+         lambda: token_mismatch(np.log(np.full((3, 2), 0.5)), np.log(np.full((3, 2), 0.5)),
+                                np.ones(2)),
+         ValueError, "visits must have shape (3,), got (2,)"),
+        ("token_mismatch negative visits",
+         lambda: token_mismatch(half, half, np.array([1.0, -1.0])), ValueError,
+         "visits must be finite, non-negative and not all 0"),
+        # answer_toy
+        ("answer_toy states keys", lambda: answer_toy({"prompt": 0}, half, half, one, eos=1,
+                                                      pad=1), ValueError,
+         "states must be the dict of answer_states (keys prompt, position, prefix, parent), got "
+         "['prompt']"),
+        ("answer_toy states None", lambda: answer_toy(None, half, half, one, eos=1, pad=1),
+         ValueError, "states must be the dict of answer_states (keys prompt, position, prefix, "
+         "parent), got <class 'NoneType'>"),
+        ("answer_toy reward", toy(reward=0.5), TypeError,
+         "reward must be callable (Y, mask, prompt) -> (M,), got float"),
+        ("answer_toy bool log_pi", toy(log_pi=half > 0), TypeError,
+         f"log_pi must hold real numbers, got dtype bool {real}"),
+        ("answer_toy bool log_mu", toy(log_mu=half > 0), TypeError,
+         f"log_mu must hold real numbers, got dtype bool {real}"),
+        ("answer_toy -inf log_pi", toy(log_pi=inf_row), ValueError,
+         "log_pi and log_mu must be finite: a token of probability 0 has no importance ratio"),
+        ("answer_toy -inf log_mu", toy(log_mu=inf_row), ValueError,
+         "log_pi and log_mu must be finite: a token of probability 0 has no importance ratio"),
+        ("answer_toy shapes", toy(log_mu=np.log(np.full((2, 3), 1 / 3))), ValueError,
+         "log_pi and log_mu must be (N, V) with N = 2 states, got (2, 2) and (2, 3)"),
+        ("answer_toy unnormalized log_pi", toy(log_pi=bad_rows), ValueError,
+         "log_pi must hold log-probabilities: exp of row 1 sums to 0.5, not 1"),
+        ("answer_toy pad = V", toy(pad=2), ValueError,
+         "eos and pad must be token ids in [0, 2), got 1, 2"),
+        ("answer_toy bool features", toy(features=np.ones((2, 1)) > 0), TypeError,
+         f"features must hold real numbers, got dtype bool {real}"),
+        ("answer_toy NaN features", toy(features=np.array([[1.0], [np.nan]])), ValueError,
+         "features must be a finite (N, F) array with N = 2, got (2, 1)"),
+        ("answer_toy bool teacher", toy(log_teacher=half > 0), TypeError,
+         f"log_teacher must hold real numbers, got dtype bool {real}"),
+        ("answer_toy -inf teacher", toy(log_teacher=inf_row), ValueError,
+         "log_teacher must be finite with shape (2, 2), got shape (2, 2)"),
+        ("answer_toy teacher shape", toy(log_teacher=np.log(np.full((2, 3), 1 / 3))), ValueError,
+         "log_teacher must be finite with shape (2, 2), got shape (2, 3)"),
+        ("answer_toy unnormalized teacher", toy(log_teacher=bad_rows), ValueError,
+         "log_teacher must hold log-probabilities: exp of row 1 sums to 0.5, not 1"),
+        # tinylm_answer_toy
+        ("tinylm_answer_toy features",
+         lambda: tinylm_answer_toy(None, None, "int8", features="all"), ValueError,
+         "features must be 'bias' or 'head', got 'all'"),
+        ("tinylm_answer_toy model with a teacher",
+         lambda: tinylm_answer_toy(None, None, "int8", teacher=TinyLM(hidden=4, digits=1)),
+         TypeError, "model must be a TinyLM, got NoneType"),
+        # toy_token_mismatch
+        ("toy_token_mismatch keys", lambda: toy_token_mismatch({"theta": np.zeros((1, 2))}),
+         ValueError, "toy must be a toy of the mismatch chapter (a dict with theta, b and "
+         "mismatch), got dict"),
+        ("toy_token_mismatch list", lambda: toy_token_mismatch([]), ValueError,
+         "toy must be a toy of the mismatch chapter (a dict with theta, b and mismatch), got list"),
+        ("toy_token_mismatch bool theta", lambda: toy_token_mismatch(
+            dict(theta=np.zeros((1, 2)) > 0, b=np.zeros((1, 2)), mismatch=0.1)), TypeError,
+         f"toy['theta'] must hold real numbers, got dtype bool {real}"),
+        ("toy_token_mismatch bool b", lambda: toy_token_mismatch(
+            dict(theta=np.zeros((1, 2)), b=np.zeros((1, 2)) > 0, mismatch=0.1)), TypeError,
+         f"toy['b'] must hold real numbers, got dtype bool {real}"),
+        # matched_toy_mismatch
+        ("matched target 0", lambda: matched_toy_mismatch(0.0, lambda e: e), ValueError,
+         "target_kl must be > 0, got 0.0"),
+        ("matched target bool", lambda: matched_toy_mismatch(True, lambda e: e), TypeError,
+         "target_kl must be a real number, got bool True"),
+        ("matched high 0", lambda: matched_toy_mismatch(0.1, lambda e: e, high=0.0), ValueError,
+         "high must be > 0, got 0.0"),
+        ("matched high bool", lambda: matched_toy_mismatch(0.1, lambda e: e, high=True),
+         TypeError, "high must be a real number, got bool True"),
+        ("matched low = high", lambda: matched_toy_mismatch(1.0, lambda e: e, low=1.0, high=1.0),
+         ValueError, "low must be < high, got low=1.0 >= high=1.0"),
+        ("matched iterations float", lambda: matched_toy_mismatch(0.1, lambda e: e,
+                                                                  iterations=2.5),
+         ValueError, "iterations must be a positive integer, got 2.5"),
+        ("matched kl_of", lambda: matched_toy_mismatch(0.1, 0.5), TypeError,
+         "kl_of must be callable eps -> KL, got float"),
+        # the default high is 10: kl_of(10) = 10 < 10.5
+        ("matched default high", lambda: matched_toy_mismatch(10.5, lambda e: e), ValueError,
+         "target_kl = 10.5 is outside the KLs at low = 1e-06 and high = 10.0"),
+        # rank_correlation
+        ("rank a 2-D", lambda: rank_correlation([[1, 2], [3, 4]], [1, 2]), ValueError,
+         "a must have 1 dimension, got shape (2, 2)"),
+        ("rank b 2-D", lambda: rank_correlation([1, 2], [[1], [2]]), ValueError,
+         "b must have 1 dimension, got shape (2, 1)"),
+        # constant to 10 significant digits, not equal: the message shows the first value
+        ("rank constant a", lambda: rank_correlation([1.0, 1.00000000001], [1, 2]), ValueError,
+         "a is constant (every value 1.0 to 10 significant digits): its rank correlation is "
+         "undefined"),
+    ]
+
+
+@pytest.mark.parametrize("case", _mutation_refusals(), ids=lambda case: case[0])
+def test_each_check_names_its_argument_whole(case):
+    _, call, error, message = case
+    with pytest.raises(error, match=_whole(message)):
+        call()
+
+
+def test_valid_edges_are_accepted():
+    """The ends of each accepted range: operand 0 and 10^digits - 1, one prompt and all of
+    them, eos and pad 0, one bisection step, a target at either end's KL."""
+    from opd_literate.experiment import quantized as Q
+
+    Q._check_pairs(torch.tensor([[0, 99], [25, 0]]), 2)
+    Q._check_prompts(1, 16)
+    Q._check_prompts(16, 16)
+    half = np.log(np.full((2, 2), 0.5))
+    toy = answer_toy(_states_2x2(eos=0), half, half, lambda Y, m, p: np.ones(len(Y)), eos=0,
+                     pad=0)
+    # eos 0 ends the root's answer; state 1 (prefix 1) ends with either token; pad 0 after eos
+    assert sorted(map(tuple, toy["Y"].tolist())) == [(0, 0), (1, 0), (1, 1)]
+    # one step: mid = log(sqrt(1e-6 * 10)), where eps^2 = 1e-5 < 0.25, so lo = mid and the
+    # answer is exp((mid + log 10) / 2) = (1e-5)^(1/4) * 10^(1/2) = 10^(-3/4)
+    assert matched_toy_mismatch(0.25, lambda e: e ** 2, iterations=1) == pytest.approx(
+        10 ** -0.75, rel=1e-12)
+    assert matched_toy_mismatch(1.0, lambda e: e, low=1.0, high=2.0) == pytest.approx(1.0)
+    assert matched_toy_mismatch(2.0, lambda e: e, low=1.0, high=2.0) == pytest.approx(2.0)
+
+
+def test_matched_mismatch_calls_kl_of_at_both_ends_then_once_a_step():
+    """The defaults: 80 steps, so 2 + 80 evaluations; on a KL flat from eps = 1 (clipped) the
+    bisection keeps the smallest eps that reaches the target (KL < target moves low up)."""
+    calls = []
+    matched_toy_mismatch(0.04, lambda e: calls.append(e) or e ** 2)
+    assert len(calls) == 82
+    assert matched_toy_mismatch(1.0, lambda e: min(e, 1.0)) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_the_subnormal_scale_is_clamped_to_the_symmetric_grid():
+    """2^-140 in float32 at 8 bits: s = 2^-140 / 127 = (512 / 127) 2^-149 rounds to 4 * 2^-149
+    (the subnormal grid), so W / s = 128 rounds to 128 and is clamped to +-127: W_hat =
+    +-508 * 2^-149 (by hand), never the code +-128 outside the grid."""
+    w = torch.tensor([[2.0 ** -140, -(2.0 ** -140)]], dtype=torch.float32)
+    expected = [[508 * 2.0 ** -149, -508 * 2.0 ** -149]]
+    assert quantize_per_channel(w, 8).tolist() == expected
+
+
+def test_level_ancestors_and_the_answers_of_the_docstring_example():
+    """The docstring's two states (root 0, its child 1 after token 0) and three answers, by
+    hand: ancestors [[0, -1], [0, 1]]; the root's answer (eos) has state [0, -1], the two of
+    state 1 [0, 1]; T, V and eos as given; states as numpy arrays give the same toy."""
+    from opd_literate.experiment.quantized import _level_ancestors
+
+    states = _states_2x2()
+    arrays = {k: v.numpy() for k, v in states.items()}
+    assert _level_ancestors(arrays, 2).tolist() == [[0, -1], [0, 1]]
+    half, skew = np.log([0.5, 0.5]), np.log([0.8, 0.2])
+
+    def first_is_zero(Y, mask, prompt):  # a bool reward: R is float all the same
+        return Y[:, 0] == 0
+
+    toy = answer_toy(states, np.stack([half, half]), np.stack([skew, half]), first_is_zero,
+                     eos=1, pad=1)
+    order = np.lexsort(toy["Y"].T[::-1])  # answers sorted: (0, 0), (0, 1), (1, 1)
+    assert toy["Y"][order].tolist() == [[0, 0], [0, 1], [1, 1]]
+    assert toy["state"][order].tolist() == [[0, 1], [0, 1], [0, -1]]
+    assert toy["mask"][order].tolist() == [[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]
+    assert toy["R"].dtype == np.float64 and toy["R"][order].tolist() == [1.0, 1.0, 0.0]
+    assert (toy["T"], toy["V"], toy["eos"]) == (2, 2, 1)
+    from_arrays = answer_toy(arrays, np.stack([half, half]), np.stack([skew, half]),
+                             first_is_zero, eos=1, pad=1)
+    for key in ("Y", "state", "p_sampler", "score"):
+        assert np.array_equal(from_arrays[key], toy[key]), key
+
+
+def test_weighted_quantiles_by_hand():
+    """Values 3, 1, 2 with weights 1/4, 1/2, 1/4: sorted 1, 2, 3 with cumulative 1/2, 3/4, 1;
+    the smallest value whose cumulative weight reaches q (by hand)."""
+    from opd_literate.experiment.quantized import _weighted_quantiles
+
+    out = _weighted_quantiles(np.array([3.0, 1.0, 2.0]), np.array([0.25, 0.5, 0.25]),
+                              np.array([0.4, 0.5, 0.6, 0.75, 0.8, 1.0]))
+    assert out.tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+
+
+def test_token_mismatch_moments_and_quantiles_by_hand():
+    """One state, mu = (0.6, 0.3995, 0.0005), pi = (0.65, 0.25, 0.1): log-ratios r = log(pi /
+    mu) of weights mu; sorted by value r2 < r1 < r3 with cumulative 0.3995, 0.9995, 1, and by
+    |r| the order r1, r2, r3 with cumulative 0.6, 0.9995, 1 (by hand). The two-token docstring
+    example: a two-point distribution of weights p = 0.8, q = 0.2 has kurtosis
+    (1 - 3pq) / (pq) = 3.25 and variance pq (log 4)^2."""
+    mu, pi = np.array([0.6, 0.3995, 0.0005]), np.array([0.65, 0.25, 0.1])
+    r = np.log(pi / mu)
+    out = token_mismatch(np.log([pi]), np.log([mu]), np.ones(1))
+    assert list(out["quantiles"].values()) == pytest.approx([r[1]] * 3 + [r[0]] * 4, rel=1e-12)
+    assert list(out["abs_quantiles"].values()) == pytest.approx(
+        [abs(r[0]), abs(r[1]), abs(r[1])], rel=1e-12)
+    assert out["max_abs_log_ratio"] == pytest.approx(abs(r[2]), rel=1e-12)
+    assert out["mean_abs_log_ratio"] == pytest.approx(mu @ np.abs(r), rel=1e-12)
+    two = token_mismatch(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]), np.ones(1))
+    assert two["kurtosis"] == pytest.approx(3.25, rel=1e-12)
+    assert list(two["abs_quantiles"].values()) == pytest.approx(
+        [np.log(1.6), np.log(2.5), np.log(2.5)], rel=1e-12)
+
+
+def test_token_mismatch_normalizes_rows_within_the_tolerance():
+    """Rows may sum to 1 within 1e-6: here mu = (0.5, 0.5 + 8e-7) and pi = (0.4, 0.6), so the
+    token weights are normalized by their total 1 + 8e-7 (by hand): token 0 has the smaller
+    log-ratio log 0.8 and weight 0.5 / (1 + 8e-7) < 1/2, so the median is token 1's; the mean
+    |log rho| is sum_v mu_v |r_v| / total, the kurtosis the two-point (1 - 3pq) / (pq)."""
+    mu, pi = np.array([0.5, 0.5 + 8e-7]), np.array([0.4, 0.6])
+    r = np.log(pi / mu)
+    out = token_mismatch(np.log([pi]), np.log([mu]), np.ones(1))
+    assert out["quantiles"]["0.5"] == pytest.approx(r[1], rel=1e-12)
+    assert out["mean_abs_log_ratio"] == pytest.approx(mu @ np.abs(r) / mu.sum(), rel=1e-12)
+    p = mu / mu.sum()
+    assert out["kurtosis"] == pytest.approx((1 - 3 * p[0] * p[1]) / (p[0] * p[1]), rel=1e-9)
+
+
+def test_sampler_states_visits_are_divided_by_the_prompts():
+    """Two prompts: each root is reached with probability 1, divided by B = 2 (by hand)."""
+    from opd_literate.experiment.quantized import sampler_states
+
+    torch.manual_seed(0)
+    model = TinyLM(hidden=4, layers=1, embed=4, digits=1)
+    out = sampler_states(model, torch.tensor([[3, 4], [9, 8]]), "int8")
+    roots = out["states"]["position"] == 0
+    assert out["visits"][roots].tolist() == [0.5, 0.5]
+
+
+def test_tinylm_answer_toy_head_features_and_the_teacher():
+    """One prompt: the head score has H + 1 features (the input of the LM head, then 1), its
+    true gradient is autograd of J over [W, c]; with a teacher, the sequence KL is
+    sum_y pi(y) (log pi(y) - log pi_T(y)) with both log-probabilities teacher-forced by
+    TinyLM.logits (an independent path)."""
+    torch.manual_seed(6)
+    model = TinyLM(hidden=4, layers=1, embed=4, digits=1)
+    teacher = TinyLM(hidden=4, layers=1, embed=4, digits=1)
+    pairs = torch.tensor([[3, 4]])
+    toy = tinylm_answer_toy(model, pairs, "int4", teacher=teacher, features="head")
+    assert toy["score"].shape == (len(toy["Y"]), 3, 14, 5)
+    trainer, forced = sampler_copy(model, "float64"), sampler_copy(teacher, "float64")
+    prompts = make_prompts(pairs, digits=1)[torch.from_numpy(toy["prompt"])]
+    Y, mask = torch.from_numpy(toy["Y"]), torch.from_numpy(toy["mask"])
+    log_pi_y = (token_logp(trainer.logits(prompts, Y), Y) * mask).sum(dim=1)
+    log_t_y = (token_logp(forced.logits(prompts, Y), Y) * mask).sum(dim=1)
+    head = trainer.mlp[-1]
+    J = (log_pi_y.exp() * torch.from_numpy(toy["R"])).sum()
+    gw, gb = torch.autograd.grad(J, [head.weight, head.bias])
+    assert np.allclose(toy["true_grad"], torch.cat([gw, gb[:, None]], dim=1).numpy(),
+                       atol=1e-12)
+    kl = float((log_pi_y.exp() * (log_pi_y - log_t_y)).sum().detach())
+    assert toy["kl"] == pytest.approx(kl, rel=1e-10)
+    assert toy["kl_grad"].shape == (14, 5)
