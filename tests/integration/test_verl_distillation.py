@@ -54,15 +54,6 @@ def _verl(student, values, ids, log_prob_min_clamp):
     return verl_fsdp.compute_forward_kl_topk(student, *nested, config, "thd")
 
 
-def test_the_dataclass_defaults_are_the_dataclass_constants():
-    """The dataclass's, not a run's: the trainer's composed config (``topk: 32``, no clamps) is
-    checked in ``test_verl_config.py``."""
-    config = DistillationLossConfig()
-    assert (config.topk, config.log_prob_min_clamp, config.loss_max_clamp) == (
-        clamps.DATACLASS_TOPK, clamps.DATACLASS_LOG_PROB_MIN_CLAMP,
-        clamps.DATACLASS_LOSS_MAX_CLAMP)
-
-
 def test_the_log_probability_clamp_is_applied_only_when_set():
     processor = inspect.getsource(verl_fsdp.compute_forward_kl_topk)
     assert "if loss_config.log_prob_min_clamp is not None:" in processor
