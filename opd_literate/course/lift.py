@@ -351,6 +351,30 @@ def _assert_edits(statements, lines: list[str], offset: int) -> list:
     return edits
 
 
+def _message_only_edits(function, statements, converted) -> list:
+    """The top-level ``name = ...`` statements whose name is read only by the messages that the
+    asserts dropped (a suffix such as ``where``): they go with the messages, not left unused."""
+    if not converted:
+        return []
+    spans = [(first, last) for first, last, _ in converted]
+
+    def dropped(node):  # a line range that one of the converted statements replaced
+        return any(first <= node.lineno and node.end_lineno <= last for first, last in spans)
+
+    read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)
+            and isinstance(n.ctx, ast.Load) and not dropped(n)}
+    edits = []
+    for statement in statements:
+        if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name)
+                and statement.targets[0].id not in read
+                and all(isinstance(n, (ast.Constant, ast.IfExp, ast.Compare, ast.Name,
+                                       ast.JoinedStr, ast.FormattedValue, ast.Load, ast.cmpop))
+                        for n in ast.walk(statement.value))):
+            edits.append((statement.lineno, statement.end_lineno, []))
+    return edits
+
+
 class _Substitute(ast.NodeTransformer):
     """A check's parameters replaced by the arguments of one call, constants folded."""
 
@@ -491,7 +515,9 @@ def _render(definition: _Definition, *, compact: bool = False, whole_docstring: 
                           _summary_docstring(docstring, lines, offset)))
         # every helper's `if ...: raise` (the function's own raises stay: its doctests show them)
         if compact and not whole_docstring and not isinstance(node, ast.ClassDef):
-            edits += _assert_edits(body[1:] if docstring else body, lines, offset)
+            checked = body[1:] if docstring else body
+            converted = _assert_edits(checked, lines, offset)
+            edits += converted + _message_only_edits(node, checked, converted)
         if compact and checks:
             edits += _call_site_edits(node, lines, offset, checks)
     for first, last, replacement in sorted(edits, reverse=True):

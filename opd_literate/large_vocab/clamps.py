@@ -75,10 +75,16 @@ independent roundings; the worst case of a recursive sum is $V \varepsilon$), an
 terms adds $k \varepsilon$ of their size. Hence, for one position and report:
 
 * the value before its clamps counts as negative where it is below
-  $-3 \varepsilon \sum_{v \in S} \bar q_v (1 + |\bar t_v| + |\bar s_v| + \sqrt V + k)
-  (1 + |\bar t_v - \bar s_v|)$, and as capped where it exceeds $M$ by as much;
-* $P > Q$ where $P - Q$ exceeds $\varepsilon \sum_{v \in S} [p_v (|s_v| + \sqrt V + 2 + k) +
-  q_v (|t_v| + \sqrt V + 2 + k)]$;
+
+    $$-3 \varepsilon \sum_{v \in S} \bar q_v (1 + |\bar t_v| + |\bar s_v| + \sqrt V + k)
+    (1 + |\bar t_v - \bar s_v|),$$
+
+    and as capped where it exceeds $M$ by as much;
+* $P > Q$ where $P - Q$ exceeds
+
+    $$\varepsilon \sum_{v \in S} [p_v (|s_v| + \sqrt V + 2 + k) +
+    q_v (|t_v| + \sqrt V + 2 + k)];$$
+
 * the position has no gradient where $\lVert p - q \rVert \le 6 \varepsilon (1 + \sqrt V)$
   (each of $p$ and $q$ is rounded by at most $\varepsilon (\sqrt V / e + \sqrt V + \log V + 3)$
   in norm). There the relative gradient error has no denominator: it is 0 where the estimate is
