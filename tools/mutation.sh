@@ -4,6 +4,9 @@
 #   tools/mutation.sh                      # opd and mismatch.{opd_mismatch,toy,estimators}
 #   tools/mutation.sh mismatch.toy         # only these (dotted below opd_literate)
 #   MUTMUT_CHILDREN=2 tools/mutation.sh    # two test processes at once
+#   MUTMUT_ONLY='x_answer_toy__*' tools/mutation.sh experiment.quantized
+#                                          # only these mutants of it (after new tests: the
+#                                          # others keep their results, the line counts all)
 #
 # A module named in the [tool.opd-mutation] table of pyproject.toml is measured in a copy of the
 # working tree of its own, mutants-runs/MODULE/, whose [tool.mutmut] is narrowed to that module
@@ -75,7 +78,7 @@ for module in "${modules[@]}"; do
     log="$work/mutants/${module}.log"
     start=$(date +%s)
     # Naming the mutants makes mutmut run every one of them again, even when cached.
-    if ! (cd "$work" && nice -n 10 mutmut run --max-children "$children" "opd_literate.${module}.*" \
+    if ! (cd "$work" && nice -n 10 mutmut run --max-children "$children" "opd_literate.${module}.${MUTMUT_ONLY:-*}" \
             > "$log" 2>&1); then
         echo "mutmut failed on ${module}; see $log" >&2
         exit 1
