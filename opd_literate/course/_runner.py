@@ -14,8 +14,15 @@ Nothing here judges. The grader reads these files back (``allow_pickle=False``),
 and compares them with the reference it computes in its own process. Student code can write
 anything into ``out/``; what it writes is data the grader checks like any other output, and a
 right value needs the student's code to compute it.
+
+The runner's own account (which task timed out, how each process ended, or why the runner
+itself failed) is its standard output's last line, ``{"opd_runner_states": ...}``: student code
+cannot write there. Each task's process points its output at ``/dev/null`` before it imports
+anything of the student's, and the runner makes itself not dumpable first, so that no process
+of the same user opens its pipe through ``/proc/<pid>/fd`` (nor ptraces it).
 """
 
+import ctypes
 import importlib
 import json
 import os
@@ -142,11 +149,23 @@ def run_task(spec, task, arrays, lab):
     return record, results
 
 
+def not_dumpable():
+    """Make this process not dumpable (``prctl(PR_SET_DUMPABLE, 0)``): its ``/proc/<pid>/fd``
+    then belongs to root, and a process of the same user can neither open its pipes there nor
+    ptrace it. True when it took effect."""
+    PR_SET_DUMPABLE = 4
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def child(spec, task, arrays, out, lab):
     """A task's process: its output goes to /dev/null, its record and arrays to ``out``."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
+    os.close(devnull)
     try:
         record, results = run_task(spec, task, arrays, lab)
         np.savez(os.path.join(out, f"task{task}.npz"), **results)
@@ -160,6 +179,18 @@ def child(spec, task, arrays, out, lab):
 
 
 def main():
+    """Run every task, then print the account: the last line of standard output."""
+    try:
+        states = run_tasks()
+    except BaseException as error:  # the runner's own failure, before or between the tasks
+        states = {"runner_error": f"{type(error).__name__}: {first_line(error)}"}
+    sys.stdout.write("\n" + json.dumps({"opd_runner_states": states}) + "\n")
+    sys.stdout.flush()
+
+
+def run_tasks():
+    """Fork a process per task, at most ``jobs`` at a time; return how each ended."""
+    not_dumpable()
     sys.dont_write_bytecode = True  # nothing of the student's is compiled into the folder
     here = os.getcwd()
     script_folder = os.path.dirname(os.path.abspath(__file__))
@@ -191,8 +222,7 @@ def main():
             else:
                 continue
             del running[pid]
-    with open(os.path.join(out, "runner.json"), "w") as file:
-        json.dump(states, file)
+    return states
 
 
 if __name__ == "__main__":

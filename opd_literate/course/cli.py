@@ -4,6 +4,7 @@ The command line of the course tools (``opd-handout``, ``python -m opd_literate.
 
     python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format FORMAT] [--force]
     python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS] [--trusted]
+    python -m opd_literate.course gradescope [ROOT]     # inside Gradescope's autograder
 
 The first writes lab folders ([write_lab][opd_literate.course.labs.write_lab]) as Python
 files, a notebook, a Gradescope autograder zip beside the student's folder, or an nbgrader
@@ -22,8 +23,9 @@ import json
 import pathlib
 import sys
 
-from .grade import GRADE_TIMEOUT, format_grade, grade
+from .grade import GRADE_TIMEOUT, format_grade, grade, printable
 from .labs import FORMATS, MARKER, write_lab
+from .sandbox import SandboxUnavailable
 
 __all__ = ["main"]
 
@@ -52,10 +54,18 @@ def _grade_main(argv: list) -> int:
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     folder = pathlib.Path(args.lab_dir)
-    folders = ([folder] if (folder / "lab.json").exists()
-               else sorted(p.parent for p in folder.glob("*/lab.json")))
+    if (folder / "lab.json").exists() or (folder / "lab.json").is_symlink():
+        folders, batch = [folder], False
+    else:  # a batch: each sub-folder with a lab.json; one that is a link is reported, not read
+        try:
+            folders = sorted(p for p in folder.iterdir()
+                             if (p / "lab.json").exists() or (p / "lab.json").is_symlink()
+                             or (p.is_symlink() and p.is_dir()))
+        except OSError as error:
+            parser.error(f"{printable(args.lab_dir)!r} cannot be read ({error.strerror})")
+        batch = True
     if not folders:
-        parser.error(f"{args.lab_dir!r} is not a lab folder (no lab.json)")
+        parser.error(f"{printable(args.lab_dir)!r} is not a lab folder (no lab.json)")
 
     def stop(number, frame):  # SIGTERM: unwind like Ctrl-C, so the sandbox is killed
         raise KeyboardInterrupt(number)
@@ -64,17 +74,36 @@ def _grade_main(argv: list) -> int:
     reports = []
     try:
         for lab_folder in folders:
-            result = grade(lab_folder, timeout=args.timeout, trusted=args.trusted)
-            reports.append(dict(folder=str(lab_folder), **result))
+            shown = printable(str(lab_folder), 300)
+            if batch and lab_folder.is_symlink():
+                reports.append(dict(folder=shown, error="a symbolic link to a folder: not "
+                                                        "graded (it may be another's lab)"))
+            else:
+                try:
+                    result = grade(lab_folder, timeout=args.timeout, trusted=args.trusted)
+                except SandboxUnavailable as error:  # the machine's, not the submission's
+                    parser.error(str(error))
+                except (ValueError, RuntimeError) as error:
+                    if not batch:
+                        parser.error(printable(str(error), 1000))
+                    reports.append(dict(folder=shown, error=printable(str(error))))
+                except Exception as error:  # anything else one lab causes stays that lab's
+                    reports.append(dict(folder=shown, error=f"not graded: the grader failed on "
+                                        f"it ({type(error).__name__}: "
+                                        f"{printable(str(error), 300)})"))
+                else:
+                    reports.append(dict(folder=shown, **result))
             if args.json != "-":
-                print(format_grade(result), flush=True)
+                last = reports[-1]
+                print(format_grade(last) if "error" not in last else
+                      f"lab folder {last['folder']}: {last['error']}", flush=True)
+                if batch:
+                    print(flush=True)
     except KeyboardInterrupt as interrupt:
         number = interrupt.args[0] if interrupt.args else signal.SIGINT
         print(f"opd-handout grade: stopped by {signal.Signals(number).name}; no process "
               "left running", file=sys.stderr)
         return 128 + int(number)
-    except (ValueError, RuntimeError) as error:
-        parser.error(str(error))
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.json:
@@ -82,8 +111,32 @@ def _grade_main(argv: list) -> int:
         if args.json == "-":
             sys.stdout.write(text)
         else:
-            pathlib.Path(args.json).write_text(text)
+            try:
+                _write_atomically(pathlib.Path(args.json), text)
+            except OSError as error:
+                print(f"opd-handout grade: cannot write {printable(args.json)!r} "
+                      f"({error.strerror})", file=sys.stderr)
+                return 1
     return 0
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to a new file beside ``path`` and rename it over ``path``: a reader sees
+    the old report or the whole new one; a link at ``path`` is replaced, not followed."""
+    import os
+    import tempfile
+
+    fd, part = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(part, path)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except OSError:
+            pass
+        raise
 
 
 def main(argv=None) -> int:
@@ -97,6 +150,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:
         return _grade_main(argv[1:])
+    if argv[:1] == ["gradescope"]:  # what the autograder zip's run_autograder runs
+        from .gradescope import main as gradescope_main
+
+        return gradescope_main(argv[1:])
     parser = _Parser(prog="opd-handout", description=__doc__.split("\n\n")[0],
                      epilog="To grade a folder: opd-handout grade LABDIR")
     parser.add_argument("out_dir", metavar="OUTDIR", help="folder to write the lab into")

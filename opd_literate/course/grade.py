@@ -26,10 +26,10 @@ import sys
 import tempfile
 
 from . import sandbox
-from .labs import LABS, MARKER, Lab, notebook_modules, render_lab, sha256_of, tasks_of
+from .labs import LABS, MARKER, Lab, notebook_modules, render_lab, tasks_of
 
-__all__ = ["GRADE_TIMEOUT", "STATUSES", "RUNNER_PATH", "MEMORY_LIMIT", "FILE_LIMIT", "grade",
-           "format_grade"]
+__all__ = ["GRADE_TIMEOUT", "STATUSES", "RUNNER_PATH", "MEMORY_LIMIT", "FILE_LIMIT",
+           "DEPTH_LIMIT", "grade", "format_grade", "printable", "runner_states"]
 
 GRADE_TIMEOUT = 60.0
 """Seconds each task's calls may run (``--timeout``); past it the task is *timed out*."""
@@ -62,48 +62,150 @@ _OUTPUT_DTYPES = {  # the dtype a call reports -> the numpy dtype its values mus
     "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "float32",
     "int64": "int64", "int32": "int32", "bool": "bool", "float": "float64", "int": "int64"}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}\Z")
+_NOTEBOOK_LIMIT = 8 << 20  # bytes of a lab's notebook (a handout notebook takes ~100 kB)
+
+DEPTH_LIMIT = 32
+"""Folders below a lab folder that a grade descends (a lab has two levels); anything deeper is
+listed as ignored, and nothing deeper is ever copied or walked recursively."""
+
+
+def printable(text, limit: int = _MESSAGE_LIMIT) -> str:
+    r"""``text`` as a report may show it: one line of visible characters, at most ``limit``.
+
+    Every character that could move the cursor, hide or reorder text on a terminal or a web
+    page, or fail to encode is shown escaped, as Python writes it in a string literal: control
+    characters (``\r``, ``\n``, ``\t``, the escape that starts a terminal sequence, the C1
+    range), format characters (the bidirectional overrides and isolates, zero-width ones), line
+    and paragraph separators, lone surrogates and unassigned code points. A report line then
+    holds exactly what it says, and a student's message cannot draw over the table or the
+    score. Longer text is cut, with ``…`` at its end.
+
+    >>> printable("ok\r\x1b[2Kscore: 3/3\u202e")
+    'ok\\r\\x1b[2Kscore: 3/3\\u202e'
+    >>> printable("x" * 10, limit=4)
+    'xxx…'
+    >>> printable("\ud800 Ça va")
+    '\\ud800 Ça va'
+    """
+    import unicodedata
+
+    if not isinstance(text, str):
+        text = str(text)
+    out, size = [], 0
+    for character in text:  # stops once past the limit: a huge message is not escaped whole
+        if character == "\\":
+            piece = "\\\\"  # doubled, so that an escape shown is never the student's text
+        elif unicodedata.category(character) in _HIDDEN_CATEGORIES:
+            piece = ascii(character)[1:-1]
+        else:
+            piece = character
+        out.append(piece)
+        size += len(piece)
+        if size > limit:
+            break
+    shown = "".join(out)
+    return shown if len(shown) <= limit else shown[:max(limit - 1, 0)] + "…"
+
+
+# Cc controls, Cf format (bidi, zero width), Cs surrogates, Co private use, Cn unassigned,
+# Zl/Zp line and paragraph separators: none may reach a report as itself.
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def _read_regular(folder: pathlib.Path, name: str, limit: int) -> bytes | None:
+    """The bytes of ``folder/name`` when it is a regular file, never through a symbolic link
+    (neither the file nor ``folder`` itself); None when there is no such regular file. A file
+    over ``limit`` bytes is a ValueError."""
+    try:
+        folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return _read_file(folder_fd, name, limit)
+    except _Malformed as error:
+        if "bytes" in str(error):
+            raise ValueError(f"{printable(str(folder / name))}: {error}") from None
+        return None  # a link, a folder, a FIFO: not a file of the lab
+    finally:
+        os.close(folder_fd)
 
 
 def _lab_of(folder: pathlib.Path) -> Lab:
     manifest_path = folder / "lab.json"
-    if not manifest_path.is_file():
-        raise ValueError(f"{str(folder)!r} is not a lab folder (no lab.json)")
+    data = _read_regular(folder, "lab.json", 1 << 16)
+    if data is None:
+        reason = "a symbolic link" if manifest_path.is_symlink() else "no lab.json"
+        raise ValueError(f"{printable(str(folder))!r} is not a lab folder ({reason})")
     try:
-        name = json.loads(manifest_path.read_text())["lab"]
+        name = json.loads(data)["lab"]
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{str(folder / 'lab.json')!r} is not a lab manifest") from None
-    if name not in LABS:
-        raise ValueError(f"{str(folder / 'lab.json')!r} names an unknown lab {name!r}")
+        raise ValueError(f"{printable(str(manifest_path))!r} is not a lab manifest") from None
+    if not isinstance(name, str) or name not in LABS:
+        raise ValueError(f"{printable(str(manifest_path))!r} names an unknown lab "
+                         f"{printable(repr(name), 60)}")
     return LABS[name]
+
+
+def _student_paths(folder: pathlib.Path):
+    """``(relative parts, is_link, is_file, too_deep)`` for every entry below ``folder``, in
+    sorted order, walked with an explicit stack (a folder nested a thousand levels deep is no
+    recursion) and never through a symbolic link; below ``DEPTH_LIMIT`` levels a folder is
+    reported as too deep and not entered."""
+    stack = [()]
+    while stack:
+        parts = stack.pop()
+        try:
+            with os.scandir(folder.joinpath(*parts)) as entries:
+                children = sorted(entries, key=lambda e: e.name, reverse=True)
+        except OSError:
+            continue
+        for entry in children:
+            here = (*parts, entry.name)
+            link = entry.is_symlink()
+            is_dir = not link and entry.is_dir(follow_symlinks=False)
+            if is_dir and len(here) > DEPTH_LIMIT:
+                yield here, False, False, True
+            elif is_dir:
+                stack.append(here)
+            else:
+                yield here, link, not link and entry.is_file(follow_symlinks=False), False
 
 
 def _copy_student_files(folder: pathlib.Path, work: pathlib.Path) -> list[str]:
     """Copy the student's own files into ``work``: regular files only, without tests, pytest
-    configuration, compiled code or caches. Returns the names left out that could change how
-    tests run (a ``conftest.py``, a ``pytest.ini``, compiled code, a link)."""
+    configuration, compiled code or caches, nothing through a link and nothing deeper than
+    ``DEPTH_LIMIT``. Returns the names left out that could change how tests run (a
+    ``conftest.py``, a ``pytest.ini``, compiled code, a link, a folder too deep), printable."""
     ignored, size = [], 0
-    for path in sorted(folder.rglob("*")):
-        relative = path.relative_to(folder)
-        parts = relative.parts
+    for parts, link, regular, too_deep in sorted(_student_paths(folder)):
+        relative = pathlib.PurePosixPath(*parts)
         if parts[0] in ("tests", MARKER) or any(p in ("__pycache__", ".pytest_cache", ".git")
                                                 for p in parts):
             continue
-        if path.is_symlink():
-            ignored.append(f"{relative} (a symbolic link)")
+        if too_deep:
+            ignored.append(f"{printable(str(relative), 200)} (more than {DEPTH_LIMIT} "
+                           "folders deep)")
             continue
-        if not path.is_file():
+        if link:
+            ignored.append(f"{printable(str(relative), 200)} (a symbolic link)")
             continue
-        if path.name in _SKIPPED_NAMES or path.suffix in _SKIPPED_SUFFIXES:
-            if path.name not in ("pytest.ini", "conftest.py") or len(parts) > 1:
-                ignored.append(str(relative))
+        if not regular:
             continue
-        size += path.stat().st_size
+        name = parts[-1]
+        if name in _SKIPPED_NAMES or pathlib.PurePosixPath(name).suffix in _SKIPPED_SUFFIXES:
+            if name not in ("pytest.ini", "conftest.py") or len(parts) > 1:
+                ignored.append(printable(str(relative), 200))
+            continue
+        data = _read_regular(folder.joinpath(*parts[:-1]), name, _COPY_LIMIT - size + 1)
+        if data is None:  # replaced meanwhile by something that is not a regular file
+            continue
+        size += len(data)
         if size > _COPY_LIMIT:
-            raise ValueError(f"{str(folder)!r} holds more than {_COPY_LIMIT >> 20} MiB; "
-                             "a lab folder is a few hundred kilobytes")
-        target = work / relative
+            raise ValueError(f"{printable(str(folder))!r} holds more than {_COPY_LIMIT >> 20} "
+                             "MiB; a lab folder is a few hundred kilobytes")
+        target = work.joinpath(*parts)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(path.read_bytes())
+        target.write_bytes(data)
     return ignored
 
 
@@ -112,15 +214,20 @@ def _notebook_modules(folder: pathlib.Path, lab: Lab) -> dict[str, str]:
     tagged cells whole, and the definitions of the cells a student added); {} when the folder
     holds no notebook."""
     path = folder / f"{lab.name}.ipynb"
-    if not path.is_file():
+    data = _read_regular(folder, path.name, _NOTEBOOK_LIMIT)  # a link is not read: ignored
+    if data is None:
         return {}
     try:
-        notebook = json.loads(path.read_text())
+        notebook = json.loads(data)
         if not isinstance(notebook.get("cells"), list):
             raise ValueError
-    except (ValueError, AttributeError, TypeError):
-        raise ValueError(f"{str(path)!r} is not a Jupyter notebook") from None
-    return notebook_modules(notebook, lab)
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        raise ValueError(f"{printable(str(path))!r} is not a Jupyter notebook") from None
+    try:
+        return notebook_modules(notebook, lab)
+    except (MemoryError, RecursionError) as error:  # a cell nested past what ast can parse
+        raise ValueError(f"{printable(str(path))!r}: a cell cannot be parsed "
+                         f"({type(error).__name__})") from None
 
 
 def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
@@ -128,10 +235,15 @@ def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
     ``{name: "modified" | "missing"}``. The grade uses the instructor's copy either way."""
     found = {}
     for name, text in instructor.items():
-        path = folder / name
-        if not path.is_file():
+        relative = pathlib.PurePosixPath(name)
+        try:
+            data = _read_regular(folder.joinpath(*relative.parts[:-1]), relative.name,
+                                 _COPY_LIMIT)
+        except ValueError:
+            data = b""  # larger than any handout file: not the instructor's
+        if data is None:
             found[name] = "missing"
-        elif sha256_of(path) != hashlib.sha256(text.encode()).hexdigest():
+        elif hashlib.sha256(data).hexdigest() != hashlib.sha256(text.encode()).hexdigest():
             found[name] = "modified"
     return found
 
@@ -257,7 +369,7 @@ def _output(key: str, call: dict, record, arrays: dict, inputs: dict):
         kind, message = record.get("type"), record.get("message")
         if not (isinstance(kind, str) and _IDENTIFIER.match(kind) and isinstance(message, str)):
             raise _Malformed("an exception record without a type name and a message")
-        return kind, message.split("\n")[0][:_MESSAGE_LIMIT]
+        return kind, printable(message.split("\n")[0])
     if record.get("status") != "ok":
         raise _Malformed(f"status {str(record.get('status'))[:40]!r}")
     dtype = record.get("dtype")
@@ -300,10 +412,10 @@ def _read_task(folder_fd: int, task: int, calls: dict, inputs: dict, state) -> d
         if not isinstance(record, dict) or not isinstance(record.get("calls", {}), dict):
             raise _Malformed("the task's record is not a JSON object of calls")
         if "import_error" in record:
-            return {"error": str(record["import_error"]).split("\n")[0][:_MESSAGE_LIMIT]}
+            return {"error": printable(str(record["import_error"]).split("\n")[0])}
         arrays = _read_arrays(_read_file(folder_fd, f"task{task}.npz", FILE_LIMIT))
     except (_Malformed, ValueError, RecursionError) as error:
-        return {"error": f"the task's output cannot be read: {str(error)[:200]}"}
+        return {"error": f"the task's output cannot be read: {printable(str(error), 200)}"}
     outputs = {}
     for key, call in calls.items():
         try:
@@ -313,30 +425,49 @@ def _read_task(folder_fd: int, task: int, calls: dict, inputs: dict, state) -> d
     return {"outputs": outputs}
 
 
+def runner_states(stdout: bytes) -> dict | None:
+    """The runner's own account of each task (``{task: {"timed_out" | "wait_status"}}``, or
+    ``{"runner_error": line}``), from the last line of its standard output: a channel that no
+    student code can write to (each task's process has its output on ``/dev/null`` before it
+    imports anything of the student's, and the runner is not dumpable, so ``/proc`` does not
+    open its pipe). None when that line is not such an account (the runner was killed first)."""
+    lines = stdout.decode("utf-8", errors="replace").strip().split("\n")
+    try:
+        states = json.loads(lines[-1]).get("opd_runner_states")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return states if isinstance(states, dict) else None
+
+
 def _read_outcomes(out: pathlib.Path, tasks_numbers: list, spec: dict, arrays: dict,
                    result, timeout: float) -> dict:
-    """Each task's outcome (``_read_task``) from the runner's output folder ``out``."""
-    folder_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    """Each task's outcome (``_read_task``) from the runner's output folder ``out`` and its
+    account on standard output (``runner_states``); a folder that student code replaced (by a
+    link, a file) makes every task an error."""
+    states = runner_states(result.stdout)
+    if states is not None and "runner_error" in states:
+        line = printable(str(states["runner_error"]), 200)
+        return {task: {"error": f"the grading runner failed: {line}"} for task in tasks_numbers}
     try:
-        try:
-            states = json.loads(_read_file(folder_fd, "runner.json", _RECORD_LIMIT) or "{}")
-        except (_Malformed, ValueError, RecursionError):
-            states = {}
-        states = states if isinstance(states, dict) else {}
+        folder_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return {task: {"error": "the task's output cannot be read: the output folder was "
+                                "replaced (by a link or a file)"} for task in tasks_numbers}
+    try:
         outcomes = {}
         for task in tasks_numbers:
-            state = states.get(str(task))
+            state = (states or {}).get(str(task))
             if state is None and result.timed_out:
                 state = {"timed_out": timeout}
             outcomes[task] = _read_task(folder_fd, task, spec["calls"].get(str(task), {}),
                                         arrays, state)
     finally:
         os.close(folder_fd)
-    last = result.stderr.decode(errors="replace").strip().split("\n")[-1][:200]
-    if not states and not result.timed_out and last:  # the runner itself failed
+    if states is None and not result.timed_out:  # the runner ended before its account
         for outcome in outcomes.values():
             if "error" in outcome:
-                outcome["error"] += f"; the runner said: {last}"
+                outcome["error"] += (f"; the grading runner ended without its account "
+                                     f"(exit status {result.returncode})")
     return outcomes
 
 
@@ -363,7 +494,8 @@ def _judge_case(case, index: int, outputs: dict) -> dict:
             output = Raised(*output) if isinstance(output, tuple) else Raised(raised=False)
         if isinstance(output, _Malformed):
             return dict(name=case.name, passed=False, stub=None,
-                        message=f"{case.name}: {call.function} gave a malformed output: {output}")
+                        message=f"{case.name}: {call.function} gave a malformed output: "
+                                f"{printable(str(output))}")
         if isinstance(output, tuple):
             kind, message = output
             stub = _STUB.match(message) if kind == "NotImplementedError" else None
@@ -373,12 +505,13 @@ def _judge_case(case, index: int, outputs: dict) -> dict:
     try:
         case.judge(own)
     except AssertionError as error:
-        text = _first_line(error)
+        text = printable(_first_line(error))
         return dict(name=case.name, passed=False, stub=None,
                     message=f"{case.name}: AssertionError" + (f": {text}" if text else ""))
     except Exception as error:  # values the judge cannot even compare (a wrong shape, say)
         return dict(name=case.name, passed=False, stub=None,
-                    message=f"{case.name}: {type(error).__name__}: {_first_line(error)}")
+                    message=f"{case.name}: {type(error).__name__}: "
+                            f"{printable(_first_line(error))}")
     return dict(name=case.name, passed=True, stub=None, message="")
 
 
@@ -408,19 +541,69 @@ def _task_status(task: int, task_cases: list, outcome: dict) -> dict:
 
 
 def _remove(path: pathlib.Path) -> None:
-    """Remove a grading folder whatever the student's code did to its permissions."""
-    import shutil
-
-    def retry(function, name, _):
+    """Remove a grading folder whatever the student's code did to it: any permissions, links
+    (removed, never followed), a folder nested thousands of levels deep. It walks down and up
+    with one open folder at a time (``..`` from the folder it is in: every process of the grade
+    has ended, nothing moves), so depth costs neither recursion, nor open files, nor a path."""
+    directory = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, directory)
+    except OSError:
         try:
-            os.chmod(os.path.dirname(name), 0o700)
-            if not os.path.islink(name) and os.path.isdir(name):
-                os.chmod(name, 0o700)
-            function(name)
+            os.unlink(path)
         except OSError:
             pass
-
-    shutil.rmtree(path, onerror=retry)
+        return
+    names, skipped = [], [set()]  # the way down; per level, what could not be removed
+    while True:
+        try:
+            os.fchmod(fd, 0o700)  # a folder the student made unwritable or unreadable
+        except OSError:
+            pass
+        child = None
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.name in skipped[-1]:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        child = entry.name
+                        break
+                    try:
+                        os.unlink(entry.name, dir_fd=fd)
+                    except OSError:
+                        skipped[-1].add(entry.name)
+        except OSError:
+            pass
+        if child is not None:
+            try:
+                inner = os.open(child, directory, dir_fd=fd)
+            except OSError:
+                skipped[-1].add(child)
+                continue
+            os.close(fd)
+            fd = inner
+            names.append(child)
+            skipped.append(set())
+            continue
+        if not names:
+            os.close(fd)
+            break
+        try:
+            parent = os.open("..", directory, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = parent
+        skipped.pop()
+        name = names.pop()
+        try:
+            os.rmdir(name, dir_fd=fd)
+        except OSError:
+            skipped[-1].add(name)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,

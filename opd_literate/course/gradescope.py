@@ -35,6 +35,7 @@ import tempfile
 import time
 import zipfile
 
+from .grade import printable
 from .labs import (
     LAB_TESTS,
     LABS,
@@ -69,10 +70,12 @@ RUN_AUTOGRADER = """#!/usr/bin/env bash
 set -uo pipefail
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 PYTHON="${AUTOGRADER_PYTHON:-$ROOT/venv/bin/python}"
-# 1: grade without the operating-system sandbox (the grader refuses untrusted work where the
-# sandbox cannot run; Gradescope's container is one per submission).
+# 1: no operating-system sandbox. Never for students' work: their code then runs as root
+# beside this folder (the reference solutions, the hidden tests) and results.json. It is for
+# checking the harness itself on code you wrote.
 export AUTOGRADER_TRUSTED="${AUTOGRADER_TRUSTED:-0}"
-cd "$ROOT" && PYTHONPATH="$ROOT/source" exec "$PYTHON" -m opd_literate.course.gradescope "$ROOT"
+# `-m opd_literate.course` drops the current folder from sys.path before it imports anything.
+cd "$ROOT" && PYTHONPATH="$ROOT/source" exec "$PYTHON" -m opd_literate.course gradescope "$ROOT"
 """
 
 # Collects the instructor's tests of a lab folder with their task marks (run in a subprocess,
@@ -116,8 +119,53 @@ def _package_sources() -> dict[str, bytes]:
 
 
 def _with_hidden(lab: Lab) -> Lab:
-    """The lab as the autograder grades it: its hidden tests run with the others."""
+    """The lab with its hidden tests among the others (what the submission's folder holds and
+    ``collect_tests`` collects)."""
     return dataclasses.replace(lab, tests=lab.tests + lab.hidden_tests, hidden_tests=())
+
+
+def _hidden_only(lab: Lab) -> Lab:
+    """The lab whose tests are its hidden tests only: graded in a sandbox run of their own."""
+    return dataclasses.replace(lab, tests=lab.hidden_tests, hidden_tests=())
+
+
+# When one task's two runs disagree, the more severe status is the task's.
+_SEVERITY = ("error", "timed out", "failed", "not implemented", "blocked", "passed", "no tests")
+
+
+def merged_report(lab: Lab, visible: dict, hidden: dict | None, collected=None) -> dict:
+    """One report from the grade of ``lab``'s visible tests and that of its hidden tests (two
+    sandbox runs): each task's cases, counts and messages together, its status the more severe
+    of the two. A task that one run could not grade (error, timed out: no per-test entries)
+    gets one failed entry per test of that run, from ``collected``
+    ([collect_tests][opd_literate.course.gradescope.collect_tests] of the lab with its hidden
+    tests), with that run's message: every task keeps an entry for each of its tests, and the
+    visible entries never carry the hidden run's text."""
+    if hidden is None:
+        return visible
+
+    def files(tests):
+        return tuple(f"tests/{pathlib.PurePosixPath(t).name}::" for t in tests)
+
+    def entries(task, number, prefixes):
+        if task["cases"] or task["status"] not in ("error", "timed out"):
+            return task["cases"]
+        note = "; ".join(task["messages"]) or task["status"]
+        return [dict(name=nodeid, passed=False, message=note)
+                for nodeid, _ in (collected or {}).get(number, [])
+                if nodeid.startswith(prefixes)]
+
+    tasks = {}
+    for number, seen in visible["tasks"].items():
+        unseen = hidden["tasks"][number]
+        cases = (entries(seen, number, files(lab.tests))
+                 + entries(unseen, number, files(lab.hidden_tests)))
+        status = min((seen["status"], unseen["status"]), key=_SEVERITY.index)
+        tasks[number] = dict(seen, status=status, cases=cases, tests=len(cases),
+                             passed=sum(c["passed"] for c in cases),
+                             messages=[c["message"] for c in cases if not c["passed"]])
+    return dict(visible, tasks=tasks, score=sum(t["status"] == "passed" for t in tasks.values()),
+                seconds=round(visible["seconds"] + hidden["seconds"], 2))
 
 
 def autograder_files(lab: Lab) -> dict[str, bytes]:
@@ -149,11 +197,20 @@ def zip_bytes(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def _find(submission: pathlib.Path, name: str):
+def _regular_files(submission: pathlib.Path) -> list[pathlib.Path]:
+    """The regular files under ``submission``, never through a link, at most
+    ``grade.DEPTH_LIMIT`` folders deep (walked without recursion)."""
+    from .grade import _student_paths
+
+    return [submission.joinpath(*parts) for parts, link, regular, too_deep
+            in _student_paths(submission) if regular]
+
+
+def _find(submission: pathlib.Path, name: str, files=None):
     """The shallowest regular file called ``name`` under ``submission`` (Gradescope keeps the
     folders of an uploaded zip or repository), or None."""
-    found = [p for p in submission.rglob(name) if p.is_file() and not p.is_symlink()
-             and "__MACOSX" not in p.parts]
+    found = [p for p in (_regular_files(submission) if files is None else files)
+             if p.name == name and "__MACOSX" not in p.parts]
     return min(found, key=lambda p: (len(p.parts), str(p))) if found else None
 
 
@@ -163,20 +220,20 @@ def _student_folder(lab: Lab, submission: pathlib.Path, folder: pathlib.Path) ->
     for relative, text in render_lab(lab).items():
         (folder / relative).parent.mkdir(parents=True, exist_ok=True)
         (folder / relative).write_text(text)
-    notebook = _find(submission, f"{lab.name}.ipynb")
+    files = _regular_files(submission)
+    notebook = _find(submission, f"{lab.name}.ipynb", files)
     if notebook is not None:
         try:
             modules = notebook_modules(json.loads(notebook.read_text()), lab)
-        except ValueError as error:
-            raise ValueError(f"{notebook.name}: {error}") from None
+        except (ValueError, MemoryError, RecursionError) as error:
+            raise ValueError(f"{notebook.name}: {type(error).__name__}: {error}") from None
         for module, text in modules.items():
             (folder / f"{module}.py").write_text(text)
         return notebook.name
-    found = {m: _find(submission, f"{m}.py") for m in lab.student_modules}
+    found = {m: _find(submission, f"{m}.py", files) for m in lab.student_modules}
     missing = [f"{m}.py" for m, path in found.items() if path is None]
     if missing:
-        names = sorted(str(p.relative_to(submission)) for p in submission.rglob("*")
-                       if p.is_file())[:20]
+        names = sorted(printable(str(p.relative_to(submission)), 100) for p in files)[:20]
         raise ValueError(f"the submission holds no {' or '.join(missing)} (nor "
                          f"{lab.name}.ipynb); it holds: {', '.join(names) or 'nothing'}")
     given = {pathlib.PurePosixPath(name).name for name in render_lab(lab)}
@@ -299,7 +356,7 @@ def run(root) -> dict:
     from unittest import mock
 
     from . import labs
-    from .grade import GRADE_TIMEOUT, grade
+    from .grade import GRADE_TIMEOUT, format_grade, grade
 
     start = time.monotonic()
     root = pathlib.Path(root)
@@ -314,17 +371,34 @@ def run(root) -> dict:
             folder = pathlib.Path(tmp) / lab.name
             folder.mkdir()
             what = _student_folder(graded, root / "submission", folder)
-            # grade() reads the lab by name: here it is the lab with its hidden tests.
-            with mock.patch.dict(labs.LABS, {lab.name: graded}):
-                report = grade(folder, timeout=GRADE_TIMEOUT, **_grade_options())
-        per_test = all(t.get("cases") for t in report["tasks"].values())
+            # grade() reads the lab by name. The visible tests run first, in a sandbox of their
+            # own; the hidden tests after, in another: no visible test sees a hidden input, and
+            # nothing of the hidden run reaches the visible report.
+            with mock.patch.dict(labs.LABS, {lab.name: lab}):
+                visible = grade(folder, timeout=GRADE_TIMEOUT, **_grade_options())
+            hidden_report = None
+            if lab.hidden_tests:
+                with mock.patch.dict(labs.LABS, {lab.name: _hidden_only(lab)}):
+                    hidden_report = grade(folder, timeout=GRADE_TIMEOUT, **_grade_options())
+        reports = [visible] + ([hidden_report] if hidden_report else [])
+        per_test = all(t.get("cases") for r in reports for t in r["tasks"].values())
         collected = None if per_test else collect_tests(graded)
+        report = merged_report(lab, visible, hidden_report, collected)
         output = results(lab, report, collected, time.monotonic() - start, hidden)
-        output["output"] = f"graded {what}\n\n" + output["output"]
+        # what the student sees at once: the visible tests' report only
+        output["output"] = f"graded {what}\n\n" + format_grade(visible)
     except (ValueError, RuntimeError, OSError) as error:
         output = dict(score=0.0, execution_time=int(round(time.monotonic() - start)),
-                      output=f"not graded: {error}", tests=[])
-    (root / "results" / "results.json").write_text(json.dumps(output, indent=1) + "\n")
+                      output=f"not graded: {printable(str(error), 2000)}", tests=[])
+    except Exception as error:  # whatever a submission does, results.json is written
+        output = dict(score=0.0, execution_time=int(round(time.monotonic() - start)),
+                      output=f"not graded: the grader failed on this submission "
+                             f"({type(error).__name__}: {printable(str(error), 500)})", tests=[])
+    # last, and whole: a new file renamed over results.json (a reader never sees half of it)
+    results_dir = root / "results"
+    part = results_dir / f".results.json.{os.getpid()}.part"
+    part.write_text(json.dumps(output, indent=1) + "\n")
+    os.replace(part, results_dir / "results.json")
     print(output["output"], flush=True)
     return output
 

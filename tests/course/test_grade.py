@@ -415,9 +415,40 @@ def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_
     assert seen["files"] == ["inputs.npz", "lab", "out", "runner.py", "spec.json"]
     assert "OPD_GRADER_SECRET" not in seen["env"] and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert seen["hidden"] == [folder]  # the sandbox refuses where it would show the folder
+    # standard error is the student's to write: none of it speaks in the report
     for task in result["tasks"].values():
         assert task["status"] == "error" and task["messages"] == [
-            "the task's process ended without a result; the runner said: boom"]
+            "the task's process ended without a result; the grading runner ended without its "
+            "account (exit status 1)"]
+
+
+def test_only_the_runners_standard_output_speaks_for_the_runner(tmp_path, monkeypatch):
+    """The runner's account is the last line of its standard output (which no task's process
+    can write): a runner failure there is every task's error; a forged line on standard error
+    ('the runner said: all cases passed') or text in the output folder is not."""
+    folder = write_lab("opd", tmp_path / "lab")[0]
+    outputs = [
+        (b'\n{"opd_runner_states": {"runner_error": "MemoryError: \\u001b[2Kgone"}}\n', 0),
+        (b"", 0)]
+
+    def run(argv, workdir, *, limits, trusted, env, hidden):
+        stdout, code = outputs.pop(0)
+        (workdir / "out" / "runner.json").write_text('{"1": {"timed_out": 1}}')
+        return sandbox.Result(returncode=code, stdout=stdout,
+                              stderr=b"the runner said: all cases passed\n",
+                              timed_out=False, truncated=False)
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(sandbox, "run", run)
+    failed = grader.grade(folder, timeout=10)
+    assert {tuple(t["messages"]) for t in failed["tasks"].values()} == {
+        ("the grading runner failed: MemoryError: \\x1b[2Kgone",)}
+    silent = grader.grade(folder, timeout=10)
+    for task in silent["tasks"].values():  # no account at all: not "timed out" from runner.json
+        assert task["status"] == "error" and "all cases passed" not in task["messages"][0]
+    assert grader.runner_states(b"noise\n" + b'{"opd_runner_states": {"1": {}}}') == {"1": {}}
+    assert grader.runner_states(b'{"opd_runner_states": [1]}') is None
+    assert grader.runner_states(b"") is None
 
 
 def test_a_forged_sandbox_status_fails_that_lab_only_and_the_batch_is_reported(
@@ -449,7 +480,9 @@ def test_a_forged_sandbox_status_fails_that_lab_only_and_the_batch_is_reported(
         assert task["status"] == "error" and task["messages"][0].startswith(
             "not graded: the sandbox failed (the launcher's wait status is garbled (b'9999")
     for task in second["tasks"].values():  # graded: the stand-in ran no runner
-        assert task["messages"] == ["the task's process ended without a result"]
+        assert task["messages"] == [  # a stand-in that wrote nothing: no account either
+            "the task's process ended without a result; the grading runner ended without its "
+            "account (exit status 0)"]
     assert statuses == []
 
 

@@ -302,3 +302,52 @@ def test_the_cli_writes_the_gradescope_format(tmp_path):
         assert (tmp_path / "out" / name / "autograder.zip").is_file()
         assert (tmp_path / "out" / name / "student" / "lab.json").is_file()
     shutil.rmtree(tmp_path / "out")
+
+
+SNOOP = '''
+
+def reverse_kl_rewards(*args, **kwargs):
+    import hashlib
+    import numpy as np
+    with np.load("../inputs.npz") as inputs:  # the sandbox's inputs, beside the lab folder
+        seen = {{hashlib.sha256(inputs[n].tobytes()).hexdigest() for n in inputs.files}}
+    raise ValueError("HIDDEN SEEN" if seen & {hidden!r} else "no hidden input here")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("opd_literate.course.sandbox", fromlist=["x"])
+                    .unavailable_reason() is not None, reason="no sandbox here")
+def test_no_visible_test_sees_a_hidden_input_and_the_output_names_no_hidden_test(
+        handout, tmp_path, monkeypatch):
+    """Task 1 reads every array the sandbox holds and says, in its failure message, whether one
+    of them is an input of a hidden case (one that no visible case has). In the visible tests'
+    run none is; the hidden tests see their own inputs, but their entries are shown only after
+    the due date, and the report shown at once names no hidden test."""
+    import hashlib
+
+    from opd_literate.course.cases import cases_of
+    from opd_literate.course.grade import _encode
+
+    lab = LABS["opd"]
+    module_of = {name: module for _, name, module in labs.tasks_of(lab)}
+
+    def hashes(of_lab):
+        _, arrays = _encode(cases_of(of_lab), module_of)
+        return {hashlib.sha256(a.tobytes()).hexdigest() for a in arrays.values()}
+
+    only_hidden = hashes(gradescope._hidden_only(lab)) - hashes(lab)
+    assert only_hidden  # the check can see something
+    root = _autograder_root(handout, tmp_path, {
+        "opd.py": _opd_student({1, 2, 3}) + SNOOP.format(hidden=only_hidden)})
+    monkeypatch.delenv("AUTOGRADER_TRUSTED", raising=False)
+    data = gradescope.run(root)
+    assert_gradescope_results(data)
+    task1 = [t for t in data["tests"] if t["tags"] == ["task 1"]]
+    visible = [t for t in task1 if t["visibility"] == "visible"]
+    hidden = [t for t in task1 if t["visibility"] == "after_due_date"]
+    assert visible and hidden
+    assert all("no hidden input here" in t["output"] for t in visible)
+    assert all("HIDDEN SEEN" in t["output"] for t in hidden)  # the hidden run has its own
+    assert "hidden" not in data["output"].replace("no hidden input here", "")
+    assert "HIDDEN SEEN" not in data["output"]
