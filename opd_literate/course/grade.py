@@ -636,7 +636,11 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     set-up failed) unless ``trusted``: then the runner runs as your user, unisolated (the
     verdict is still computed here). Returns ``{"lab", "tasks": {n: {"function", "status",
     "tests", "passed", "messages", "cases": [{"name", "passed", "message"}]}}, "score",
-    "total", "files", "format", "trusted", "seconds"}``.
+    "total", "files", "format", "trusted", "seconds", "limits"}``; ``limits`` the bounds as
+    applied: ``isolated``, ``task_seconds``, ``wall_seconds``, ``memory_bytes_per_process``
+    (address space, per process: nothing bounds their sum), ``file_bytes``, ``processes``,
+    ``process_bound`` (what enforces it here, ``sandbox.process_limit``: it starts with "none"
+    where nothing does) and the sandbox's ``notes`` (guarantees that did not hold).
     """
     import time
 
@@ -697,6 +701,11 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
         # The student's folder itself is hidden: the sandbox refuses where it would show it.
         result = sandbox.run([sys.executable, "-s", "runner.py"], work, limits=limits,
                              trusted=trusted, env=_environment(), hidden=[folder])
+        applied = dict(isolated=not trusted, task_seconds=float(timeout),
+                       wall_seconds=float(wall), memory_bytes_per_process=MEMORY_LIMIT,
+                       file_bytes=FILE_LIMIT, processes=limits.processes,
+                       process_bound=sandbox.process_limit(trusted),
+                       notes=[printable(note, 300) for note in result.notes])
         if result.fault is not None:  # nothing this run wrote is to be trusted: no grade
             outcomes = {task: {"error": f"not graded: the sandbox failed ({result.fault}); "
                                         "grade this folder again, and report it if it recurs"}
@@ -716,7 +725,7 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     files.update({name: "ignored" for name in ignored})
     return dict(lab=lab.name, tasks=tasks, score=score, total=len(tasks), files=files,
                 format="notebook" if notebook else "files", trusted=trusted,
-                seconds=round(time.monotonic() - start, 2))
+                seconds=round(time.monotonic() - start, 2), limits=applied)
 
 
 def format_grade(result: dict) -> str:
@@ -736,6 +745,17 @@ def format_grade(result: dict) -> str:
         lines += [f"- {name}: {state}" for name, state in sorted(result["files"].items())]
     if result.get("trusted"):
         lines += ["", "graded with --trusted: the student's code ran without the sandbox"]
+    limits = result.get("limits")
+    if limits:
+        bound = limits["process_bound"]
+        lines += ["", f"limits: {limits['task_seconds']:g} s a task, {limits['wall_seconds']:g} s "
+                      f"the whole run; {limits['memory_bytes_per_process'] / 2**30:g} GiB of "
+                      f"address space a process (no bound on their sum); "
+                      f"{limits['file_bytes'] >> 20} MiB a file; "
+                      + (f"{limits['processes']} processes and threads ({bound})"
+                         if not bound.startswith("none") else
+                         f"processes not bounded ({bound[6:]})")]
+        lines += [f"- {note}" for note in limits["notes"]]
     lines += ["", f"score: {result['score']}/{result['total']}"]
     return "\n".join(lines)
 

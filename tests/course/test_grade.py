@@ -415,6 +415,14 @@ def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_
     assert seen["files"] == ["inputs.npz", "lab", "out", "runner.py", "spec.json"]
     assert "OPD_GRADER_SECRET" not in seen["env"] and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert seen["hidden"] == [folder]  # the sandbox refuses where it would show the folder
+    applied = result["limits"]
+    assert applied == dict(isolated=True, task_seconds=10.0, wall_seconds=60.0,
+                           memory_bytes_per_process=2 << 30, file_bytes=256 << 20,
+                           processes=64, process_bound=sandbox.process_limit(False), notes=[])
+    text = grader.format_grade(result)
+    assert ("limits: 10 s a task, 60 s the whole run; 2 GiB of address space a process (no "
+            "bound on their sum); 256 MiB a file; ") in text
+    assert ("processes not bounded" in text) == applied["process_bound"].startswith("none")
     # standard error is the student's to write: none of it speaks in the report
     for task in result["tasks"].values():
         assert task["status"] == "error" and task["messages"] == [
