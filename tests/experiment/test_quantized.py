@@ -456,6 +456,7 @@ def test_the_bias_over_every_parameter_is_autograd_of_the_enumerated_objective(t
 
     model, pairs, toy = tiny_answers
     out = full_parameter_bias(model, pairs, toy, names=["naive", "seq_is", "token_tis"])
+    assert list(out["rel_bias"]) == ["naive", "seq_is", "token_tis"]  # the names asked, in order
     trainer = sampler_copy(model, "float64")
     assert out["parameters"] == sum(p.numel() for p in trainer.parameters())
     prompts = make_prompts(pairs, digits=1)[torch.from_numpy(toy["prompt"])]
@@ -473,7 +474,7 @@ def test_the_bias_over_every_parameter_is_autograd_of_the_enumerated_objective(t
     bias_toy = tinylm_answer_toy(model, pairs, "int4")
     head = full_parameter_bias(model, pairs, bias_toy, names=["naive", "token_tis"],
                                parameter_names=["mlp.2.bias"])
-    assert head["parameters"] == 14
+    assert head["parameters"] == 14 and list(head["rel_bias"]) == ["naive", "token_tis"]
     rows = {r["name"]: r for r in comparison_table(bias_toy, names=["naive", "token_tis"])}
     for name in ("naive", "token_tis"):
         assert head["rel_bias"][name] == pytest.approx(rows[name]["rel_bias"], rel=1e-10)
@@ -715,6 +716,12 @@ def _mutation_refusals():
                 setattr(self, k, v)
 
     real = "(a bool, a complex number, a string or None?)"
+    model = TinyLM(hidden=4, layers=1, digits=1)
+    pair = torch.tensor([[3, 4]])
+    fpb_keys = ("log_pi", "mask", "state", "Y", "R", "p_train", "p_sampler")
+    stand_toy = dict.fromkeys(fpb_keys, None) | {"log_pi": np.zeros((5, 14))}
+    toy_183 = dict.fromkeys(fpb_keys, None) | {"log_pi": np.zeros((183, 14))}
+    parameters = ", ".join(name for name, _ in model.named_parameters())  # torch's own names
     inf_row = np.array([[0.0, -np.inf], [np.log(0.5), np.log(0.5)]])
     return [
         # quantize_per_channel: the message names what it got
@@ -825,6 +832,51 @@ def _mutation_refusals():
          "log_teacher must be finite with shape (2, 2), got shape (2, 3)"),
         ("answer_toy unnormalized teacher", toy(log_teacher=bad_rows), ValueError,
          "log_teacher must hold log-probabilities: exp of row 1 sums to 0.5, not 1"),
+        ("answer_toy 1-D log-probs", toy(log_pi=np.zeros(2), log_mu=np.zeros(2)), ValueError,
+         "log_pi and log_mu must be (N, V) with N = 2 states, got (2,) and (2,)"),
+        ("answer_toy a state too many", toy(log_pi=np.log(np.full((3, 2), 0.5)),
+                                            log_mu=np.log(np.full((3, 2), 0.5))), ValueError,
+         "log_pi and log_mu must be (N, V) with N = 2 states, got (3, 2) and (3, 2)"),
+        # no tokens at all (V = 0): no row to normalize, so the first check to fail is eos's
+        ("answer_toy no tokens", toy(log_pi=np.zeros((2, 0)), log_mu=np.zeros((2, 0))),
+         ValueError, "eos and pad must be token ids in [0, 0), got 1, 1"),
+        # the docstring example's 3 answers: a NaN reward, or one (M, 1) column, is refused
+        ("answer_toy NaN reward", toy(reward=lambda Y, mask, prompt: np.full(len(Y), np.nan)),
+         ValueError, "reward must return 3 finite values, got shape (3,)"),
+        ("answer_toy column reward", toy(reward=lambda Y, mask, prompt: np.ones((len(Y), 1))),
+         ValueError, "reward must return 3 finite values, got shape (3, 1)"),
+        ("answer_toy 1-D features", toy(features=np.ones(2)), ValueError,
+         "features must be a finite (N, F) array with N = 2, got (2,)"),
+        ("answer_toy features of 3 states", toy(features=np.ones((3, 1))), ValueError,
+         "features must be a finite (N, F) array with N = 2, got (3, 1)"),
+        # full_parameter_bias: each check, its message whole
+        ("full_parameter_bias model", lambda: Q.full_parameter_bias(None, pair, {}), TypeError,
+         "model must be a TinyLM, got NoneType"),
+        ("full_parameter_bias empty toy", lambda: Q.full_parameter_bias(model, pair, {}),
+         ValueError, f"toy must be a tinylm_answer_toy dict (keys {', '.join(fpb_keys)}), got []"),
+        ("full_parameter_bias toy None", lambda: Q.full_parameter_bias(model, pair, None),
+         ValueError, f"toy must be a tinylm_answer_toy dict (keys {', '.join(fpb_keys)}), got "
+         "NoneType"),
+        ("full_parameter_bias partial toy",
+         lambda: Q.full_parameter_bias(model, pair, {"Y": None, "R": None}), ValueError,
+         f"toy must be a tinylm_answer_toy dict (keys {', '.join(fpb_keys)}), got ['R', 'Y']"),
+        ("full_parameter_bias no names",
+         lambda: Q.full_parameter_bias(model, pair, stand_toy, names=[]), ValueError,
+         "names must be a non-empty list of estimators of REGISTRY, got []"),
+        ("full_parameter_bias one name as a string",
+         lambda: Q.full_parameter_bias(model, pair, stand_toy, names="naive"), ValueError,
+         "names must be a non-empty list of estimators of REGISTRY, got 'naive'"),
+        # one 1-digit prompt has 1 + 13 + 13^2 = 183 states (test_exact); the toy has 5
+        ("full_parameter_bias other pairs",
+         lambda: Q.full_parameter_bias(model, pair, stand_toy), ValueError,
+         "toy has 5 states, pairs give 183: build the toy from the same pairs"),
+        ("full_parameter_bias unknown parameter",
+         lambda: Q.full_parameter_bias(model, pair, toy_183, parameter_names=["head"]),
+         ValueError, f"parameter_names must name parameters of the model ({parameters}), got "
+         "['head']"),
+        ("full_parameter_bias no parameter",
+         lambda: Q.full_parameter_bias(model, pair, toy_183, parameter_names=[]),
+         ValueError, f"parameter_names must name parameters of the model ({parameters}), got []"),
         # tinylm_answer_toy
         ("tinylm_answer_toy features",
          lambda: tinylm_answer_toy(None, None, "int8", features="all"), ValueError,

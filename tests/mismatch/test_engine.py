@@ -1,6 +1,7 @@
 """The engine's sampler (opd_literate.mismatch.engine): its processing, its toy, and what every
 estimator does under it, proved by enumeration against independent computations."""
 
+import inspect
 import itertools
 import json
 import math
@@ -616,7 +617,10 @@ def test_the_nucleus_figures_of_the_chapter():
     number off the boundary; vLLM and transformers break ties the other way, SGLang never."""
     record = json.loads(NUCLEUS_RECORD.read_text())
     # the record is of the defaults (the chapter's four tokens in hundredths), every sampler
-    assert nucleus_disagreement.__defaults__ == (4, 100)
+    # (the signature, not __defaults__: a wrapper such as mutmut's keeps only the former)
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(nucleus_disagreement).parameters.items()}
+    assert (defaults["V"], defaults["resolution"]) == (4, 100)
     assert record["arguments"] == {"V": 4, "resolution": 100}
     assert tuple(record["samplers"]) == SAMPLERS
     stats = record["samplers"]
@@ -1066,3 +1070,48 @@ def test_numpy_numbers_are_accepted_and_numpy_bools_refused():
 def test_bad_logits_are_refused_by_name_before_any_arithmetic(logits, error, message):
     with pytest.raises(error, match=message):
         processed_log_probs(logits, top_p=0.5, sampler="vllm")
+
+
+# ---------------------------------------------------------------------------------------------
+# engine_toy: what it records, and the masked trainer without the temperature
+# ---------------------------------------------------------------------------------------------
+def test_engine_toy_records_its_documented_defaults():
+    engine = engine_toy(boundary_toy())
+    assert {key: engine[key] for key in ("temperature", "top_k", "top_p", "min_p", "sampler",
+                                          "reported", "trainer_temperature", "trainer_mask")} == {
+        "temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": 0.0, "sampler": "exact",
+        "reported": "processed", "trainer_temperature": True, "trainer_mask": False}
+    assert type(engine["trainer_temperature"]) is bool and type(engine["trainer_mask"]) is bool
+    recorded = engine_toy(boundary_toy(), temperature=0.5, top_k=np.int64(3), top_p=0.9,
+                          min_p=0.05, sampler="sglang", reported="raw",
+                          trainer_temperature=np.bool_(False), trainer_mask=np.bool_(True))
+    assert (recorded["temperature"], recorded["top_k"], recorded["top_p"], recorded["min_p"],
+            recorded["sampler"], recorded["reported"]) == (0.5, 3, 0.9, 0.05, "sglang", "raw")
+    assert recorded["trainer_temperature"] is False and recorded["trainer_mask"] is True
+
+
+@pytest.mark.parametrize("make", [make_toy, make_ar_toy], ids=["toy", "ar_toy"])
+def test_a_masked_trainer_without_the_temperature_is_the_untempered_softmax_over_the_kept(make):
+    """trainer_mask=True, trainer_temperature=False: log pi(y_t) is the log-softmax of the raw
+    theta_t over the engine's kept tokens S_t (the temperature is the engine's only), and the
+    score its gradient, by torch autograd on each written sequence."""
+    toy = make(T=2, V=3, mismatch=0.4, seed=12)
+    tau, top_p = 0.6, 0.75
+    engine = engine_toy(toy, temperature=tau, top_p=top_p, trainer_mask=True,
+                        trainer_temperature=False)
+    kept = np.isfinite(processed_log_probs(toy["theta"] + 0.4 * toy["b"], tau, top_p=top_p))
+    assert not kept.all()  # something is cut, or the mask would change nothing
+    for m, y in enumerate(engine["Y"].tolist()):
+        theta = torch.tensor(toy["theta"], requires_grad=True)
+        log_pi = torch.log_softmax(torch.where(torch.as_tensor(kept), theta, -math.inf), -1)
+        if "mask" in toy:
+            prev, real = engine["prev"][m].tolist(), engine["mask"][m] > 0
+            tokens = [log_pi[t, prev[t], y[t]] if real[t] else torch.zeros((), dtype=theta.dtype)
+                      for t in range(len(y))]
+        else:
+            tokens = [log_pi[t, y[t]] for t in range(len(y))]
+        torch.stack(tokens).sum().backward()
+        logp = torch.stack(tokens).detach().numpy()
+        np.testing.assert_allclose(engine["logp_train"][m], logp, rtol=0, atol=1e-14)
+        np.testing.assert_allclose(engine["score"][m], theta.grad.numpy(), rtol=0, atol=1e-14)
+        assert math.isclose(engine["p_train"][m], math.exp(logp.sum()), rel_tol=1e-13)
