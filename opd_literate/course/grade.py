@@ -146,7 +146,7 @@ def _lab_of(folder: pathlib.Path) -> Lab:
     return LABS[name]
 
 
-def _student_paths(folder: pathlib.Path):
+def walk_submission(folder: pathlib.Path):
     """``(relative parts, is_link, is_file, too_deep)`` for every entry below ``folder``, in
     sorted order, walked with an explicit stack (a folder nested a thousand levels deep is no
     recursion) and never through a symbolic link; below ``DEPTH_LIMIT`` levels a folder is
@@ -177,7 +177,7 @@ def _copy_student_files(folder: pathlib.Path, work: pathlib.Path) -> list[str]:
     ``DEPTH_LIMIT``. Returns the names left out that could change how tests run (a
     ``conftest.py``, a ``pytest.ini``, compiled code, a link, a folder too deep), printable."""
     ignored, size = [], 0
-    for parts, link, regular, too_deep in sorted(_student_paths(folder)):
+    for parts, link, regular, too_deep in sorted(walk_submission(folder)):
         relative = pathlib.PurePosixPath(*parts)
         if parts[0] in ("tests", MARKER) or any(p in ("__pycache__", ".pytest_cache", ".git")
                                                 for p in parts):

@@ -200,10 +200,10 @@ def zip_bytes(files: dict[str, bytes]) -> bytes:
 def _regular_files(submission: pathlib.Path) -> list[pathlib.Path]:
     """The regular files under ``submission``, never through a link, at most
     ``grade.DEPTH_LIMIT`` folders deep (walked without recursion)."""
-    from .grade import _student_paths
+    from .grade import walk_submission
 
     return [submission.joinpath(*parts) for parts, link, regular, too_deep
-            in _student_paths(submission) if regular]
+            in walk_submission(submission) if regular]
 
 
 def _find(submission: pathlib.Path, name: str, files=None):

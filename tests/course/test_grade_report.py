@@ -105,7 +105,7 @@ def test_the_walk_of_a_submission_follows_no_link_and_stops_at_the_depth_limit(t
 
 
 def _check_the_walk(tmp_path, lab):
-    found = list(grader._student_paths(lab))
+    found = list(grader.walk_submission(lab))
     regular = {parts for parts, link, is_file, deep in found if is_file}
     assert regular == {("a.py",), ("sub", "b.py")}
     assert {parts for parts, link, _, _ in found if link} == {("outside",), ("secret.py",)}
