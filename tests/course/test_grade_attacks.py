@@ -23,7 +23,7 @@ import pytest
 from opd_literate.course import cli, labs, sandbox
 from opd_literate.course.grade import format_grade, grade
 from opd_literate.course.labs import PACKAGE, REPO, write_lab
-from opd_literate.course.markers import strip_solutions
+from tests.helpers.labs import write_student_module as _student
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     sandbox.unavailable_reason() is not None, reason=f"no sandbox here: "
@@ -33,20 +33,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 def _tree(folder):
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _student(lab_folder, module, stubs, keep=(), appended=""):
-    """Write the student module with the tasks in ``keep`` solved, the stub of each task in
-    ``stubs`` replaced by the given lines (indented as a function body), and ``appended`` (code
-    run at import) at its end."""
-    text, _ = strip_solutions(labs.source_of(module).read_text(), keep=set(keep))
-    text = labs.flatten_imports(text)
-    for task, lines in stubs.items():
-        stub = next(line for line in text.split("\n")
-                    if f'raise NotImplementedError("Task {task}:' in line)
-        indent = stub[:len(stub) - len(stub.lstrip())]
-        text = text.replace(stub, "\n".join(indent + line for line in lines))
-    (lab_folder / f"{module}.py").write_text(text + appended)
 
 
 def _processes_with(marker):

@@ -14,7 +14,7 @@ import pytest
 
 from opd_literate.course import labs, sandbox
 from opd_literate.course.labs import REPO, write_lab
-from opd_literate.course.markers import strip_solutions
+from tests.helpers.labs import deep_folder, write_student_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     sandbox.unavailable_reason() is not None, reason=f"no sandbox here: "
@@ -25,22 +25,11 @@ SUBSETS = [set(c) for r in range(4) for c in itertools.combinations(TASKS, r)]  
 
 
 def _student(folder, keep, appended=""):
-    text, _ = strip_solutions(labs.source_of("opd").read_text(), keep=set(keep))
-    (folder / "opd.py").write_text(labs.flatten_imports(text) + appended)
+    write_student_module(folder, "opd", keep=keep, appended=appended)
 
 
 def _expected(keep):
     return ["passed" if n in keep else "not implemented" for n in TASKS]
-
-
-def _bury(folder, levels):
-    fd = os.open(folder, os.O_RDONLY)
-    for _ in range(levels):
-        os.mkdir("d", dir_fd=fd)
-        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
-        os.close(fd)
-        fd = inner
-    os.close(fd)
 
 
 SHADOW = "raise SystemExit('a submission shadowed the grader')\n"
@@ -101,7 +90,7 @@ def test_fifty_submissions_with_hostile_ones_are_all_reported_and_honest_grades_
     (batch / "hostile-is-a-link").symlink_to("honest-07")
     expected["hostile-is-a-link"] = "link"
     deep = write_lab("opd", batch / "hostile-deep")[0]
-    _bury(deep, 1200)
+    deep_folder(deep, 1200)
     expected[deep.name] = _expected(())
     conftest = write_lab("opd", batch / "hostile-conftest")[0]
     (conftest / "conftest.py").write_text("def pytest_collection_modifyitems(items):\n"

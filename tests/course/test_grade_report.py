@@ -16,6 +16,7 @@ from opd_literate.course import cli, sandbox
 from opd_literate.course import grade as grader
 from opd_literate.course.grade import DEPTH_LIMIT, printable
 from opd_literate.course.labs import write_lab
+from tests.helpers.labs import deep_folder
 
 HIDDEN = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
 
@@ -59,24 +60,11 @@ def test_printable_escapes_what_draws_over_a_terminal_or_reorders_a_page():
     assert printable("x" * 1000) == "x" * 499 + "…"
 
 
-def _deep(folder, levels, name="d"):
-    """A folder ``levels`` deep below ``folder`` (made one level at a time: the whole path is
-    longer than a path may be), with a file at its bottom; returns nothing."""
-    fd = os.open(folder, os.O_RDONLY)
-    for _ in range(levels):
-        os.mkdir(name, dir_fd=fd)
-        inner = os.open(name, os.O_RDONLY, dir_fd=fd)
-        os.close(fd)
-        fd = inner
-    with open(os.open("bottom.py", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as f:
-        f.write("x = 1\n")
-    os.close(fd)
-
-
 def test_a_folder_thousands_deep_and_locked_is_removed_without_recursion(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    _deep(work, 1500, name="d" * 100)  # 150,000 characters of path: no path can name it
+    # 150,000 characters of path: no path can name it
+    deep_folder(work, 1500, name="d" * 100, bottom="bottom.py")
     (work / "link").symlink_to(tmp_path / "outside")
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "keep").write_text("kept")
@@ -97,7 +85,7 @@ def test_the_walk_of_a_submission_follows_no_link_and_stops_at_the_depth_limit(t
     (lab / "outside").symlink_to(tmp_path)  # a link to a folder: not entered
     (lab / "secret.py").symlink_to(tmp_path / "elsewhere.py")
     (tmp_path / "elsewhere.py").write_text("solutions = True\n")
-    _deep(lab / "sub", 1200)
+    deep_folder(lab / "sub", 1200, bottom="bottom.py")
     try:
         _check_the_walk(tmp_path, lab)
     finally:  # pytest's own clean-up of old temporary folders recurses: it would fail on it

@@ -14,7 +14,7 @@ import pytest
 from opd_literate.course import labs, sandbox
 from opd_literate.course.grade import grade
 from opd_literate.course.labs import REPO, write_lab
-from opd_literate.course.markers import strip_solutions
+from tests.helpers.labs import deep_folder, write_student_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     sandbox.unavailable_reason() is not None, reason=f"no sandbox here: "
@@ -26,8 +26,7 @@ STUBS = ["not implemented"] * 3
 
 def _solved(folder, appended=""):
     """The opd lab's student module with every task solved, and ``appended`` run at import."""
-    text, _ = strip_solutions(labs.source_of("opd").read_text(), keep=set(range(1, 9)))
-    (folder / "opd.py").write_text(labs.flatten_imports(text) + appended)
+    write_student_module(folder, "opd", keep=range(1, 9), appended=appended)
 
 
 def _cli(args, cwd):
@@ -167,13 +166,7 @@ def test_no_lab_crashes_the_grader_and_every_lab_has_its_report(tmp_path):
     its entry in the JSON report; the honest one is graded as honest."""
     batch = tmp_path / "batch"
     deep = write_lab("opd", batch / "a-deep-submission")[0]
-    fd = os.open(deep, os.O_RDONLY)
-    for _ in range(1200):
-        os.mkdir("d", dir_fd=fd)
-        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
-        os.close(fd)
-        fd = inner
-    os.close(fd)
+    deep_folder(deep, 1200)
     buries = write_lab("opd", batch / "b-buries")[0]
     _solved(buries, DEEP_AT_IMPORT)
     notebook_lab = write_lab("opd", batch / "c-notebook", format="notebook")[0]
