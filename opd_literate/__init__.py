@@ -86,6 +86,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
 
 * ``opd_literate._figures``: the one style of every static figure, at the site's column width,
   as SVG (imports: matplotlib; only when a figure is drawn).
+* ``opd_literate._files``: files written whole (a new file renamed over the old), for the
+  teacher cache, the experiment's records and the grader's reports (imports: nothing).
 
 All of them share the argument checks and numerics of ``opd_literate._numerics``, which loads
 torch only when a torch tensor is checked: the numpy modules never load torch.

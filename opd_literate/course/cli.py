@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
+from .._files import replace_atomically
 from .grade import GRADE_TIMEOUT, format_grade, grade, printable
 from .labs import FORMATS, MARKER, write_lab
 from .sandbox import SandboxUnavailable
@@ -54,12 +56,12 @@ def _grade_main(argv: list) -> int:
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     folder = pathlib.Path(args.lab_dir)
-    if (folder / "lab.json").exists() or (folder / "lab.json").is_symlink():
+    # a lab.json that is a link still marks a lab folder: grade() then refuses to read it
+    if os.path.lexists(folder / "lab.json"):
         folders, batch = [folder], False
     else:  # a batch: each sub-folder with a lab.json; one that is a link is reported, not read
         try:
-            folders = sorted(p for p in folder.iterdir()
-                             if (p / "lab.json").exists() or (p / "lab.json").is_symlink()
+            folders = sorted(p for p in folder.iterdir() if os.path.lexists(p / "lab.json")
                              or (p.is_symlink() and p.is_dir()))
         except OSError as error:
             parser.error(f"{printable(args.lab_dir)!r} cannot be read ({error.strerror})")
@@ -112,31 +114,12 @@ def _grade_main(argv: list) -> int:
             sys.stdout.write(text)
         else:
             try:
-                _write_atomically(pathlib.Path(args.json), text)
+                replace_atomically(pathlib.Path(args.json), lambda tmp: tmp.write_text(text))
             except OSError as error:
                 print(f"opd-handout grade: cannot write {printable(args.json)!r} "
                       f"({error.strerror})", file=sys.stderr)
                 return 1
     return 0
-
-
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-    """Write ``text`` to a new file beside ``path`` and rename it over ``path``: a reader sees
-    the old report or the whole new one; a link at ``path`` is replaced, not followed."""
-    import os
-    import tempfile
-
-    fd, part = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-        os.replace(part, path)
-    except BaseException:
-        try:
-            os.unlink(part)
-        except OSError:
-            pass
-        raise
 
 
 def main(argv=None) -> int:

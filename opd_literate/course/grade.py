@@ -14,7 +14,6 @@ blocked, failed, timed out, error, or without tests. See ``docs/instructors.md``
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
@@ -122,9 +121,9 @@ def _read_regular(folder: pathlib.Path, name: str, limit: int) -> bytes | None:
         return None
     try:
         return _read_file(folder_fd, name, limit)
-    except _Malformed as error:
-        if "bytes" in str(error):
-            raise ValueError(f"{printable(str(folder / name))}: {error}") from None
+    except _TooLarge as error:
+        raise ValueError(f"{printable(str(folder / name))}: {error}") from None
+    except _Malformed:
         return None  # a link, a folder, a FIFO: not a file of the lab
     finally:
         os.close(folder_fd)
@@ -147,16 +146,16 @@ def _lab_of(folder: pathlib.Path) -> Lab:
 
 
 def walk_submission(folder: pathlib.Path):
-    """``(relative parts, is_link, is_file, too_deep)`` for every entry below ``folder``, in
-    sorted order, walked with an explicit stack (a folder nested a thousand levels deep is no
-    recursion) and never through a symbolic link; below ``DEPTH_LIMIT`` levels a folder is
-    reported as too deep and not entered."""
+    """``(relative parts, is_link, is_file, too_deep)`` for every entry below ``folder`` other
+    than a folder entered (in no particular order: sort them), walked with an explicit stack (a
+    folder nested a thousand levels deep is no recursion) and never through a symbolic link;
+    below ``DEPTH_LIMIT`` levels a folder is reported as too deep and not entered."""
     stack = [()]
     while stack:
         parts = stack.pop()
         try:
             with os.scandir(folder.joinpath(*parts)) as entries:
-                children = sorted(entries, key=lambda e: e.name, reverse=True)
+                children = list(entries)
         except OSError:
             continue
         for entry in children:
@@ -243,7 +242,7 @@ def _check_files(folder: pathlib.Path, instructor: dict) -> dict:
             data = b""  # larger than any handout file: not the instructor's
         if data is None:
             found[name] = "missing"
-        elif hashlib.sha256(data).hexdigest() != hashlib.sha256(text.encode()).hexdigest():
+        elif data != text.encode():
             found[name] = "modified"
     return found
 
@@ -296,6 +295,10 @@ class _Malformed(ValueError):
     """What the runner wrote back cannot be a call's output."""
 
 
+class _TooLarge(_Malformed):
+    """A file over the size limit of what is read of it."""
+
+
 def _read_file(folder_fd: int, name: str, limit: int) -> bytes | None:
     """The bytes of the regular file ``name`` of the output folder, or None if there is none;
     a link, a folder or a file over ``limit`` bytes is _Malformed (never followed)."""
@@ -310,7 +313,7 @@ def _read_file(folder_fd: int, name: str, limit: int) -> bytes | None:
         if not stat.S_ISREG(info.st_mode):  # a folder, a FIFO that would block the grader
             raise _Malformed(f"{name} is not a regular file")
         if info.st_size > limit:
-            raise _Malformed(f"{name} holds {info.st_size} bytes, more than {limit}")
+            raise _TooLarge(f"{name} holds {info.st_size} bytes, more than {limit}")
         chunks, size = [], 0
         while size <= limit and (chunk := os.read(fd, 1 << 20)):  # it may grow meanwhile
             chunks.append(chunk)
@@ -318,7 +321,7 @@ def _read_file(folder_fd: int, name: str, limit: int) -> bytes | None:
     finally:
         os.close(fd)
     if size > limit:
-        raise _Malformed(f"{name} holds more than {limit} bytes")
+        raise _TooLarge(f"{name} holds more than {limit} bytes")
     return b"".join(chunks)
 
 

@@ -35,6 +35,7 @@ import tempfile
 import time
 import zipfile
 
+from .._files import replace_atomically
 from .grade import printable
 from .labs import (
     LAB_TESTS,
@@ -395,10 +396,8 @@ def run(root) -> dict:
                       output=f"not graded: the grader failed on this submission "
                              f"({type(error).__name__}: {printable(str(error), 500)})", tests=[])
     # last, and whole: a new file renamed over results.json (a reader never sees half of it)
-    results_dir = root / "results"
-    part = results_dir / f".results.json.{os.getpid()}.part"
-    part.write_text(json.dumps(output, indent=1) + "\n")
-    os.replace(part, results_dir / "results.json")
+    text = json.dumps(output, indent=1) + "\n"
+    replace_atomically(root / "results" / "results.json", lambda tmp: tmp.write_text(text))
     print(output["output"], flush=True)
     return output
 

@@ -12,10 +12,11 @@ import json
 import os
 import pathlib
 import sys
-import uuid
 
 import filelock
 import torch
+
+from .._files import replace_atomically
 
 
 def cache_dir():
@@ -51,21 +52,6 @@ def load_verified(path, model):
         lines = str(error).strip().splitlines()
         return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     return None
-
-
-def replace_atomically(path, write):
-    """Call ``write(tmp)`` for a new file ``tmp`` beside ``path``, then rename it over ``path``.
-
-    The rename is atomic within a folder: a reader sees the old file or the new one, never
-    half of one, and an interrupted write leaves no partial ``path``.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def load_or_train(path, cache, empty, train):

@@ -17,7 +17,7 @@ import signal
 import sys
 import tempfile
 
-from ._cache import replace_atomically
+from .._files import replace_atomically
 from ._workers import Terminated, WorkerError, available_cpus, sigterm_as_interrupt
 from .config import DEFAULT, LONG, METHODS, QUICK
 from .plots import write_plots

@@ -24,6 +24,7 @@ PACKAGE = pathlib.Path(opd_literate.__file__).parent
 THIRD_PARTY = {
     "_numerics": {"torch", "numpy"},  # each imported inside the functions that use it only
     "_figures": {"matplotlib"},  # imported inside its functions only
+    "_files": set(),
     "opd": {"torch"},
     "mismatch.toy": {"numpy"},
     "mismatch.estimators": {"numpy"},
