@@ -66,9 +66,9 @@ the package's own modules), so that a reader knows what a lifted module drags al
 
   * ``opd_literate.course.markers``: the solution markers, and the student text without the
     solutions (imports: nothing).
-  * ``opd_literate.course.labs``: the labs, and the lab folders (modules with TODO stubs, tests,
-    a README, or a notebook nbgrader accepts) written from this source; the lab tests as package
-    data (imports: nothing).
+  * ``opd_literate.course.labs``: the labs, and the student's folder (modules with TODO stubs,
+    tests, a README, or a notebook nbgrader accepts) rendered from this source; the lab tests as
+    package data (imports: nothing).
   * ``opd_literate.course.grade``: the grader, task by task: the student's functions run in
     the sandbox, the verdict is computed in the grader's process (imports: numpy).
   * ``opd_literate.course.cases``: the grading cases, one per lab test and task: the calls the
@@ -81,6 +81,9 @@ the package's own modules), so that a reader knows what a lifted module drags al
     grades labs (imports: nothing).
   * ``opd_literate.course.gradescope``: a lab's Gradescope autograder zip, and the program
     that grades one submission inside it (imports: nothing).
+  * ``opd_literate.course.handouts``: a lab written to a folder in any of its formats (files,
+    notebook, Gradescope, nbgrader), and replaced only where this tool wrote it (imports:
+    nothing).
   * ``opd_literate.course.lift``: ``opd-copy NAME`` prints a public function with every
     helper, constant and import it needs, to lift into course material (imports: nothing).
 

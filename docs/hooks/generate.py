@@ -370,7 +370,8 @@ def _gradient_agreement():
 
 
 def _handout():
-    from opd_literate.course.labs import PACKAGE, write_lab
+    from opd_literate.course.handouts import write_lab
+    from opd_literate.course.labs import PACKAGE
 
     source = (PACKAGE / "opd.py").read_text()
     begin = source.index("    ### BEGIN SOLUTION Task 1")

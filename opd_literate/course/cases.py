@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .labs import LABS
+
 __all__ = ["Tensor", "Toy", "Call", "Raised", "Case", "Output", "TORCH_DTYPES", "CASES", "cases_of"]
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -711,8 +713,6 @@ def cases_of(lab) -> list[Case]:
     """Every case of a lab (a [Lab][opd_literate.course.labs.Lab], or its name), those of each
     of its test files in turn, each task's in the order of its lab tests. A test file without
     cases is a ValueError: its tests would otherwise go unjudged."""
-    from .labs import LABS
-
     if isinstance(lab, str):
         if lab not in LABS:
             raise ValueError(f"unknown lab {lab!r}; choose from {', '.join(LABS)}")

@@ -6,7 +6,7 @@ The command line of the course tools (``opd-handout``, ``python -m opd_literate.
     python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS] [--trusted]
     python -m opd_literate.course gradescope [ROOT]     # inside Gradescope's autograder
 
-The first writes lab folders ([write_lab][opd_literate.course.labs.write_lab]) as Python
+The first writes lab folders ([write_lab][opd_literate.course.handouts.write_lab]) as Python
 files, a notebook, a Gradescope autograder zip beside the student's folder, or an nbgrader
 course folder (``--format files|notebook|gradescope|nbgrader``); ``OUTDIR``
 receives a ``.opd-handout`` marker that lists the files written and their SHA-256, and
@@ -25,8 +25,10 @@ import pathlib
 import sys
 
 from .._files import replace_atomically
-from .grade import GRADE_TIMEOUT, format_grade, grade, printable
-from .labs import FORMATS, MARKER, write_lab
+from .grade import format_grade, grade, printable
+from .gradescope import main as gradescope_main
+from .handouts import FORMATS, write_lab
+from .labs import GRADE_TIMEOUT, MARKER
 from .sandbox import SandboxUnavailable
 
 __all__ = ["main"]
@@ -134,8 +136,6 @@ def main(argv=None) -> int:
     if argv[:1] == ["grade"]:
         return _grade_main(argv[1:])
     if argv[:1] == ["gradescope"]:  # what the autograder zip's run_autograder runs
-        from .gradescope import main as gradescope_main
-
         return gradescope_main(argv[1:])
     parser = _Parser(prog="opd-handout", description=__doc__.split("\n\n")[0],
                      epilog="To grade a folder: opd-handout grade LABDIR")

@@ -25,13 +25,11 @@ import sys
 import tempfile
 
 from . import sandbox
-from .labs import LABS, MARKER, Lab, notebook_modules, render_lab, tasks_of
+from .labs import GRADE_TIMEOUT, LABS, MARKER, Lab, notebook_modules, render_lab, tasks_of
 
-__all__ = ["GRADE_TIMEOUT", "STATUSES", "RUNNER_PATH", "MEMORY_LIMIT", "FILE_LIMIT",
+__all__ = ["STATUSES", "RUNNER_PATH", "MEMORY_LIMIT", "FILE_LIMIT",
            "DEPTH_LIMIT", "grade", "format_grade", "printable", "runner_states"]
 
-GRADE_TIMEOUT = 60.0
-"""Seconds each task's calls may run (``--timeout``); past it the task is *timed out*."""
 
 STATUSES = ("passed", "not implemented", "blocked", "failed", "timed out", "error", "no tests")
 """Every status ``grade`` gives a task (see [opd_literate.course.grade.grade][])."""

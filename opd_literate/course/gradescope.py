@@ -36,8 +36,10 @@ import time
 import zipfile
 
 from .._files import replace_atomically
-from .grade import printable
+from . import labs
+from .grade import format_grade, grade, printable, walk_submission
 from .labs import (
+    GRADE_TIMEOUT,
     LAB_TESTS,
     LABS,
     PACKAGE,
@@ -201,8 +203,6 @@ def zip_bytes(files: dict[str, bytes]) -> bytes:
 def _regular_files(submission: pathlib.Path) -> list[pathlib.Path]:
     """The regular files under ``submission``, never through a link, at most
     ``grade.DEPTH_LIMIT`` folders deep (walked without recursion)."""
-    from .grade import walk_submission
-
     return [submission.joinpath(*parts) for parts, link, regular, too_deep
             in walk_submission(submission) if regular]
 
@@ -310,8 +310,6 @@ def results(lab: Lab, report: dict, collected, seconds: float, hidden=()) -> dic
     one whose counts of tests run and passed disagree with the collected tests; a task without
     any test is one entry worth its points, earned only if the task passed.
     """
-    from .grade import format_grade
-
     tests = []
     for number, points in lab_points(lab).items():
         task = report["tasks"][number]
@@ -343,8 +341,6 @@ def _grade_options() -> dict:
     """``trusted`` for a grader that has it (``AUTOGRADER_TRUSTED=1``: no OS sandbox)."""
     import inspect
 
-    from .grade import grade
-
     if "trusted" in inspect.signature(grade).parameters:
         return {"trusted": os.environ.get("AUTOGRADER_TRUSTED") == "1"}
     return {}
@@ -355,9 +351,6 @@ def run(root) -> dict:
     ``root/results/results.json``; returns what it wrote. A submission that cannot be graded
     (no module, a grader that refuses) gets 0 with the reason as its output."""
     from unittest import mock
-
-    from . import labs
-    from .grade import GRADE_TIMEOUT, format_grade, grade
 
     start = time.monotonic()
     root = pathlib.Path(root)

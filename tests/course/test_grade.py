@@ -23,7 +23,8 @@ import pytest
 from opd_literate.course import _runner, cli, labs, sandbox
 from opd_literate.course import grade as grader
 from opd_literate.course.cases import cases_of
-from opd_literate.course.labs import LABS, tasks_of, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import LABS, tasks_of
 from opd_literate.course.markers import strip_solutions
 
 PACKAGE_OF = {"opd": "opd_literate", "mismatch": "opd_literate.mismatch"}

@@ -22,7 +22,8 @@ import pytest
 
 from opd_literate.course import cli, labs, sandbox
 from opd_literate.course.grade import format_grade, grade
-from opd_literate.course.labs import PACKAGE, REPO, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import PACKAGE, REPO
 from tests.helpers.labs import write_student_module as _student
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

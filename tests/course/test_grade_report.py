@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from opd_literate.course import cli, sandbox
 from opd_literate.course import grade as grader
 from opd_literate.course.grade import DEPTH_LIMIT, printable
-from opd_literate.course.labs import write_lab
+from opd_literate.course.handouts import write_lab
 from tests.helpers.labs import deep_folder
 
 HIDDEN = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}

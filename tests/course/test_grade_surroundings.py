@@ -13,7 +13,8 @@ import pytest
 
 from opd_literate.course import labs, sandbox
 from opd_literate.course.grade import grade
-from opd_literate.course.labs import REPO, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import REPO
 from tests.helpers.labs import deep_folder, write_student_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

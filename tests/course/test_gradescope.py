@@ -23,7 +23,8 @@ import pytest
 import tomllib
 
 from opd_literate.course import gradescope, labs
-from opd_literate.course.labs import LABS, PACKAGE, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import LABS, PACKAGE
 from opd_literate.course.markers import solution_lines, strip_solutions
 
 VISIBILITIES = {"hidden", "after_due_date", "after_published", "visible"}

@@ -13,7 +13,8 @@ from opd_literate.course import cli as course_cli
 from opd_literate.course import labs as course_labs
 from opd_literate.course import sandbox
 from opd_literate.course.grade import grade
-from opd_literate.course.labs import LABS, PACKAGE, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import LABS, PACKAGE
 from opd_literate.course.markers import MarkerError, solution_lines, strip_solutions
 
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from opd_literate.course import cli
-from opd_literate.course.labs import MARKER, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import MARKER
 
 
 def _tree(folder):

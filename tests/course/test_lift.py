@@ -366,7 +366,8 @@ def test_compact_snippets_run_in_the_lab_folder(lab_name, tmp_path):
     """Each lab function's compact snippet, its imports flattened as the lab writer flattens
     the student module's, passes its doctests inside the lab folder (the student module with
     its stubs and the given modules beside it), in an interpreter without this package."""
-    from opd_literate.course.labs import LABS, flatten_imports, write_lab
+    from opd_literate.course.handouts import write_lab
+    from opd_literate.course.labs import LABS, flatten_imports
 
     folder = tmp_path / lab_name
     write_lab(lab_name, folder)

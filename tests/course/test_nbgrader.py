@@ -18,7 +18,8 @@ import subprocess
 
 import pytest
 
-from opd_literate.course.labs import LABS, PACKAGE, lab_points, render_notebook, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import LABS, PACKAGE, lab_points, render_notebook
 
 KEYS = {"schema_version", "grade", "locked", "solution", "task", "grade_id", "points",
         "checksum", "cell_type"}

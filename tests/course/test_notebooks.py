@@ -10,7 +10,8 @@ import time
 import pytest
 
 from opd_literate.course.grade import grade
-from opd_literate.course.labs import LABS, notebook_modules, render_notebook, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import LABS, notebook_modules, render_notebook
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook extra: pip install .[notebook]")
 

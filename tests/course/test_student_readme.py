@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from opd_literate.course import grade
-from opd_literate.course.labs import LABS, write_lab
+from opd_literate.course.handouts import write_lab
+from opd_literate.course.labs import LABS
 
 
 @pytest.fixture(scope="module")

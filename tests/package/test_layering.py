@@ -57,6 +57,7 @@ THIRD_PARTY = {
     "course.sandbox": set(),
     "course.cli": set(),
     "course.gradescope": set(),
+    "course.handouts": set(),
     "course.lift": set(),
 }
 NUMPY_ONLY = ("mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch")
@@ -166,3 +167,33 @@ def test_the_training_code_never_imports_the_process_workers(module):
     assert "experiment._workers" not in _package_imports(module)
     assert "experiment.run" in {m for m in THIRD_PARTY if "experiment._workers"
                                 in _package_imports(m)}
+
+
+def test_no_modules_import_each_other_in_a_cycle():
+    """CONTRIBUTING.md: an import never goes up, so the package's import graph (every import
+    statement, those inside functions included) has no cycle. ``course/`` reads bottom-up:
+    ``labs`` (what a lab is), ``cases`` and ``grade``, ``gradescope``, ``handouts``, ``cli``."""
+    graph = {module: _package_imports(module) for module in THIRD_PARTY}
+    finished, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            return on_path[on_path.index(module):] + [module]
+        if module in finished:
+            return None
+        on_path.append(module)
+        for imported in sorted(graph[module]):
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        on_path.pop()
+        finished.add(module)
+        return None
+
+    for module in sorted(graph):
+        cycle = visit(module)
+        assert cycle is None, "an import cycle: " + " -> ".join(cycle)
+    layers = ("course.labs", "course.cases", "course.grade", "course.gradescope",
+              "course.handouts", "course.cli")
+    for i, lower in enumerate(layers):  # each layer imports only those below it
+        assert not graph[lower] & set(layers[i:]), f"{lower} imports a layer above it"
