@@ -3,7 +3,8 @@ r"""Lab handouts and a grader, generated from the library itself (one source for
 The command line of the course tools (``opd-handout``, ``python -m opd_literate.course``)::
 
     python -m opd_literate.course OUTDIR --lab opd|mismatch|all [--format FORMAT] [--force]
-    python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS] [--trusted]
+    python -m opd_literate.course grade LABDIR [--json PATH] [--timeout SECONDS]
+                                        [--memory-total GIB] [--trusted]
     python -m opd_literate.course gradescope [ROOT]     # inside Gradescope's autograder
 
 The first writes lab folders ([write_lab][opd_literate.course.handouts.write_lab]) as Python
@@ -50,13 +51,23 @@ def _grade_main(argv: list) -> int:
                         help="also write the report as JSON to PATH ('-' for standard output)")
     parser.add_argument("--timeout", type=float, default=GRADE_TIMEOUT,
                         help=f"seconds each task's calls may run (default {GRADE_TIMEOUT:g})")
+    parser.add_argument("--memory-total", type=float, metavar="GIB",
+                        help="bound the memory of all the student's processes together, in "
+                             "GiB, by a memory cgroup (refused where none can be made); "
+                             "without it, each process is bounded on its own")
     parser.add_argument("--trusted", action="store_true",
-                        help="grade without the sandbox (the student's code then runs as your "
-                             "user, unisolated): only for code you trust, on a machine where "
-                             "bubblewrap cannot run")
+                        help="grade without the sandbox (the student's code then runs "
+                             "unisolated, as your user, or as root as a user of its own): only "
+                             "for code you trust, on a machine where bubblewrap cannot run")
     args = parser.parse_args(argv)
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    memory_total = None
+    if args.memory_total is not None:
+        if not (args.memory_total >= 1 / 16 and args.memory_total < 2**20):
+            parser.error(f"--memory-total must be a number of GiB from 0.0625 (64 MiB), got "
+                         f"{args.memory_total:g}")
+        memory_total = int(args.memory_total * 2**30)
     folder = pathlib.Path(args.lab_dir)
     # a lab.json that is a link still marks a lab folder: grade() then refuses to read it
     if os.path.lexists(folder / "lab.json"):
@@ -84,7 +95,8 @@ def _grade_main(argv: list) -> int:
                                                         "graded (it may be another's lab)"))
             else:
                 try:
-                    result = grade(lab_folder, timeout=args.timeout, trusted=args.trusted)
+                    result = grade(lab_folder, timeout=args.timeout, trusted=args.trusted,
+                                   memory_total=memory_total)
                 except SandboxUnavailable as error:  # the machine's, not the submission's
                     parser.error(str(error))
                 except (ValueError, RuntimeError) as error:

@@ -608,7 +608,7 @@ def _remove(path: pathlib.Path) -> None:
 
 
 def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
-          trusted: bool = False) -> dict:
+          trusted: bool = False, memory_total: int | None = None) -> dict:
     """Grade a lab folder (or a notebook lab) task by task, with a verdict computed here.
 
     The student's own files are copied into a temporary folder, without its tests,
@@ -635,11 +635,16 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
     Without a working sandbox it raises ``sandbox.SandboxUnavailable`` (naming why, and
     offering ``trusted`` only where the machine cannot run bubblewrap, not where the sandbox's
     set-up failed) unless ``trusted``: then the runner runs as your user, unisolated (the
-    verdict is still computed here). Returns ``{"lab", "tasks": {n: {"function", "status",
+    verdict is still computed here; as root, the runner runs as an unprivileged user of its
+    own where it can: see ``sandbox.run``). ``memory_total`` bounds the memory of all the
+    runner's processes together, in bytes, by a memory cgroup
+    (``sandbox.Limits.memory_total_bytes``: refused with ``SandboxUnavailable`` where none can
+    be made). Returns ``{"lab", "tasks": {n: {"function", "status",
     "tests", "passed", "messages", "cases": [{"name", "passed", "message"}]}}, "score",
     "total", "files", "format", "trusted", "seconds", "limits"}``; ``limits`` the bounds as
     applied: ``isolated``, ``task_seconds``, ``wall_seconds``, ``memory_bytes_per_process``
-    (address space, per process: nothing bounds their sum), ``file_bytes``, ``processes``,
+    (address space, per process), ``memory_bytes_total`` (``memory_total``: None where nothing
+    bounds their sum), ``file_bytes``, ``processes``,
     ``process_bound`` (what enforces it here, ``sandbox.process_limit``: it starts with "none"
     where nothing does) and the sandbox's ``notes`` (guarantees that did not hold).
     """
@@ -653,6 +658,10 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
         raise TypeError(f"trusted must be True or False, got {trusted!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if memory_total is not None and (isinstance(memory_total, bool)
+                                     or not isinstance(memory_total, int) or memory_total < 2**26):
+        raise ValueError("memory_total must be None or a number of bytes of at least 64 MiB "
+                         f"(2**26), got {memory_total!r}")
     folder = pathlib.Path(lab_dir)
     lab = _lab_of(folder)
     if not trusted:
@@ -697,13 +706,15 @@ def grade(lab_dir, *, timeout: float = GRADE_TIMEOUT, jobs: int | None = None,
         wall = 30 + rounds * (timeout + 5)
         limits = sandbox.Limits(wall_seconds=wall, cpu_seconds=math.ceil(wall),
                                 memory_bytes=MEMORY_LIMIT, file_bytes=FILE_LIMIT,
-                                processes=64)  # processes and threads of the runner, together
+                                processes=64,  # processes and threads of the runner, together
+                                memory_total_bytes=memory_total)
         # -s: no user site; the runner drops its own folder from sys.path before student code.
         # The student's folder itself is hidden: the sandbox refuses where it would show it.
         result = sandbox.run([sys.executable, "-s", "runner.py"], work, limits=limits,
                              trusted=trusted, env=_environment(), hidden=[folder])
         applied = dict(isolated=not trusted, task_seconds=float(timeout),
                        wall_seconds=float(wall), memory_bytes_per_process=MEMORY_LIMIT,
+                       memory_bytes_total=memory_total,
                        file_bytes=FILE_LIMIT, processes=limits.processes,
                        process_bound=sandbox.process_limit(trusted),
                        notes=[printable(note, 300) for note in result.notes])
@@ -749,9 +760,12 @@ def format_grade(result: dict) -> str:
     limits = result.get("limits")
     if limits:
         bound = limits["process_bound"]
+        total = limits.get("memory_bytes_total")
+        total = ("no bound on their sum" if total is None else
+                 f"{total / 2**30:.3g} GiB of memory all together, by a memory cgroup")
         lines += ["", f"limits: {limits['task_seconds']:g} s a task, {limits['wall_seconds']:g} s "
                       f"the whole run; {limits['memory_bytes_per_process'] / 2**30:g} GiB of "
-                      f"address space a process (no bound on their sum); "
+                      f"address space a process ({total}); "
                       f"{limits['file_bytes'] >> 20} MiB a file; "
                       + (f"{limits['processes']} processes and threads ({bound})"
                          if not bound.startswith("none") else

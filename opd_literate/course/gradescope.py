@@ -36,7 +36,7 @@ import time
 import zipfile
 
 from .._files import replace_atomically
-from . import labs
+from . import labs, sandbox
 from .grade import format_grade, grade, printable, walk_submission
 from .labs import (
     GRADE_TIMEOUT,
@@ -73,10 +73,13 @@ RUN_AUTOGRADER = """#!/usr/bin/env bash
 set -uo pipefail
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 PYTHON="${AUTOGRADER_PYTHON:-$ROOT/venv/bin/python}"
-# 1: no operating-system sandbox. Never for students' work: their code then runs as root
-# beside this folder (the reference solutions, the hidden tests) and results.json. It is for
-# checking the harness itself on code you wrote.
+# 1: no operating-system sandbox, for checking the harness itself on code you wrote. The
+# student's code then runs as a user of its own (this script runs as root), which cannot enter
+# source/ (the reference solutions, the hidden tests) or write results/, but reads what every
+# user may read and uses the network: not for students' work.
 export AUTOGRADER_TRUSTED="${AUTOGRADER_TRUSTED:-0}"
+# A number of GiB: the memory of all the student's processes together, by a memory cgroup.
+export AUTOGRADER_MEMORY_TOTAL_GIB="${AUTOGRADER_MEMORY_TOTAL_GIB:-}"
 # `-m opd_literate.course` drops the current folder from sys.path before it imports anything.
 cd "$ROOT" && PYTHONPATH="$ROOT/source" exec "$PYTHON" -m opd_literate.course gradescope "$ROOT"
 """
@@ -338,12 +341,22 @@ def results(lab: Lab, report: dict, collected, seconds: float, hidden=()) -> dic
 
 
 def _grade_options() -> dict:
-    """``trusted`` for a grader that has it (``AUTOGRADER_TRUSTED=1``: no OS sandbox)."""
-    import inspect
-
-    if "trusted" in inspect.signature(grade).parameters:
-        return {"trusted": os.environ.get("AUTOGRADER_TRUSTED") == "1"}
-    return {}
+    """``trusted`` (``AUTOGRADER_TRUSTED=1``: no OS sandbox) and ``memory_total``
+    (``AUTOGRADER_MEMORY_TOTAL_GIB``, a number of GiB) for ``grade``."""
+    options = {"trusted": os.environ.get("AUTOGRADER_TRUSTED") == "1"}
+    problem = sandbox.run_user_problem() if options["trusted"] else None
+    if problem is not None:  # the student's code would see source/, reference included
+        raise ValueError("AUTOGRADER_TRUSTED=1 cannot keep the reference solutions and the "
+                         f"hidden tests from the submission here ({problem}); grade it in the "
+                         "sandbox (bubblewrap) instead")
+    total = os.environ.get("AUTOGRADER_MEMORY_TOTAL_GIB", "").strip()
+    if total:
+        try:
+            options["memory_total"] = int(float(total) * 2**30)
+        except ValueError:
+            raise ValueError(f"AUTOGRADER_MEMORY_TOTAL_GIB must be a number of GiB, got "
+                             f"{printable(total, 50)!r}") from None
+    return options
 
 
 def run(root) -> dict:
@@ -361,6 +374,12 @@ def run(root) -> dict:
     (root / "results").mkdir(parents=True, exist_ok=True)
     print(f"grading lab {lab.name} with opd_literate from {PACKAGE}", flush=True)
     try:
+        # Before any student code runs: source/ (the reference solutions, the hidden tests)
+        # is this user's alone, and results/ only this user's to write. The sandbox shows
+        # neither; the trusted mode as root runs the student's code as another user, whom
+        # these modes keep out.
+        os.chmod(root / "source", 0o700)
+        os.chmod(root / "results", 0o755)
         with tempfile.TemporaryDirectory(prefix="opd-submission-") as tmp:
             folder = pathlib.Path(tmp) / lab.name
             folder.mkdir()

@@ -73,7 +73,7 @@ import time
 import uuid
 
 __all__ = ["SANDBOX_DIR", "SandboxUnavailable", "Limits", "Result", "unavailable_reason",
-           "refusal_message", "python_roots", "process_limit", "run"]
+           "refusal_message", "python_roots", "process_limit", "run_user_problem", "run"]
 
 SANDBOX_DIR = "/sandbox"
 """Where ``workdir`` is mounted inside the sandbox, and the command's working directory."""
@@ -88,16 +88,17 @@ _CGROUP_PREFIX = "opd-sandbox"
 # (only a process that left the sandbox's control can hold them: see the trusted mode).
 _DRAIN_SECONDS = 1.0
 
-# Runs before the command, with the standard library only (``python -I -S``): joins the pids
-# cgroup, sets the resource limits, then runs the command. With a status descriptor it stays
+# Runs before the command, with the standard library only (``python -I -S``): joins the run's
+# cgroups, sets the resource limits, becomes the run's own user where it is given one (the
+# trusted mode as root), then runs the command. With a status descriptor it stays
 # as the command's parent and writes the command's wait status there, so that a command killed
 # by a signal is told from one that exited with status 128 + N.
 _LAUNCHER = r"""
 import json, os, resource, sys
 config = json.loads(sys.argv[1])
 command = sys.argv[2:]
-if config["cgroup_procs"]:
-    with open(config["cgroup_procs"], "w") as procs:
+for path in config["cgroup_procs"]:
+    with open(path, "w") as procs:
         procs.write(str(os.getpid()))
 for name, (soft, hard) in config["rlimits"].items():
     which = getattr(resource, name)
@@ -105,6 +106,25 @@ for name, (soft, hard) in config["rlimits"].items():
     if allowed != resource.RLIM_INFINITY:
         soft, hard = min(soft, allowed), min(hard, allowed)
     resource.setrlimit(which, (soft, hard))
+if config.get("user") is not None:
+    # Groups first, the user last: once the user is no longer root, neither can change.
+    uid, gid = config["user"]
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getuid() != uid or os.geteuid() != uid or os.getgroups():
+        os._exit(126)
+if config.get("kill_user"):
+    # As the run's user, kill(-1) signals every process of that user and never this one.
+    import errno, signal
+    for _ in range(100):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError as error:
+            if error.errno == errno.ESRCH:
+                break
+            raise
+    os._exit(0)
 def execute():
     try:
         os.execv(command[0], command)
@@ -139,6 +159,11 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
+# The trusted mode as root runs the command as a user of the run's own: an id from this range
+# that no account names and no process holds (``_run_user``).
+_RUN_USERS = range(0x70000000, 0x70000000 + 0x10000)
+
+
 class SandboxUnavailable(RuntimeError):
     """The operating-system sandbox cannot run here; the message says why."""
 
@@ -149,8 +174,9 @@ class Limits:
 
     Every limit holds for each process of the sandbox (``setrlimit`` is per process), except
     ``processes`` (all of them together, see
-    [process_limit][opd_literate.course.sandbox.process_limit]), ``wall_seconds`` (the whole
-    run) and ``output_bytes`` (each of standard output and standard error).
+    [process_limit][opd_literate.course.sandbox.process_limit]), ``memory_total_bytes`` (all
+    of them together, where asked for), ``wall_seconds`` (the whole run) and ``output_bytes``
+    (each of standard output and standard error).
     """
 
     wall_seconds: float = 60.0
@@ -168,6 +194,13 @@ class Limits:
     ``env``, or numpy's and torch's thread pools may not start."""
     output_bytes: int = 1 * 2**20
     """Bytes kept of standard output, and of standard error; the rest is discarded."""
+    memory_total_bytes: int | None = None
+    """Memory of all the run's processes together, or None (not bounded): their pages and what
+    they write to its ``/tmp`` and ``/dev/shm``, swap included, by a memory cgroup of the run's
+    own (``memory.max`` and ``memory.swap.max`` in cgroup v2, ``memory.limit_in_bytes`` and
+    ``memory.memsw.limit_in_bytes`` in v1); past it the kernel kills one of them (``SIGKILL``).
+    Where it is set and this process cannot make such a cgroup,
+    [run][opd_literate.course.sandbox.run] raises ``SandboxUnavailable``."""
 
     def __post_init__(self):
         wall = self.wall_seconds
@@ -181,6 +214,14 @@ class Limits:
                 raise TypeError(f"Limits.{field} must be an int, got {type(value).__name__}")
             if value <= 0:
                 raise ValueError(f"Limits.{field} must be positive, got {value}")
+        total = self.memory_total_bytes
+        if total is not None:
+            if isinstance(total, bool) or not isinstance(total, int):
+                raise TypeError("Limits.memory_total_bytes must be an int or None, got "
+                                f"{type(total).__name__}")
+            if total < 2**20:
+                raise ValueError("Limits.memory_total_bytes must be at least 1 MiB (2**20), "
+                                 f"got {total}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -776,8 +817,8 @@ def _bwrap_command(bwrap: str, argv: list[str], workdir: pathlib.Path, limits: L
     # once the mount points exist, so that only /tmp, /dev/shm and /sandbox can be written.
     for folder in (*mask_folders, pathlib.Path("/dev"), pathlib.Path("/")):
         command += ["--remount-ro", str(folder)]
-    launcher = {"cgroup_procs": None, "rlimits": _rlimits(limits, inside_user_namespace=True),
-                "status_fd": status_fd}
+    launcher = {"cgroup_procs": [], "rlimits": _rlimits(limits, inside_user_namespace=True),
+                "status_fd": status_fd, "user": None}
     command += ["--", sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher), *argv]
     return command, fds, roots
 
@@ -812,32 +853,37 @@ def _tasks_of_user(uid: int) -> int:
     return count
 
 
-def _rlimits(limits: Limits, inside_user_namespace: bool) -> dict[str, tuple[int, int]]:
-    """The ``setrlimit`` (soft, hard) values, by ``resource`` name."""
+def _rlimits(limits: Limits, inside_user_namespace: bool,
+             uid: int | None = None) -> dict[str, tuple[int, int]]:
+    """The ``setrlimit`` (soft, hard) values, by ``resource`` name, for a command that runs as
+    ``uid`` (default: this process's user)."""
+    uid = os.getuid() if uid is None else uid
     rlimits = {"RLIMIT_AS": (limits.memory_bytes,) * 2, "RLIMIT_FSIZE": (limits.file_bytes,) * 2,
                # SIGXCPU at the soft limit; SIGKILL a second later, if it was caught or ignored.
                "RLIMIT_CPU": (limits.cpu_seconds, limits.cpu_seconds + 1),
                "RLIMIT_CORE": (0, 0)}
-    if os.getuid() != 0:
+    if uid != 0:
         # RLIMIT_NPROC counts the processes of the real user: in the sandbox's own user
         # namespace only its own (Linux 5.14+), elsewhere every process of the user, which
         # the limit must then leave room for.
         processes = limits.processes
         if not (inside_user_namespace and _kernel_counts_processes_per_user_namespace()):
-            processes += _tasks_of_user(os.getuid())
+            processes += _tasks_of_user(uid)
         rlimits["RLIMIT_NPROC"] = (processes, processes)
     return rlimits
 
 
-def _pids_cgroup_parent() -> pathlib.Path | None:
-    """A pids cgroup (v2, or v1's pids hierarchy) in which this process may create a child."""
+def _cgroup_parents(controller: str) -> list[pathlib.Path]:
+    """The cgroups of this process in which it may create a child that ``controller``
+    (``"pids"``, ``"memory"``) governs: cgroup v2 where the controller is enabled for children,
+    or v1's hierarchy of that controller."""
     try:
         with open("/proc/self/cgroup") as own:
             memberships = [line.rstrip("\n").split(":", 2) for line in own]
         with open("/proc/self/mounts") as mounts:
             mounted = [line.split() for line in mounts]
     except OSError:
-        return None
+        return []
     candidates = []
     for _, controllers, path in memberships:
         for fields in mounted:
@@ -848,37 +894,73 @@ def _pids_cgroup_parent() -> pathlib.Path | None:
                     available = (folder / "cgroup.subtree_control").read_text().split()
                 except OSError:
                     continue
-                if "pids" in available:
+                if controller in available:
                     candidates.append(folder)
-            elif kind == "cgroup" and "pids" in controllers.split(",") \
-                    and "pids" in mount_options:
+            elif kind == "cgroup" and controller in controllers.split(",") \
+                    and controller in mount_options:
                 candidates.append(pathlib.Path(mount_point + path))
-    for folder in candidates:
-        if os.access(folder, os.W_OK):
-            return folder
-    return None
+    return [folder for folder in candidates if os.access(folder, os.W_OK)]
 
 
-class _PidsCgroup:
-    """A child cgroup whose ``pids.max`` bounds every process started in it."""
+def _pids_cgroup_parent() -> pathlib.Path | None:
+    """A pids cgroup (v2, or v1's pids hierarchy) in which this process may create a child."""
+    parents = _cgroup_parents("pids")
+    return parents[0] if parents else None
 
-    def __init__(self, parent: pathlib.Path, processes: int):
-        self.folder = parent / f"{_CGROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
-        self.folder.mkdir()
+
+def _memory_cgroup_parent() -> pathlib.Path | None:
+    """A memory cgroup (v2, or v1's memory hierarchy) in which this process may create a
+    child."""
+    parents = _cgroup_parents("memory")
+    return parents[0] if parents else None
+
+
+class _Cgroup:
+    """The run's own cgroups, one a hierarchy (one in all for cgroup v2): ``pids.max`` bounds
+    every process started in them, and the memory limit, where asked for, their memory."""
+
+    def __init__(self, pids_parent: pathlib.Path | None, processes: int,
+                 memory_parent: pathlib.Path | None = None, memory_bytes: int | None = None):
+        name = f"{_CGROUP_PREFIX}-{uuid.uuid4().hex[:12]}"
+        self.folders = []
         try:
-            (self.folder / "pids.max").write_text(str(processes))
+            parents = [parent for parent in (pids_parent, memory_parent) if parent is not None]
+            for parent in dict.fromkeys(parents):  # v2: one folder for both
+                (parent / name).mkdir()
+                self.folders.append(parent / name)
+            if pids_parent is not None:
+                (pids_parent / name / "pids.max").write_text(str(processes))
+            if memory_parent is not None:
+                self._limit_memory(memory_parent / name, memory_bytes)
         except OSError:
-            self.folder.rmdir()
+            self.remove()
             raise
-        self.procs = self.folder / "cgroup.procs"
+        self.procs = [folder / "cgroup.procs" for folder in self.folders]
+
+    @staticmethod
+    def _limit_memory(folder: pathlib.Path, memory_bytes: int):
+        if (folder / "memory.max").exists():  # v2; swap is a limit of its own there
+            (folder / "memory.max").write_text(str(memory_bytes))
+            if (folder / "memory.swap.max").exists():
+                (folder / "memory.swap.max").write_text("0")
+        else:  # v1: memory and swap together may not exceed the same number
+            (folder / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            if (folder / "memory.memsw.limit_in_bytes").exists():
+                (folder / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+
+    def _pids(self) -> set[int]:
+        pids = set()
+        for folder in self.folders:
+            try:
+                pids.update(int(pid) for pid in (folder / "cgroup.procs").read_text().split())
+            except OSError:
+                continue
+        return pids
 
     def kill_all(self):
-        """SIGKILL whatever is left in it, until it is empty (a process may be forking)."""
+        """SIGKILL whatever is left in them, until they are empty (a process may be forking)."""
         for _ in range(100):
-            try:
-                pids = [int(pid) for pid in self.procs.read_text().split()]
-            except OSError:
-                return
+            pids = self._pids()
             if not pids:
                 return
             for pid in pids:
@@ -890,14 +972,15 @@ class _PidsCgroup:
 
     def remove(self):
         self.kill_all()
-        for _ in range(100):
-            try:
-                self.folder.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.01)  # the last processes are still being reaped
+        for folder in self.folders:
+            for _ in range(100):
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)  # the last processes are still being reaped
 
 
 def _remove_stale_cgroups(parent: pathlib.Path):
@@ -914,15 +997,37 @@ def _remove_stale_cgroups(parent: pathlib.Path):
             continue
 
 
-def _open_cgroup(limits: Limits) -> _PidsCgroup | None:
-    parent = _pids_cgroup_parent()
-    if parent is None:
+def _open_cgroup(limits: Limits) -> _Cgroup | None:
+    """The run's cgroups: a pids cgroup where one can be made (else None, and the process count
+    is bounded otherwise or not at all), with the memory cgroup that ``memory_total_bytes``
+    asks for; SandboxUnavailable where that one cannot be made."""
+    pids_parent = _pids_cgroup_parent()
+    memory_parent = None
+    if limits.memory_total_bytes is not None:
+        memory_parent = _memory_cgroup_parent()
+        if memory_parent is None:
+            raise SandboxUnavailable(
+                f"cannot bound the run's total memory (Limits.memory_total_bytes="
+                f"{limits.memory_total_bytes}): this process may create no memory cgroup here "
+                "(run as root, or in a cgroup v2 subtree delegated to this user with the memory "
+                "controller enabled), or run without the total bound")
+    if pids_parent is None and memory_parent is None:
         return None
-    _remove_stale_cgroups(parent)
+    for parent in {pids_parent, memory_parent} - {None}:
+        _remove_stale_cgroups(parent)
     try:
-        return _PidsCgroup(parent, limits.processes)
-    except OSError:
-        return None
+        return _Cgroup(pids_parent, limits.processes, memory_parent,
+                       limits.memory_total_bytes)
+    except OSError as error:
+        if memory_parent is not None:
+            raise SandboxUnavailable(f"cannot bound the run's total memory: making its cgroup "
+                                     f"under {memory_parent} failed ({error})") from None
+        if pids_parent is None:
+            return None
+        try:
+            return _Cgroup(pids_parent, limits.processes)
+        except OSError:
+            return None
 
 
 def process_limit(trusted: bool = False) -> str:
@@ -931,9 +1036,11 @@ def process_limit(trusted: bool = False) -> str:
     In order of preference: a pids cgroup of its own (where this process may create one: as
     root, or in a delegated cgroup); else ``RLIMIT_NPROC`` in the sandbox's own user namespace
     (a user other than root, Linux 5.14 or later: the limit counts the sandbox's processes
-    only); else ``RLIMIT_NPROC`` over all the user's processes, raised by the number the user
-    runs when the run starts. As root without a pids cgroup nothing bounds it (the kernel does
-    not apply ``RLIMIT_NPROC`` to root), though every process still dies with the sandbox.
+    only); else, in the trusted mode as root, ``RLIMIT_NPROC`` of the run's own user (whose
+    only processes are the run's); else ``RLIMIT_NPROC`` over all the user's processes, raised
+    by the number the user runs when the run starts. A sandboxed run as root without a pids
+    cgroup has nothing that bounds it (the kernel does not apply ``RLIMIT_NPROC`` to root, the
+    sandbox's user inside), though every process still dies with the sandbox.
 
     Parameters
     ----------
@@ -948,6 +1055,8 @@ def process_limit(trusted: bool = False) -> str:
     parent = _pids_cgroup_parent()
     if parent is not None:
         return f"pids cgroup (pids.max under {parent})"
+    if os.getuid() == 0 and trusted and run_user_problem() is None:
+        return "RLIMIT_NPROC of the run's own unprivileged user"
     if os.getuid() == 0:
         return "none: running as root, without a pids cgroup this process may create"
     if not trusted and _kernel_counts_processes_per_user_namespace():
@@ -1028,7 +1137,12 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
         limits and scrubbed environment, only for code that is trusted: nothing stops it from
         reading or writing any file the user may, using the network, or leaving a process that
         put itself in a new session behind (unless a pids cgroup is available, which is
-        emptied).
+        emptied). As root, the command runs as a user of the run's own (an id no account names
+        and no process holds, no supplementary groups), to whom ``workdir`` is given: it reads
+        and writes only what every user may (and ``workdir``), cannot signal or trace this
+        process, and every process of that user is killed when the run ends; where that user
+        could not run this interpreter, it runs as root, and a note says why
+        ([run_user_problem][opd_literate.course.sandbox.run_user_problem]).
     env : dict of str to str, optional
         Variables for the command, over a minimal ``PATH``, ``HOME`` and ``TMPDIR`` (``/tmp``)
         and ``LANG``; nothing of the caller's environment is passed.
@@ -1066,10 +1180,17 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
     """
     argv, workdir, env = _check_arguments(argv, workdir, limits, env)
     hidden = _check_hidden(hidden)
-    notes = []
+    notes, user = [], None
     if trusted:
         notes.append("trusted: a plain process, no filesystem, network or PID isolation")
-        rlimits = _rlimits(limits, inside_user_namespace=False)
+        problem = run_user_problem()
+        if problem is None:
+            user = _run_user()
+            notes.append(f"trusted as root: run as a user of its own (id {user}, no groups), "
+                         "who reads what every user may read")
+        elif os.getuid() == 0:
+            notes.append(f"trusted as root, and run as root: {problem}")
+        rlimits = _rlimits(limits, inside_user_namespace=False, uid=user)
         command_prefix, fds, roots, status_read, info_read = None, [], [], None, None
     else:
         bwrap = _bwrap_path()
@@ -1099,8 +1220,9 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
     if cgroup is None and os.getuid() == 0:
         notes.append("process count not bounded: running as root (the kernel does not apply "
                      "RLIMIT_NPROC to root) without a pids cgroup this process may create")
-    launcher = {"cgroup_procs": str(cgroup.procs) if cgroup else None,
-                "rlimits": rlimits or {}, "status_fd": None}
+    launcher = {"cgroup_procs": [str(procs) for procs in cgroup.procs] if cgroup else [],
+                "rlimits": rlimits or {}, "status_fd": None,
+                "user": [user, user] if user is not None else None}
     launcher_argv = [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher)]
     if trusted:
         command = [*launcher_argv, *argv]
@@ -1110,6 +1232,8 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
         command = [*launcher_argv, *command_prefix] if cgroup else command_prefix
         extra_paths = [str(root) for root in roots if _is_extra_site(root)]
     try:
+        if user is not None:
+            _give(workdir, user)
         return _supervise(command, workdir, limits, fds, status_read, info_read, cgroup,
                           _base_env(env, extra_paths), sandboxed=not trusted,
                           notes=tuple(notes))
@@ -1117,8 +1241,115 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
         for fd in (*fds, status_read, info_read):
             if fd is not None:
                 os.close(fd)
+        if user is not None:
+            _kill_user(user)
         if cgroup is not None:
             cgroup.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# The trusted mode as root: a user of the run's own.
+
+
+def _process_uids() -> set[int]:
+    """Every user id (real, effective, saved, file system) a process on the machine holds."""
+    held = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as status:
+                for line in status:
+                    if line.startswith("Uid:"):
+                        held.update(int(field) for field in line.split()[1:])
+                        break
+        except (OSError, ValueError):
+            continue
+    return held
+
+
+def _run_user() -> int:
+    """An id in ``_RUN_USERS`` that no account or group names and no process holds, starting
+    from one this process's id picks (two graders at once start apart)."""
+    import grp
+    import pwd
+
+    held = _process_uids()
+    first = os.getpid() % len(_RUN_USERS)
+    for step in range(len(_RUN_USERS)):
+        uid = _RUN_USERS[(first + step) % len(_RUN_USERS)]
+        if uid in held:
+            continue
+        try:
+            pwd.getpwuid(uid)
+            continue
+        except KeyError:
+            pass
+        try:
+            grp.getgrgid(uid)
+            continue
+        except KeyError:
+            return uid
+    raise SandboxUnavailable(f"no free user id for the trusted mode in {_RUN_USERS}")
+
+
+def run_user_problem() -> str | None:
+    """Why a ``trusted=True`` run cannot run its command as a user of its own here, or None.
+
+    As root it can, where a user without privileges may run this interpreter (every folder on
+    its path, and its standard library, readable by every user); otherwise the command runs as
+    this process's user, and reads and writes what that user may. A caller that must keep
+    files from the command (the Gradescope harness: the reference solutions) refuses the
+    trusted mode where this is not None."""
+    if os.getuid() != 0:
+        return "not running as root: the command runs as this user"
+    return _unprivileged_python_problem()
+
+
+@functools.cache
+def _unprivileged_python_problem() -> str | None:
+    """Why a user without privileges cannot run this interpreter, or None (checked once a
+    process, as root)."""
+    uid = _run_user()
+    launcher = {"cgroup_procs": [], "rlimits": {}, "status_fd": None, "user": [uid, uid]}
+    try:
+        probe = subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher),
+                                sys.executable, "-I", "-c", "import json, os, resource"],
+                               cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                               timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"cannot check the trusted mode's unprivileged user: {error}"
+    finally:
+        _kill_user(uid)
+    if probe.returncode != 0:
+        said = probe.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        return (f"a user without privileges cannot run {sys.executable} (exit "
+                f"{probe.returncode}: {said[0][:200]}); a Python environment where every user "
+                "may read it (not under /root or another folder of mode 0700) lets the trusted "
+                "mode run the command as a user of its own")
+    return None
+
+
+def _give(workdir: pathlib.Path, uid: int):
+    """``workdir`` and everything in it to ``uid`` (user and group), no link followed."""
+    os.lchown(workdir, uid, uid)
+    for folder, names, files in os.walk(workdir):  # os.walk does not enter linked folders
+        for name in names + files:
+            os.lchown(os.path.join(folder, name), uid, uid)
+
+
+def _kill_user(uid: int):
+    """SIGKILL every process of ``uid``: the launcher, started as root, becomes that user and
+    kills them (it needs no file that user may not read)."""
+    launcher = {"cgroup_procs": [], "rlimits": {}, "status_fd": None, "user": [uid, uid],
+                "kill_user": True}
+    try:
+        subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher)],
+                       cwd="/",
+                       env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
 def _is_extra_site(root: pathlib.Path) -> bool:
@@ -1282,7 +1513,7 @@ class _FirstProcess:
             self.pidfd = None
 
 
-def _kill(process: subprocess.Popen, first: _FirstProcess, cgroup: _PidsCgroup | None):
+def _kill(process: subprocess.Popen, first: _FirstProcess, cgroup: _Cgroup | None):
     """SIGKILL what is left of the run: the sandbox's first process, the session, the cgroup.
 
     The sandbox's first process is killed first: the kernel then kills every process of its

@@ -418,11 +418,21 @@ def test_the_runner_runs_under_the_limits_stated_and_its_failure_is_every_tasks_
     assert seen["hidden"] == [folder]  # the sandbox refuses where it would show the folder
     applied = result["limits"]
     assert applied == dict(isolated=True, task_seconds=10.0, wall_seconds=60.0,
-                           memory_bytes_per_process=2 << 30, file_bytes=256 << 20,
-                           processes=64, process_bound=sandbox.process_limit(False), notes=[])
+                           memory_bytes_per_process=2 << 30, memory_bytes_total=None,
+                           file_bytes=256 << 20, processes=64,
+                           process_bound=sandbox.process_limit(False), notes=[])
+    assert limits.memory_total_bytes is None
     text = grader.format_grade(result)
     assert ("limits: 10 s a task, 60 s the whole run; 2 GiB of address space a process (no "
             "bound on their sum); 256 MiB a file; ") in text
+    bounded = grader.grade(folder, timeout=10, memory_total=3 << 29)
+    assert seen["limits"].memory_total_bytes == 3 << 29
+    assert bounded["limits"]["memory_bytes_total"] == 3 << 29
+    assert ("2 GiB of address space a process (1.5 GiB of memory all together, by a memory "
+            "cgroup)") in grader.format_grade(bounded)
+    for wrong in (2**20, 1.5 * 2**30, True):
+        with pytest.raises(ValueError, match="memory_total must be None or a number of bytes"):
+            grader.grade(folder, memory_total=wrong)
     assert ("processes not bounded" in text) == applied["process_bound"].startswith("none")
     # standard error is the student's to write: none of it speaks in the report
     for task in result["tasks"].values():

@@ -206,9 +206,19 @@ def _autograder_root(handout, tmp_path, submission_files):
 
 
 def _run_autograder(root):
+    """run_autograder as Gradescope runs it: in the sandbox where bubblewrap works here, else in
+    the trusted mode where that can keep source/ from the submission (as root, with a Python
+    every user may run), else skipped: the harness refuses to grade there."""
+    from opd_literate.course import sandbox
+
+    trusted = sandbox.unavailable_reason() is not None
+    if trusted and sandbox.run_user_problem() is not None:
+        pytest.skip(f"no sandbox here ({sandbox.unavailable_reason()}), and the trusted mode "
+                    f"could not keep the reference from the submission "
+                    f"({sandbox.run_user_problem()})")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(AUTOGRADER_ROOT=str(root), AUTOGRADER_PYTHON=sys.executable,
-               AUTOGRADER_TRUSTED="1")
+               AUTOGRADER_TRUSTED="1" if trusted else "0")
     run = subprocess.run([str(root / "source" / "run_autograder")], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -216,6 +226,9 @@ def _run_autograder(root):
     assert f"opd_literate from {root / 'source' / 'opd_literate'}" in run.stdout, run.stdout
     data = json.loads((root / "results" / "results.json").read_text())
     assert_gradescope_results(data)
+    # closed before the student's code ran: the reference and the hidden tests are in source/
+    assert stat.S_IMODE((root / "source").stat().st_mode) == 0o700
+    assert stat.S_IMODE((root / "results").stat().st_mode) == 0o755
     return data
 
 
@@ -352,3 +365,24 @@ def test_no_visible_test_sees_a_hidden_input_and_the_output_names_no_hidden_test
     assert all("HIDDEN SEEN" in t["output"] for t in hidden)  # the hidden run has its own
     assert "hidden" not in data["output"].replace("no hidden input here", "")
     assert "HIDDEN SEEN" not in data["output"]
+
+
+def test_the_trusted_mode_is_refused_where_it_cannot_keep_the_reference_out(
+        handout, tmp_path, monkeypatch):
+    """AUTOGRADER_TRUSTED=1 where the student's code would run as the grader's own user (not
+    root, or a Python no other user may run): not graded, and nothing of it ran."""
+    from opd_literate.course import sandbox
+
+    root = _autograder_root(handout, tmp_path, {
+        "opd.py": "open(__file__ + '.ran', 'w')\n" + _opd_student({1, 2, 3})})
+    monkeypatch.setenv("AUTOGRADER_TRUSTED", "1")
+    monkeypatch.setattr(sandbox, "run_user_problem",
+                        lambda: "not running as root: the command runs as this user")
+    data = gradescope.run(root)
+    assert_gradescope_results(data)
+    assert data["score"] == 0 and data["tests"] == []
+    assert data["output"].startswith("not graded: AUTOGRADER_TRUSTED=1 cannot keep the "
+                                     "reference solutions and the hidden tests"), data["output"]
+    assert "not running as root" in data["output"]
+    assert not list(tmp_path.rglob("*.ran"))
+    assert stat.S_IMODE((root / "source").stat().st_mode) == 0o700

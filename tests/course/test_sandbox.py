@@ -901,13 +901,14 @@ def test_a_signal_is_told_from_an_exit_status(workdir):
                     reason="needs a pids cgroup this process may create")
 def test_the_runs_cgroup_is_removed_after_it(workdir, monkeypatch):
     created = []
-    original = sandbox._PidsCgroup.__init__
+    original = sandbox._Cgroup.__init__
 
-    def recording(self, parent, processes):
-        original(self, parent, processes)
-        created.append((self.folder, (self.folder / "pids.max").read_text().strip()))
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        created.extend((folder, (folder / "pids.max").read_text().strip())
+                       for folder in self.folders)
 
-    monkeypatch.setattr(sandbox._PidsCgroup, "__init__", recording)
+    monkeypatch.setattr(sandbox._Cgroup, "__init__", recording)
     result = sandbox.run([sys.executable, "-c", "pass"], workdir, limits=QUICK)
     assert result.returncode == 0, result.stderr
     assert [(folder.exists(), limit) for folder, limit in created] == [
