@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import platform
 import resource
 import subprocess
@@ -134,7 +133,6 @@ def main(argv=None) -> None:
     has_trl = importlib.util.find_spec("trl") is not None
     if has_trl:
         runs["trl"] = []
-    load_before = os.getloadavg()[0]  # other work on the machine slows both variants
     for _ in range(args.repeats):
         for variant in runs:
             command = [sys.executable, __file__, "--child", variant,
@@ -146,9 +144,7 @@ def main(argv=None) -> None:
     print(f"bench_large_vocab: {sizes['tokens']:,} tokens, V = {sizes['vocab']:,}, "
           f"H = {sizes['hidden']:,}, float32, CPU ({platform.processor() or platform.machine()}),"
           f" torch {first['torch']}{versions}, {first['threads']} threads, "
-          f"chunk_size {args.chunk_size}, "
-          f"best of {args.repeats}; load average {load_before:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after")
+          f"chunk_size {args.chunk_size}, best of {args.repeats}")
     print(f"{'variant':<10}{'loss':>12}{'added peak RSS (MiB)':>24}{'forward+backward (s)':>24}")
     best = {}
     for variant, results in runs.items():

@@ -541,11 +541,19 @@ def _task_status(task: int, task_cases: list, outcome: dict) -> dict:
                        for c in judged])
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
+
+
 def _remove(path: pathlib.Path) -> None:
     """Remove a grading folder whatever the student's code did to it: any permissions, links
     (removed, never followed), a folder nested thousands of levels deep. It walks down and up
-    with one open folder at a time (``..`` from the folder it is in: every process of the grade
-    has ended, nothing moves), so depth costs neither recursion, nor open files, nor a path."""
+    with one open folder at a time (``..`` from the folder it is in), so depth costs neither
+    recursion, nor open files, nor a path. Every process of the grade has ended by then; should
+    one have survived and moved a folder out from under the walk, the way up no longer leads
+    to the folder it came down from (its device and inode are checked at each level), and the
+    removal stops there rather than walk out of the grading folder."""
     directory = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
         fd = os.open(path, directory)
@@ -556,6 +564,7 @@ def _remove(path: pathlib.Path) -> None:
             pass
         return
     names, skipped = [], [set()]  # the way down; per level, what could not be removed
+    identities = [_identity(fd)]  # (device, inode) of each folder on the way down
     while True:
         try:
             os.fchmod(fd, 0o700)  # a folder the student made unwritable or unreadable
@@ -586,6 +595,7 @@ def _remove(path: pathlib.Path) -> None:
             fd = inner
             names.append(child)
             skipped.append(set())
+            identities.append(_identity(fd))
             continue
         if not names:
             os.close(fd)
@@ -595,6 +605,10 @@ def _remove(path: pathlib.Path) -> None:
         finally:
             os.close(fd)
         fd = parent
+        identities.pop()
+        if _identity(fd) != identities[-1]:  # moved away: ".." is no longer the way back
+            os.close(fd)
+            return
         skipped.pop()
         name = names.pop()
         try:

@@ -114,17 +114,6 @@ if config.get("user") is not None:
     os.setresuid(uid, uid, uid)
     if os.getuid() != uid or os.geteuid() != uid or os.getgroups():
         os._exit(126)
-if config.get("kill_user"):
-    # As the run's user, kill(-1) signals every process of that user and never this one.
-    import errno, signal
-    for _ in range(100):
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError as error:
-            if error.errno == errno.ESRCH:
-                break
-            raise
-    os._exit(0)
 def execute():
     try:
         os.execv(command[0], command)
@@ -348,7 +337,7 @@ def _one_line(stderr: bytes, returncode: int) -> str:
 
 def _passing(what: str, error: BaseException) -> _Transient:
     return _Transient(
-        f"{what} ({error}): a passing failure of this machine (too many open files or "
+        f"{what} ({error}): a passing failure of the machine (too many open files or "
         "processes, too little memory, or a probe that took more than 30 s), not a missing "
         "feature; try again")
 
@@ -412,7 +401,7 @@ def _probe(bwrap: str) -> str | None:
         if allowed is None:
             return (f"bwrap creates the sandbox's namespaces here, but fails with "
                     f"--disable-userns ({error}), its option that keeps the sandbox from "
-                    "creating user namespaces of its own: this machine does not let bwrap set "
+                    "creating user namespaces of its own: the machine does not let bwrap set "
                     "user.max_user_namespaces for it, as some containers do not (Incus or "
                     "LXD, say)")
     user_error = _start([bwrap, "--unshare-user", "--ro-bind", "/", "/", "--", *python])
@@ -1140,7 +1129,8 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
         emptied). As root, the command runs as a user of the run's own (an id no account names
         and no process holds, no supplementary groups), to whom ``workdir`` is given: it reads
         and writes only what every user may (and ``workdir``), cannot signal or trace this
-        process, and every process of that user is killed when the run ends; where that user
+        process; every process of that user is killed when the run ends, and what it left at
+        the top of ``/tmp``, ``/var/tmp`` and ``/dev/shm`` is removed; where that user
         could not run this interpreter, it runs as root, and a note says why
         ([run_user_problem][opd_literate.course.sandbox.run_user_problem]).
     env : dict of str to str, optional
@@ -1243,6 +1233,7 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
                 os.close(fd)
         if user is not None:
             _kill_user(user)
+            _remove_files_of(user, keep=workdir)
         if cgroup is not None:
             cgroup.remove()
 
@@ -1268,14 +1259,18 @@ def _process_uids() -> set[int]:
     return held
 
 
+_USED_RUN_USERS: set[int] = set()  # ids this process gave a run: never given twice
+
+
 def _run_user() -> int:
-    """An id in ``_RUN_USERS`` that no account or group names and no process holds, starting
-    from one this process's id picks (two graders at once start apart)."""
+    """An id in ``_RUN_USERS`` that no account or group names, no process holds and this process
+    never gave before, from a random start (two graders at once start apart)."""
     import grp
     import pwd
+    import secrets
 
-    held = _process_uids()
-    first = os.getpid() % len(_RUN_USERS)
+    held = _process_uids() | _USED_RUN_USERS
+    first = secrets.randbelow(len(_RUN_USERS))
     for step in range(len(_RUN_USERS)):
         uid = _RUN_USERS[(first + step) % len(_RUN_USERS)]
         if uid in held:
@@ -1289,6 +1284,7 @@ def _run_user() -> int:
             grp.getgrgid(uid)
             continue
         except KeyError:
+            _USED_RUN_USERS.add(uid)
             return uid
     raise SandboxUnavailable(f"no free user id for the trusted mode in {_RUN_USERS}")
 
@@ -1338,18 +1334,110 @@ def _give(workdir: pathlib.Path, uid: int):
             os.lchown(os.path.join(folder, name), uid, uid)
 
 
-def _kill_user(uid: int):
-    """SIGKILL every process of ``uid``: the launcher, started as root, becomes that user and
-    kills them (it needs no file that user may not read)."""
-    launcher = {"cgroup_procs": [], "rlimits": {}, "status_fd": None, "user": [uid, uid],
-                "kill_user": True}
+def _processes_of(uid: int) -> dict[int, str]:
+    """The processes that hold ``uid`` (real, effective, saved or file system), with their state
+    letter (``T`` stopped, ``Z`` a zombie, ...), from ``/proc``."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            if uid in (int(field) for field in fields["Uid"].split()):
+                found[int(entry.name)] = fields["State"].split()[0]
+        except (OSError, KeyError, ValueError):
+            continue
+    return found
+
+
+def _kill_user(uid: int, rounds: int = 10_000):
+    """Kill every process of ``uid``, from this (root) process, however they fork.
+
+    A process of that user may fork and exit over and over, and kill what the user runs (a
+    ``kill(-1)`` sent as that user would reach the sender too). So each round stops
+    (``SIGSTOP``, which cannot be caught) every one still running: a stopped process creates
+    none. Once a round finds all of them stopped or ended, they are killed, and the rounds go on
+    until none is left."""
+    for _ in range(rounds):
+        found = _processes_of(uid)
+        if not found:
+            return
+        running = [pid for pid, state in found.items() if state not in ("T", "t", "Z", "X")]
+        for pid in running or found:
+            _signal_if_of(pid, uid, signal.SIGSTOP if running else signal.SIGKILL)
+        if not running:
+            time.sleep(0.001)  # the killed are being reaped; zombies stay until their parent
+            if all(state in ("Z", "X") for state in _processes_of(uid).values()):
+                return
+
+
+def _signal_if_of(pid: int, uid: int, number: int):
+    """Send ``number`` to ``pid`` if it is still a process of ``uid``: through a pidfd, opened
+    before the check, so that a PID reused by another process in between is never signalled."""
     try:
-        subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(launcher)],
-                       cwd="/",
-                       env={"PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # Linux before 5.3: the PID, checked just before
+        pidfd = None
+    try:
+        if pid not in _processes_of_pids(uid, [pid]):
+            return
+        if pidfd is None:
+            os.kill(pid, number)
+        else:
+            signal.pidfd_send_signal(pidfd, number)
+    except ProcessLookupError:
         pass
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _processes_of_pids(uid: int, pids) -> set[int]:
+    """Those of ``pids`` that are processes holding ``uid`` now."""
+    held = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                for line in status:
+                    if line.startswith("Uid:"):
+                        if uid in (int(field) for field in line.split()[1:]):
+                            held.add(pid)
+                        break
+        except (OSError, ValueError):
+            continue
+    return held
+
+
+# What a run's own user may leave where every user may write: removed after the run.
+_SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _remove_files_of(uid: int, keep: pathlib.Path):
+    """Remove what ``uid`` made at the top of ``_SHARED_FOLDERS`` (files and folders it owns,
+    but ``keep``, the run's working folder, given to it): no later run sees it, and ``/dev/shm``
+    keeps none of its memory. Its processes have ended, so nothing moves while this runs; a link
+    is removed, never followed."""
+    kept = os.stat(keep)
+    for shared in _SHARED_FOLDERS:
+        try:
+            entries = list(os.scandir(shared))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                status = entry.stat(follow_symlinks=False)
+                if status.st_uid != uid or (status.st_dev, status.st_ino) == (kept.st_dev,
+                                                                              kept.st_ino):
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)  # fd-based: no link followed
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                continue
 
 
 def _is_extra_site(root: pathlib.Path) -> bool:

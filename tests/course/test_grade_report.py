@@ -76,6 +76,33 @@ def test_a_folder_thousands_deep_and_locked_is_removed_without_recursion(tmp_pat
     assert not work.exists() and (tmp_path / "outside" / "keep").read_text() == "kept"
 
 
+def test_a_folder_moved_away_during_the_removal_never_leads_it_outside(tmp_path, monkeypatch):
+    """A process that survived the run renames a folder the walk has entered into a folder
+    beside the grading folder (as into /tmp): ".." from there is no longer the way back, so the
+    removal stops rather than delete what lies beside it (found by a hostile review: the walk
+    climbed to the stand-in for / and removed everything under it)."""
+    root = tmp_path / "root"
+    (root / "tmp").mkdir(parents=True)
+    (root / "source").mkdir()
+    (root / "source" / "reference.py").write_text("SOLUTION = 42\n")
+    work = root / "tmp" / "opd-grade-x"
+    (work / "lab" / "a" / "b").mkdir(parents=True)
+    (work / "lab" / "a" / "b" / "f.py").write_text("x = 1\n")
+    real_open = grader.os.open
+
+    def open_and_move(path, flags, *args, dir_fd=None, **kwargs):
+        fd = real_open(path, flags, *args, dir_fd=dir_fd, **kwargs)
+        if path == "b" and (work / "lab" / "a").exists():  # the walk is in lab/a/b now
+            (work / "lab" / "a").rename(root / "tmp" / "moved")
+        return fd
+
+    monkeypatch.setattr(grader.os, "open", open_and_move)
+    grader._remove(work)
+    monkeypatch.undo()
+    assert (root / "source" / "reference.py").read_text() == "SOLUTION = 42\n"
+    assert (root / "tmp").is_dir() and oct((root / "tmp").stat().st_mode & 0o777) != "0o700"
+
+
 def test_the_walk_of_a_submission_follows_no_link_and_stops_at_the_depth_limit(tmp_path):
     lab = tmp_path / "lab"
     lab.mkdir()

@@ -143,22 +143,21 @@ def _trusted_run(python, workdir, body, limits="Limits()", setup=""):
     """``sandbox.run(trusted=True)`` of ``body``, from a grader running on ``python``; returns
     the result's fields and the run's notes."""
     (workdir / "body.py").write_text(textwrap.dedent(body))
-    driver = textwrap.dedent(f"""
-        import json, pathlib, sys
-        from opd_literate.course import sandbox
-        from opd_literate.course.sandbox import Limits
-        {setup}
+    driver = ("import json, pathlib, sys\nfrom opd_literate.course import sandbox\n"
+              "from opd_literate.course.sandbox import Limits\n" + textwrap.dedent(setup) + "\n"
+              + textwrap.dedent(f"""
         result = sandbox.run([sys.executable, "body.py"], pathlib.Path({str(workdir)!r}),
                              limits={limits}, trusted=True)
         print(json.dumps(dict(returncode=result.returncode, stdout=result.stdout.decode(),
                               stderr=result.stderr.decode()[-500:], notes=result.notes,
                               problem=sandbox.run_user_problem(),
                               bound=sandbox.process_limit(trusted=True))))
-    """)
+    """))
     ran = subprocess.run([str(python), "-c", driver], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert ran.returncode == 0, ran.stderr
-    return json.loads(ran.stdout.strip().splitlines()[-1])
+    lines = ran.stdout.strip().splitlines()
+    return dict(json.loads(lines[-1]), stdout_before=lines[:-1])
 
 
 @pytest.mark.slow
@@ -254,3 +253,64 @@ def test_as_root_with_a_python_no_other_user_may_run_it_runs_as_root_and_says_so
         assert "a user without privileges cannot run" in problem.stdout, problem
     finally:
         shutil.rmtree(private)
+
+
+@pytest.mark.slow
+@as_root
+def test_as_root_a_flea_that_forks_away_and_kills_its_users_processes_dies(open_python,
+                                                                           workdir):
+    """A hostile review's attack: no pids cgroup, and a process that leaves the run's session,
+    then forks and exits over and over (a new PID each generation) while it sends
+    ``kill(-1, SIGKILL)`` as the run's user, which would kill a killer that runs as that user.
+    Stopped from outside (SIGSTOP, then SIGKILL, from root), none of it survives the run."""
+    marker = f"opd-flea-{uuid.uuid4().hex}"
+    out = _trusted_run(open_python, workdir, f"""
+        import os, signal, sys
+        if os.fork():
+            os._exit(0)  # the run's own process ends at once
+        os.setsid()
+        argv = [sys.executable, "-c", "pass", {marker!r}]
+        while True:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+            if os.fork():
+                os._exit(0)
+    """, limits="Limits(wall_seconds=10.0, processes=16)",
+                       setup="sandbox._pids_cgroup_parent = lambda: None")
+    assert out["returncode"] == 0, out
+    # the flea's command line is the run's: body.py, found by the file it runs in workdir
+    survivors = [p for p in pathlib.Path("/proc").iterdir() if p.name.isdigit()
+                 and str(workdir).encode() in _cwd(p)]
+    assert survivors == []
+
+
+def _cwd(entry: pathlib.Path) -> bytes:
+    try:
+        return os.fsencode(os.readlink(entry / "cwd"))
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
+@as_root
+def test_as_root_each_run_has_a_fresh_user_and_its_shared_files_are_removed(open_python,
+                                                                            workdir):
+    """Two runs of one grader (a Gradescope grade's visible and hidden tests, a batch): two
+    users, and what the first left in /tmp and /dev/shm is gone before the second starts."""
+    name = f"opd-left-{uuid.uuid4().hex}"
+    out = _trusted_run(open_python, workdir, f"""
+        import os
+        left = [os.path.join(d, {name!r}) for d in ("/tmp", "/dev/shm")]
+        print(os.getuid(), [os.path.exists(path) for path in left], flush=True)
+        for path in left:
+            open(path, "w").write("x" * 4096)
+    """, setup=(f"first = sandbox.run([sys.executable, 'body.py'], pathlib.Path({str(workdir)!r}), "
+                "trusted=True)\nprint('FIRST', first.stdout.decode().strip())\n"))
+    first = next(line for line in out["stdout_before"] if line.startswith("FIRST"))
+    first_uid, first_seen = first.split(" ", 2)[1:]
+    second_uid, second_seen = out["stdout"].strip().split(" ", 1)
+    assert first_seen == second_seen == "[False, False]"
+    assert first_uid != second_uid
+    assert not os.path.exists(f"/tmp/{name}") and not os.path.exists(f"/dev/shm/{name}")
