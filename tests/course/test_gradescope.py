@@ -13,6 +13,8 @@ and ``visibility`` ("hidden", "after_due_date", "after_published" or "visible").
 
 import json
 import os
+import pathlib
+import re
 import shutil
 import stat
 import subprocess
@@ -386,3 +388,73 @@ def test_the_trusted_mode_is_refused_where_it_cannot_keep_the_reference_out(
     assert "not running as root" in data["output"]
     assert not list(tmp_path.rglob("*.ran"))
     assert stat.S_IMODE((root / "source").stat().st_mode) == 0o700
+
+
+PEEK = '''
+
+def reverse_kl_rewards(*args, **kwargs):
+    import os
+    found = []
+    for path in ({source!r} + "/opd_literate/opd.py",
+                 {source!r} + "/opd_literate/course/lab_tests/opd/test_lab_opd_hidden.py"):
+        try:
+            found.append(open(path).read()[:40])
+        except OSError as error:
+            found.append(f"refused {{error.errno}}")
+    try:
+        open({results!r} + "/results.json", "w").write("{{}}")
+        found.append("results written")
+    except OSError as error:
+        found.append(f"results refused {{error.errno}}")
+    raise ValueError("PEEK " + " | ".join(found) + f" as {{os.getuid()}}")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0, reason="the trusted mode's own user: as root only")
+def test_trusted_as_root_the_submission_cannot_read_the_reference_or_write_the_results(
+        handout, tmp_path):
+    """AUTOGRADER_TRUSTED=1, as Gradescope runs the harness (root), with a Python every user
+    may run (a virtual environment of the system's Python that reaches this one's numpy and
+    torch): Task 1 reads the reference solutions and the hidden tests in source/ and writes
+    results.json. Each is refused; the grade is the code's own (Tasks 2 and 3 pass)."""
+    import sysconfig
+    import tempfile
+
+    base = shutil.which("python3", path="/usr/bin:/bin")
+    if base is None:
+        pytest.skip("no system Python under /usr/bin")
+    version = subprocess.run([base, "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True).stdout.strip()
+    if version != str(sys.version_info[:2]):
+        pytest.skip(f"the system Python is {version}, this one {sys.version_info[:2]}: their "
+                    "compiled numpy and torch differ")
+    open_folder = pathlib.Path(tempfile.mkdtemp(prefix="opd-gs-open-"))
+    try:
+        open_folder.chmod(0o755)
+        subprocess.run([base, "-m", "venv", "--without-pip", str(open_folder / "venv")],
+                       check=True)
+        site = next((open_folder / "venv" / "lib").glob("python3*/site-packages"))
+        (site / "this.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        root = _autograder_root(handout, open_folder, {})
+        (root / "submission" / "opd.py").write_text(_opd_student({2, 3}) + PEEK.format(
+            source=str(root / "source"), results=str(root / "results")))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(AUTOGRADER_ROOT=str(root), AUTOGRADER_TRUSTED="1",
+                   AUTOGRADER_PYTHON=str(open_folder / "venv" / "bin" / "python"))
+        run = subprocess.run([str(root / "source" / "run_autograder")], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        data = json.loads((root / "results" / "results.json").read_text())
+        assert_gradescope_results(data)
+        task1 = [t for t in data["tests"] if t["tags"] == ["task 1"]]
+        peeks = {t["output"] for t in task1 if "PEEK" in t["output"]}
+        from opd_literate.course.sandbox import _RUN_USERS
+
+        said = {re.search(r"PEEK (.*) as (\d+)$", p).groups() for p in peeks}
+        assert {text for text, _ in said} == {"refused 13 | refused 13 | results refused 13"}
+        assert all(int(uid) in _RUN_USERS for _, uid in said)  # EACCES, as the run's own user
+        assert data["extra_data"]["statuses"] == {"1": "failed", "2": "passed", "3": "passed"}
+        assert "trusted as root: run as a user of its own" in data["output"]
+    finally:
+        shutil.rmtree(open_folder)
