@@ -660,3 +660,36 @@ def test_every_explorable_shows_the_librarys_numbers(full_server, browser, color
         problems += _check_explorable(browser, full_server, *explorable,
                                       color_scheme=color_scheme)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("viewport", [{"width": 1280, "height": 800},
+                                      {"width": 390, "height": 844}])
+def test_the_home_pages_chapter_list_is_on_its_first_screen(full_server, browser, viewport):
+    """A laptop's and a phone's first screen hold what this is, the three paths and the whole
+    chapter list; the student's path leads to the first chapter's lab by a link."""
+    page = browser.new_page(viewport=viewport)
+    page.goto(f"{full_server}/", wait_until="load")
+    bottom = page.evaluate("""() => document.querySelector('#the-chapters')
+        .nextElementSibling.getBoundingClientRect().bottom""")
+    assert bottom <= viewport["height"], bottom
+    page.click("text=its lab")
+    page.wait_for_load_state("load")
+    assert page.url.endswith("/opd/#exercises")
+    assert page.evaluate("() => document.querySelector('#exercises').getBoundingClientRect()"
+                         ".top") < viewport["height"]
+    page.close()
+
+
+@pytest.mark.slow
+def test_no_navigation_or_contents_entry_shows_tex(full_site):
+    """MathJax typesets a page's article, not its navigation or its table of contents."""
+    found = []
+    for path in sorted(full_site.rglob("index.html")):
+        html = path.read_text(encoding="utf-8")
+        for block in re.findall(r'<nav class="md-nav.*?</nav>', html, re.S):
+            text = re.sub(r"<[^>]+>", "", block)
+            if re.search(r"\$|\\\(|\\\[", text):
+                found.append(str(path.relative_to(full_site)))
+                break
+    assert found == []
