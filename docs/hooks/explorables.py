@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from html import escape
 
 import _built  # docs/hooks/_built.py (MkDocs puts a hook's folder on sys.path)
 import numpy as np
@@ -163,7 +164,8 @@ def _html(fig, div_id: str) -> str:
     """The figure's ``<div>`` and script, after the tag that loads the site's plotly.js."""
     body = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
                        config=PLOTLY_CONFIG)
-    return (f'<div class="explorable" markdown="0">\n'
+    caption = escape(fig.layout.title.text or "", quote=True)  # figures.py numbers it
+    return (f'<div class="explorable" markdown="0" data-caption="{caption}">\n'
             f'<script src="../generated/plotly.min.js"></script>\n{body}\n</div>\n')
 
 

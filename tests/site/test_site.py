@@ -693,3 +693,22 @@ def test_no_navigation_or_contents_entry_shows_tex(full_site):
                 found.append(str(path.relative_to(full_site)))
                 break
     assert found == []
+
+
+@pytest.mark.slow
+def test_every_figure_of_a_chapter_is_numbered_and_captioned(full_site):
+    """Each image and explorable of a chapter (and the home page) sits in a ``<figure>``
+    whose ``<figcaption>`` starts "Figure N.", numbered 1, 2, ... in the page's order."""
+    problems, seen = [], 0
+    pages = ["index.html"] + [f"{name}/index.html" for name in
+                              ("opd", "experiment", "mismatch", "large_vocab", "integration")]
+    for name in pages:
+        html = (full_site / name).read_text(encoding="utf-8")
+        article = html.split("<article", 1)[1].split("</article>", 1)[0]
+        images = len(re.findall(r"<img\b", article)) + article.count('class="explorable"')
+        numbers = [int(n) for n in re.findall(r"<figcaption><strong>Figure (\d+)\.</strong>",
+                                             article)]
+        seen += images
+        if numbers != list(range(1, images + 1)):
+            problems.append(f"{name}: {images} figures, captions numbered {numbers}")
+    assert seen >= 14 and not problems, problems
