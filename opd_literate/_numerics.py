@@ -71,7 +71,7 @@ VERL_COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"
 """The newest verl-project/verl commit read from source (2026-08-22), for the history of a
 statement ("since commit ..."). The 0.9.1 release was tagged after it (PR #7947); its
 installed ``rollout_corr_helper.py`` equals this commit's byte for byte, its ``core_algos.py``
-differs from it only in GSPO's reduction (``docs/references.md``)."""
+differs from it only in GSPO's reduction (``docs/provenance.md``)."""
 
 MAX_LOG_RATIO = math.log(sys.float_info.max)
 """709.78: ``exp`` of a larger log-ratio is ``inf`` in float64, and ``inf * 0`` is NaN."""

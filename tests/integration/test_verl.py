@@ -129,9 +129,9 @@ def test_the_installed_verl_is_the_pinned_release():
 
 
 def test_the_cited_files_are_the_installed_ones():
-    """docs/references.md gives the sha256 of each verl file it cites; the installed release
+    """docs/provenance.md gives the sha256 of each verl file it cites; the installed release
     must hold exactly those files (a newer verl fails here until the page is read again)."""
-    page = (ROOT / "docs" / "references.md").read_text()
+    page = (ROOT / "docs" / "provenance.md").read_text()
     rows = re.findall(r"\| `(verl/[\w/]+\.(?:py|yaml))` \| `([0-9a-f]{64})` \|", page)
     assert len(rows) >= 5
     package = pathlib.Path(verl.__file__).parent

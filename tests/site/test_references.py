@@ -1,8 +1,9 @@
-"""Every commit a docstring or a chapter cites is listed, in full, on the references page.
+"""Every commit a docstring or a chapter cites is listed, in full, on the frameworks' sources
+page, and the bibliography of the references page is cited and linked.
 
-The references page is where a reader checks a claim about another framework; a commit named
-next to the code but missing there (or abbreviated to a prefix of no listed commit) is a citation
-the reader cannot follow up.
+The frameworks' sources page (``provenance.md``) is where a reader checks a claim about another
+framework; a commit named next to the code but missing there (or abbreviated to a prefix of no
+listed commit) is a citation the reader cannot follow up.
 """
 
 import pathlib
@@ -11,7 +12,8 @@ import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "references.md").read_text()
-FULL = set(re.findall(r"`([0-9a-f]{40})`", PAGE))
+SOURCES_PAGE = (ROOT / "docs" / "provenance.md").read_text()
+FULL = set(re.findall(r"`([0-9a-f]{40})`", SOURCES_PAGE))
 # A commit, full or abbreviated: a word of 7 to 40 hex digits with a letter and a digit in it.
 HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
 
@@ -37,7 +39,7 @@ def test_the_page_lists_full_commits():
     assert len(FULL) >= 8
 
 
-def test_every_cited_commit_is_on_the_references_page():
+def test_every_cited_commit_is_on_the_frameworks_sources_page():
     missing = []
     for path in _sources():
         for sha in _commits(path.read_text()):

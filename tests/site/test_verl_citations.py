@@ -13,7 +13,7 @@ import re
 from opd_literate import _numerics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REFERENCES = (ROOT / "docs" / "references.md").read_text()
+REFERENCES = (ROOT / "docs" / "provenance.md").read_text()
 # the verl section, up to its paragraph on verl-project/verl-recipe (another repository)
 VERL_SECTION = REFERENCES[REFERENCES.index("## verl"):
                           REFERENCES.index("verl-project/verl-recipe at")]
