@@ -712,3 +712,27 @@ def test_every_figure_of_a_chapter_is_numbered_and_captioned(full_site):
         if numbers != list(range(1, images + 1)):
             problems.append(f"{name}: {images} figures, captions numbered {numbers}")
     assert seen >= 14 and not problems, problems
+
+
+@pytest.mark.slow
+def test_at_a_laptops_width_no_table_or_code_block_of_a_chapter_is_wider_than_its_column(
+        full_server, browser):
+    """1,280 px: every table and code block of the home page, the chapters and the instructors'
+    page fits the text column (headings and identifiers wrap: extra.css, docs/hooks/tables.py);
+    at a phone's width the wider ones scroll in their box with a cue (the test above)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems = []
+    for name in ("", "opd/", "experiment/", "mismatch/", "large_vocab/", "integration/",
+                 "instructors/"):
+        page.goto(f"{full_server}/{name}", wait_until="load")
+        problems += [f"{name or 'home'}: {p}" for p in page.evaluate("""() => {
+            const article = document.querySelector('article'), out = [];
+            for (const box of article.querySelectorAll('table, pre')) {
+              if (box.closest('details:not([open])') || box.closest('.annotated-row')) continue;
+              if (box.scrollWidth > article.clientWidth + 1 || box.scrollWidth > box.clientWidth + 1)
+                out.push(box.tagName + ' ' + box.scrollWidth + ' px: '
+                         + box.textContent.trim().slice(0, 40));
+            }
+            return out; }""")]
+    page.close()
+    assert not problems, "\n".join(problems)
