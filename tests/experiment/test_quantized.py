@@ -1080,3 +1080,32 @@ def test_tinylm_answer_toy_head_features_and_the_teacher():
     kl = float((log_pi_y.exp() * (log_pi_y - log_t_y)).sum().detach())
     assert toy["kl"] == pytest.approx(kl, rel=1e-10)
     assert toy["kl_grad"].shape == (14, 5)
+
+
+# From the mutation run of this module (docs/mutation.md, "quantized.py"): the cases its
+# surviving mutants showed no test held.
+def test_the_kurtosis_normalises_by_the_mass_even_where_a_row_is_not_exactly_1():
+    """A row within the 1e-6 that the check allows: the kurtosis of log rho under the atoms'
+    weights, normalised by their sum, computed here term by term."""
+    mu, pi = np.array([0.8, 0.2000009]), np.array([0.5, 0.5])
+    out = token_mismatch(np.log([pi]), np.log([mu]), np.ones(1))
+    x, w = np.log(pi) - np.log(mu), mu / mu.sum()
+    mean = (w * x).sum()
+    expected = (w * (x - mean) ** 4).sum() / ((w * (x - mean) ** 2).sum()) ** 2
+    assert out["kurtosis"] == pytest.approx(expected, rel=1e-12)  # the mass times the mean: 1e-6
+
+
+def test_the_abs_quantiles_are_named_by_their_levels():
+    out = token_mismatch(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]), np.ones(1))
+    assert list(out["abs_quantiles"]) == ["0.5", "0.99", "0.999"]
+
+
+def test_answer_toy_and_full_parameter_bias_name_the_type_they_were_given():
+    from opd_literate.experiment.quantized import full_parameter_bias
+
+    with pytest.raises(ValueError, match=r"states must be the dict of answer_states .*, got "
+                                         r"<class 'list'>"):
+        answer_toy([], np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1), eos=0, pad=1)
+    model = TinyLM(hidden=8, layers=1)
+    with pytest.raises(ValueError, match=r"toy must be a tinylm_answer_toy dict .*, got list$"):
+        full_parameter_bias(model, torch.tensor([[1, 2], [3, 4]]), [])
