@@ -66,3 +66,22 @@ def test_no_heading_holds_tex(page):
     text = re.sub(r"```.*?```", "", (DOCS / page).read_text(), flags=re.S)  # not code blocks
     headings = [line for line in text.splitlines() if re.match(r"#{1,6} ", line)]
     assert [h for h in headings if re.search(r"\$|\\\(|\\\[", h)] == []
+
+
+def test_every_annotated_source_page_is_linked_from_a_chapter():
+    """Each module of the navigation's "Annotated source" is linked from the chapter section
+    that explains its code ("The code of this section, annotated: ...")."""
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    config = yaml.load((DOCS.parent / "mkdocs.yml").read_text(), Loader=Loader)
+    annotated = next(item["Annotated source"] for item in config["nav"]
+                     if isinstance(item, dict) and "Annotated source" in item)
+    pages = {page for entry in annotated for page in entry.values()}
+    linked = set()
+    for page in ("opd.md", "experiment.md", "mismatch.md", "large_vocab.md"):
+        text = (DOCS / page).read_text()
+        for line in re.findall(r"^The code of this section, annotated.*$", text, re.M):
+            linked |= set(re.findall(r"\]\((source/[\w.]+\.md)\)", line))
+    assert linked == pages
