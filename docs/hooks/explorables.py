@@ -125,26 +125,27 @@ def experiment_explorer_data() -> dict:
 
 
 def _experiment_figure(data: dict):
-    """One line per method; the slider picks the mean over seeds or one seed's curve."""
+    """One line per method; the slider picks the mean over seeds or one seed's curve.
+
+    The slider restyles the lines' ``y`` and leaves their visibility alone, so that a method the
+    reader hid in the legend stays hidden, and the legend stays, at every position."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     positions = ["mean"] + [f"seed {s}" for s in range(data["seeds"])]
     methods = list(data["methods"])
     palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
-    for p in range(len(positions)):
-        for m, method in enumerate(methods):
-            record = data["methods"][method]
-            y = record["mean"] if p == 0 else record["seeds"][p - 1]
-            fig.add_trace(go.Scatter(
-                x=record["samples"], y=y, mode="lines+markers", name=method,
-                legendgroup=method, showlegend=p == 0, visible=p == 0,
-                line={"color": palette[m % len(palette)]}, marker={"size": 4},
-                hovertemplate=f"{method}<br>%{{x}} samples: %{{y:.3f}}<extra></extra>"))
+    for m, method in enumerate(methods):
+        record = data["methods"][method]
+        fig.add_trace(go.Scatter(
+            x=record["samples"], y=record["mean"], mode="lines+markers", name=method,
+            visible=True, line={"color": palette[m % len(palette)]}, marker={"size": 4},
+            hovertemplate=f"{method}<br>%{{x}} samples: %{{y:.3f}}<extra></extra>"))
     steps = []
     for p, position in enumerate(positions):
-        visible = [j // len(methods) == p for j in range(len(positions) * len(methods))]
-        steps.append({"method": "restyle", "args": [{"visible": visible}], "label": position})
+        curves = [data["methods"][method]["mean"] if p == 0
+                  else data["methods"][method]["seeds"][p - 1] for method in methods]
+        steps.append({"method": "restyle", "args": [{"y": curves}], "label": position})
     fig.update_layout(
         title={"text": "Greedy accuracy on the test prompts: the mean, or one seed",
                "font": {"size": 15}},

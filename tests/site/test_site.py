@@ -646,8 +646,12 @@ def test_every_explorable_position_holds_the_librarys_numbers():
                      else list(range(len(steps))))
         assert len(steps) == len(positions) >= 3, div_id
         for position, step in zip(positions, steps):
-            shown = [t for t, v in zip(traces, step["args"][0]["visible"]) if v]
-            values = [t["x"] if t.get("orientation") == "h" else t["y"] for t in shown]
+            change = step["args"][0]
+            if "visible" in change:  # the step shows its own traces
+                shown = [t for t, v in zip(traces, change["visible"]) if v]
+                values = [t["x"] if t.get("orientation") == "h" else t["y"] for t in shown]
+            else:  # the step gives every trace its numbers
+                values = change["y"]
             expected = numbers(position)
             assert len(values) == len(expected), (div_id, position)
             for got, want in zip(values, expected):
@@ -741,3 +745,29 @@ def test_at_a_laptops_width_no_table_or_code_block_of_a_chapter_is_wider_than_it
             return out; }""")]
     page.close()
     assert not problems, "\n".join(problems)
+
+
+
+@pytest.mark.slow
+def test_a_method_hidden_in_the_legend_stays_hidden_when_the_slider_moves(full_server, browser):
+    """The experiment's explorable: a click on a method in the legend hides its line; moving
+    the slider then changes the curves, keeps the legend (every method listed) and keeps that
+    method hidden."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{full_server}/experiment/", wait_until="load")
+    page.locator("#explore-experiment .slider-container").scroll_into_view_if_needed()
+    entries = page.locator("#explore-experiment .legend .traces")
+    methods = entries.count()
+    assert methods >= 4
+    entries.nth(0).locator(".legendtoggle").click()
+    page.wait_for_function("() => document.getElementById('explore-experiment').data[0]"
+                           ".visible === 'legendonly'")  # after plotly's double-click delay
+    before = page.evaluate("() => document.getElementById('explore-experiment').data"
+                           ".map(t => t.visible)")
+    state = _move_slider(page, "explore-experiment", 2)
+    after = page.evaluate("() => document.getElementById('explore-experiment').data"
+                          ".map(t => t.visible)")
+    assert before[0] == after[0] == "legendonly", (before, after)
+    assert entries.count() == methods and state["active"] == 2
+    assert len(state["values"]) == methods - 1  # the hidden one is not plotted
+    page.close()
