@@ -810,11 +810,11 @@ def test_on_the_boundary_toy_the_four_rules_are_four_engines():
 
 
 def test_the_chapters_which_nucleus_sentences_are_the_ones_tested_here():
-    """docs/mismatch.md, "Which nucleus": its sentences with a number or a direction, each
+    """docs/mismatch_practice.md, "Which nucleus": its sentences with a number or a direction, each
     checked by a test above (named in the comment)."""
     import pathlib
 
-    page = " ".join((pathlib.Path(__file__).resolve().parents[2] / "docs/mismatch.md")
+    page = " ".join((pathlib.Path(__file__).resolve().parents[2] / "docs/mismatch_practice.md")
                     .read_text().split())
     for sentence in (
         # test_the_headline_row_by_hand

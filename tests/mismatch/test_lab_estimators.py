@@ -1,6 +1,6 @@
 """The mismatch lab's tests: the eight estimators of the lab, exactly, on the enumerable toy.
 
-This file is also the test file of the generated lab handout (``opd_literate.course.handout``),
+This file is also the test file of the generated lab handout (``opd_literate.course.handouts``),
 where it imports from the lab folder; each test is marked with the task it checks and uses no other
 task's function. Expected values are computed here from the toy's arrays, independently.
 """

@@ -35,6 +35,7 @@ from tests.helpers.committed import FLOAT64_SUMS, assert_matches_committed
 DEFAULTS, LONG = DEFAULT_CONFIG.as_dict(), LONG_CONFIG.as_dict()
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+MISMATCH_PRACTICE = ROOT / "docs" / "mismatch_practice.md"
 RESULTS = ROOT / "docs/data/experiment/results.json"
 GRADIENT_AGREEMENT = ROOT / "docs/data/experiment/gradient_agreement.json"
 RESULTS_LONG = ROOT / "docs/data/experiment/long/results.json"
@@ -780,7 +781,7 @@ def test_the_tinylm_fp16_sentence_states_the_machines_spread():
     between 0.00080 and 0.00104 over both. At the first student's per-token KL, below 1e-6,
     ... an estimator's value moves by up to 14% between them": each end of the range is one
     record's value (a range wider than the records would hide a change)."""
-    page = " ".join((ROOT / "docs/mismatch.md").read_text().split())
+    page = " ".join(MISMATCH_PRACTICE.read_text().split())
     records = _tinylm_records()
     assert len(records) == 2 and "on each of the two records named at the end" in page
     values = [_tinylm_fp16_rel_bias_all(record) for _, record in records]
@@ -808,7 +809,7 @@ def test_committed_tinylm_mismatch_uses_the_current_defaults_and_backs_the_chapt
     assert record["batch_size"] == DEFAULT_CONFIG.batch_size
     assert record["seeds"] == list(range(DEFAULT_CONFIG.seeds))
     _tinylm_mismatch_claims(record)
-    page = (ROOT / "docs/mismatch.md").read_text()
+    page = MISMATCH_PRACTICE.read_text()
     assert "the first 20 test prompts" in page and "(30,941 a prompt)" in page
     # the numbers of "The bias over every parameter", as the record gives them
     from opd_literate.experiment.quantized import rank_correlation
@@ -875,7 +876,7 @@ def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
     # takes all of these in, and still fails if fp16's bias changed its size by more (an
     # operation left unrounded, or rounded to bfloat16, whose biases here are 3 to 7 times
     # fp16's, all above the band).
-    page = " ".join((ROOT / "docs/mismatch.md").read_text().split())
+    page = " ".join(MISMATCH_PRACTICE.read_text().split())
     low, high = (float(x) for x in re.search(FP16_RANGE, page).groups())
     values = _tinylm_fp16_rel_bias_all(record)
     assert all(low / 2 <= v <= 2 * high for v in values.values()), values
@@ -890,7 +891,8 @@ def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
 
 
 MISMATCH_TRAINING = ROOT / "docs/data/mismatch_experiment/mismatch_training.json"
-MISMATCH_PAGE = ROOT / "docs/mismatch.md"
+# The mismatch chapter's studies on the tiny LM and its training are on the second mismatch page.
+MISMATCH_PAGE = MISMATCH_PRACTICE
 
 
 def _training_record(name):

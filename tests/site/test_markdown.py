@@ -80,7 +80,8 @@ def test_every_annotated_source_page_is_linked_from_a_chapter():
                      if isinstance(item, dict) and "Annotated source" in item)
     pages = {page for entry in annotated for page in entry.values()}
     linked = set()
-    for page in ("opd.md", "experiment.md", "mismatch.md", "large_vocab.md"):
+    for page in ("opd.md", "experiment.md", "mismatch.md", "mismatch_practice.md",
+                 "large_vocab.md"):
         text = (DOCS / page).read_text()
         for line in re.findall(r"^The code of this section, annotated.*$", text, re.M):
             linked |= set(re.findall(r"\]\((source/[\w.]+\.md)\)", line))

@@ -710,7 +710,8 @@ def test_every_figure_of_a_chapter_is_numbered_and_captioned(full_site):
     whose ``<figcaption>`` starts "Figure N.", numbered 1, 2, ... in the page's order."""
     problems, seen = [], 0
     pages = ["index.html"] + [f"{name}/index.html" for name in
-                              ("opd", "experiment", "mismatch", "large_vocab", "integration")]
+                              ("opd", "experiment", "mismatch", "mismatch_practice",
+                               "large_vocab", "integration")]
     for name in pages:
         html = (full_site / name).read_text(encoding="utf-8")
         article = html.split("<article", 1)[1].split("</article>", 1)[0]
@@ -731,8 +732,8 @@ def test_at_a_laptops_width_no_table_or_code_block_of_a_chapter_is_wider_than_it
     at a phone's width the wider ones scroll in their box with a cue (the test above)."""
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     problems = []
-    for name in ("", "opd/", "experiment/", "mismatch/", "large_vocab/", "integration/",
-                 "instructors/"):
+    for name in ("", "opd/", "experiment/", "mismatch/", "mismatch_practice/", "large_vocab/",
+                 "integration/", "instructors/"):
         page.goto(f"{full_server}/{name}", wait_until="load")
         problems += [f"{name or 'home'}: {p}" for p in page.evaluate("""() => {
             const article = document.querySelector('article'), out = [];
