@@ -28,9 +28,11 @@ DOCS = pathlib.Path(__file__).resolve().parents[1]
 OUT = DOCS / "generated"
 EXPERIMENT = DOCS / "data" / "experiment" / "results.json"
 
-# The mismatch explorer: the estimators of the static sweep, at the same mismatches.
+# The mismatch explorer: every estimator of the chapter's catalogue (REGISTRY), at the static
+# sweep's mismatches.
 MISMATCH_NAMES = ("naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis",
-                  "icepop", "ppo_clip_bypass", "gspo")
+                  "geo_rs", "icepop", "token_clamp", "cispo", "ppo_clip_bypass", "token_veto",
+                  "k3_seq_rs", "geo_rs_token_tis", "gspo", "dppo_tv", "dppo_kl")
 MISMATCHES = tuple(float(m) for m in np.round(np.linspace(0.0, 1.5, 16), 3))
 MISMATCH_START = MISMATCHES.index(0.3)  # the chapter's default toy
 BATCH = 64
@@ -40,6 +42,9 @@ THRESHOLD_MISMATCH = 1.0
 THRESHOLDS = (1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 THRESHOLD_START = THRESHOLDS.index(2.0)  # the estimators' default
 THRESHOLD_NAMES = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+
+# The best-estimator map: for each mismatch and batch size, the estimator of least error.
+BEST_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True,
                  "modeBarButtonsToRemove": ["select2d", "lasso2d", "toImage"]}
@@ -54,6 +59,68 @@ def mismatch_explorer_data() -> dict:
     return {float(m): {"rel_bias": [r["rel_bias"] for r in rows],
                        "rel_rmse": [r["rel_rmse"] for r in rows]}
             for m, rows in sweep.items()}
+
+
+def best_estimator_data() -> dict:
+    r"""For each mismatch of ``MISMATCHES`` and batch size of ``BEST_BATCHES``, the estimator of
+    ``MISMATCH_NAMES`` with the least relative RMSE,
+    $\sqrt{\text{bias}^2 + \text{var}/N} / \lVert \nabla J \rVert$, exact on
+    ``make_toy(mismatch=...)`` (baseline 0): ``{"best": [[index]], "rel_rmse": [[value]]}``,
+    rows the mismatches, columns the batch sizes."""
+    from opd_literate.mismatch.estimators import mismatch_sweep
+    from opd_literate.mismatch.toy import make_toy
+
+    sweep = mismatch_sweep(list(MISMATCHES), names=list(MISMATCH_NAMES), N=BATCH)
+    best, errors = [], []
+    for mismatch in MISMATCHES:
+        rows = sweep[mismatch]
+        norm = float(np.linalg.norm(make_toy(mismatch=mismatch)["true_grad"]))
+        row_best, row_error = [], []
+        for batch in BEST_BATCHES:
+            rmse = [float(np.sqrt(r["bias"] ** 2 + r["var"] / batch)) / norm for r in rows]
+            index = int(np.argmin(rmse))
+            row_best.append(index)
+            row_error.append(rmse[index])
+        best.append(row_best)
+        errors.append(row_error)
+    return {"best": best, "rel_rmse": errors}
+
+
+def _best_estimator_figure(data: dict):
+    """A map over (batch size, mismatch) of the estimator with the least error, one colour an
+    estimator that wins somewhere; hover a cell for its name and error."""
+    import plotly.graph_objects as go
+
+    winners = sorted({i for row in data["best"] for i in row})
+    colour_of = {i: k for k, i in enumerate(winners)}  # the winners, numbered 0, 1, ...
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#aec7e8", "#637939",
+               "#ad494a", "#a55194", "#000000", "#c7c7c7")  # as many as MISMATCH_NAMES
+    n = len(winners)
+    scale = []
+    for k in range(n):  # one flat band a winner
+        colour = palette[k % len(palette)]
+        scale += [[k / n, colour], [(k + 1) / n, colour]]
+    z = [[colour_of[i] for i in row] for row in data["best"]]
+    names = [[MISMATCH_NAMES[i] for i in row] for row in data["best"]]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[str(b) for b in BEST_BATCHES], y=[f"{m:g}" for m in MISMATCHES],
+        customdata=[[[name, error] for name, error in zip(nr, er)]
+                    for nr, er in zip(names, data["rel_rmse"])],
+        zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=1, ygap=1,
+        colorbar={"tickvals": list(range(n)), "ticktext": [MISMATCH_NAMES[i] for i in winners],
+                  "title": {"text": "least error"}, "thickness": 14},
+        hovertemplate="mismatch %{y}, batch %{x}: %{customdata[0]}, "
+                      "relative RMSE %{customdata[1]:.3g}<extra></extra>"))
+    fig.update_layout(
+        title={"text": "The estimator of least error, by batch size and mismatch (exact)",
+               "font": {"size": 15}},
+        xaxis_title="batch size N", yaxis_title="mismatch ε", height=470,
+        margin={"l": 10, "r": 20, "t": 60, "b": 20},
+        paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
+    )
+    return fig
 
 
 def threshold_explorer_data() -> dict:
@@ -79,7 +146,7 @@ def _bars_with_slider(data: dict, names, start: int, slider_label: str, title: s
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.16,
                         subplot_titles=("relative bias", f"relative RMSE, N = {BATCH}"))
     keys = list(data)
     for i, key in enumerate(keys):
@@ -96,7 +163,7 @@ def _bars_with_slider(data: dict, names, start: int, slider_label: str, title: s
     fig.update_layout(
         title={"text": title, "font": {"size": 15}},
         sliders=[{"active": start, "steps": steps, "currentvalue": {"prefix": slider_label}}],
-        height=470, margin={"l": 10, "r": 20, "t": 70, "b": 20},
+        height=max(470, 200 + 20 * len(names)), margin={"l": 10, "r": 20, "t": 70, "b": 20},
         paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
         font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
     )
@@ -189,6 +256,7 @@ def fragments() -> dict[str, str]:
             "explore-threshold"),
         "explore_experiment.html": _html(_experiment_figure(experiment_explorer_data()),
                                          "explore-experiment"),
+        "explore_best.html": _html(_best_estimator_figure(best_estimator_data()), "explore-best"),
     }
 
 

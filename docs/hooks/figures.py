@@ -4,7 +4,7 @@
 A static figure is a Markdown image alone in its paragraph, ``![caption](generated/x.svg)``
 (as glightbox leaves it: the image inside its zoom link); its caption is the image's text. An
 explorable figure is the ``<div class="explorable" data-caption="...">`` that
-``explorables.py`` writes; its caption is its title, with a note that it has a slider.
+``explorables.py`` writes; its caption is its title, with a note on how to use it.
 Both are numbered in the order they appear, so "Figure 3" in a chapter's text names the third
 figure a reader sees; ``#figure-3`` links to it.
 """
@@ -41,7 +41,8 @@ def number_figures(text: str) -> str:
             note = ""
         else:
             body, caption = text[start:end], match.group(1)
-            note = " <em>(move its slider)</em>"
+            note = (" <em>(move its slider)</em>" if '"sliders"' in body
+                    else " <em>(hover for the values)</em>")
         label = _html.unescape(caption).strip().rstrip(".")
         out += [text[last:start],
                 f'<figure id="figure-{number}" class="numbered">{body}'

@@ -772,3 +772,46 @@ def test_a_method_hidden_in_the_legend_stays_hidden_when_the_slider_moves(full_s
     assert entries.count() == methods and state["active"] == 2
     assert len(state["values"]) == methods - 1  # the hidden one is not plotted
     page.close()
+
+
+
+def _best_estimators():
+    """The least-error estimator of the catalogue at each (mismatch, batch size), recomputed
+    from the exact moments of each estimator on each toy (not from the hook)."""
+    from opd_literate.mismatch.estimators import REGISTRY
+    from opd_literate.mismatch.toy import estimator_moments, make_toy
+
+    table = {}
+    for mismatch in explorables.MISMATCHES:
+        toy = make_toy(mismatch=mismatch)
+        moments = {name: estimator_moments(toy, REGISTRY[name].fn(toy, **REGISTRY[name].defaults))
+                   for name in explorables.MISMATCH_NAMES}
+        for batch in explorables.BEST_BATCHES:
+            errors = [moments[name]["rel_rmse"](batch) for name in explorables.MISMATCH_NAMES]
+            best = min(range(len(errors)), key=errors.__getitem__)  # ties: the first
+            table[mismatch, batch] = (explorables.MISMATCH_NAMES[best], errors[best])
+    return table
+
+
+def test_the_best_estimator_map_is_the_librarys_and_the_chapter_reads_it():
+    """The map's cells hold the estimator of least error and its error (1e-12), and the
+    chapter's three sentences about it hold for every cell they speak of."""
+    traces, _ = _plotted_figure(explorables.fragments()["explore_best.html"], "explore-best")
+    expected = _best_estimators()
+    cells = traces[0]["customdata"]
+    for i, mismatch in enumerate(explorables.MISMATCHES):
+        for j, batch in enumerate(explorables.BEST_BATCHES):
+            name, error = expected[mismatch, batch]
+            assert cells[i][j][0] == name, (mismatch, batch)
+            np.testing.assert_allclose(cells[i][j][1], error, rtol=1e-12)
+    page = " ".join((ROOT / "docs" / "mismatch.md").read_text().split())
+    assert ("With a batch of 16 or fewer a sequence-rejection estimator (`geo_rs` or "
+            "`k3_seq_rs`) has the least error at every mismatch above 0") in page
+    assert all(expected[m, n][0] in ("geo_rs", "k3_seq_rs")
+               for (m, n) in expected if m > 0 and n <= 16)
+    assert "from a batch of 128 up and at a mismatch of 1.1 or more, `seq_tis`" in page
+    assert all(expected[m, n][0] == "seq_tis" for (m, n) in expected if m >= 1.1 and n >= 128)
+    assert ("the unbiased `seq_is` only with 4,096 answers or more, at a mismatch of 0.5 or "
+            "less") in page
+    wins = {(m, n) for (m, n), (name, _) in expected.items() if name == "seq_is"}
+    assert wins and all(n >= 4096 and m <= 0.5 for m, n in wins)
