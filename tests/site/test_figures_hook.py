@@ -20,8 +20,10 @@ PAGE = ('<p>Text.</p>\n<p><a class="glightbox" href="a.svg"><img alt="First &amp
 def test_figures_are_numbered_in_order_with_their_captions():
     out = figures.number_figures(PAGE)
     captions = re.findall(r"<figcaption><strong>Figure (\d+)\.</strong> (.*?)</figcaption>", out)
-    assert captions == [("1", "First &amp; best."), ("2", "Moving one. <em>(move its slider)</em>"),
-                        ("3", "Third.")]
+    assert captions == [("1", "First &amp; best."),
+                        ("2", "Moving one. <em>(hover for the values)</em>"), ("3", "Third.")]
+    with_slider = figures.number_figures(PAGE.replace('var s = "</p>";', 'var s = {"sliders": 1};'))
+    assert "Moving one. <em>(move its slider)</em>" in with_slider
     assert re.findall(r'<figure id="(figure-\d+)"', out) == ["figure-1", "figure-2", "figure-3"]
     assert "More <img alt=\"inline\" src=\"i.svg\"> text." in out  # an image in prose stays
     # the explorable whole inside its figure, its nested divs closed before the caption
