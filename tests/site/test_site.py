@@ -815,3 +815,21 @@ def test_the_best_estimator_map_is_the_librarys_and_the_chapter_reads_it():
             "less") in page
     wins = {(m, n) for (m, n), (name, _) in expected.items() if name == "seq_is"}
     assert wins and all(n >= 4096 and m <= 0.5 for m, n in wins)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 390])
+def test_the_annotated_sources_code_wraps_to_its_column(full_site, full_server, browser, width):
+    """No code block of an annotated source page scrolls sideways (extra.css wraps it)."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    problems, seen = [], 0
+    for path in sorted(p.parent.name for p in (full_site / "source").glob("*/index.html")):
+        page.goto(f"{full_server}/source/{path}/", wait_until="load")
+        counts = page.evaluate("""() => { const c = Array.from(document.querySelectorAll(
+            'article pre > code')); return [c.length,
+            c.filter(b => b.scrollWidth > b.clientWidth + 1).length]; }""")
+        seen += counts[0]
+        if counts[1]:
+            problems.append(f"source/{path}: {counts[1]} of {counts[0]} code blocks scroll")
+    page.close()
+    assert seen > 100 and not problems, "\n".join(problems)
