@@ -147,7 +147,7 @@ def _bars_with_slider(data: dict, names, start: int, slider_label: str, title: s
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.16,
-                        subplot_titles=("relative bias", f"relative RMSE, N = {BATCH}"))
+                        subplot_titles=("relative bias", f"rel. RMSE, N = {BATCH}"))
     keys = list(data)
     for i, key in enumerate(keys):
         for column, metric in enumerate(("rel_bias", "rel_rmse"), start=1):
@@ -173,7 +173,7 @@ def _bars_with_slider(data: dict, names, start: int, slider_label: str, title: s
     biases = [x for key in keys for x in data[key]["rel_bias"]]
     errors = [x for key in keys for x in data[key]["rel_rmse"]]
     fig.update_xaxes(range=[0, 1.05 * max(biases)], row=1, col=1)
-    fig.update_xaxes(type="log", row=1, col=2,
+    fig.update_xaxes(type="log", dtick=1, row=1, col=2,  # powers of ten only: no overlap
                      range=[np.log10(min(errors)) - 0.05, np.log10(max(errors)) + 0.05])
     fig.update_yaxes(showticklabels=False, row=1, col=2)
     return fig
@@ -216,7 +216,8 @@ def _experiment_figure(data: dict):
     fig.update_layout(
         title={"text": "Greedy accuracy on the test prompts: the mean, or one seed",
                "font": {"size": 15}},
-        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "curve: "}}],
+        sliders=[{"active": 0, "steps": steps, "currentvalue": {"prefix": "curve: "},
+                  "pad": {"t": 55}}],  # below the axis title
         xaxis_title="student samples", yaxis_title="greedy accuracy (test prompts)",
         height=470, margin={"l": 10, "r": 20, "t": 60, "b": 20},
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom"},
@@ -230,9 +231,12 @@ def _experiment_figure(data: dict):
 
 def _html(fig, div_id: str) -> str:
     """The figure's ``<div>`` and script, after the tag that loads the site's plotly.js."""
+    caption = escape(fig.layout.title.text or "", quote=True)  # figures.py numbers it
+    # The title becomes the figure's caption, which wraps: inside the plot a long title is cut
+    # on a phone, under the toolbar.
+    fig.update_layout(title_text="", margin={"t": 40 if fig.layout.annotations else 20})
     body = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
                        config=PLOTLY_CONFIG)
-    caption = escape(fig.layout.title.text or "", quote=True)  # figures.py numbers it
     return (f'<div class="explorable" markdown="0" data-caption="{caption}">\n'
             f'<script src="../generated/plotly.min.js"></script>\n{body}\n</div>\n')
 

@@ -765,6 +765,7 @@ def test_a_method_hidden_in_the_legend_stays_hidden_when_the_slider_moves(full_s
                            ".visible === 'legendonly'")  # after plotly's double-click delay
     before = page.evaluate("() => document.getElementById('explore-experiment').data"
                            ".map(t => t.visible)")
+    page.locator("#explore-experiment .slider-container").scroll_into_view_if_needed()
     state = _move_slider(page, "explore-experiment", 2)
     after = page.evaluate("() => document.getElementById('explore-experiment').data"
                           ".map(t => t.visible)")
