@@ -834,3 +834,15 @@ def test_the_annotated_sources_code_wraps_to_its_column(full_site, full_server, 
             problems.append(f"source/{path}: {counts[1]} of {counts[0]} code blocks scroll")
     page.close()
     assert seen > 100 and not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_no_navigation_entry_is_cut(full_server, browser):
+    """At 1,280 px every entry of the navigation sidebar shows whole (no ellipsis)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{full_server}/opd/", wait_until="load")
+    cut = page.evaluate("""() => Array.from(document.querySelectorAll(
+        '.md-sidebar--primary .md-nav__link .md-ellipsis')).filter(
+        e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent.trim())""")
+    page.close()
+    assert cut == []
