@@ -826,19 +826,42 @@ def _kernel_counts_processes_per_user_namespace() -> bool:
     return (major, minor) >= (5, 14)
 
 
+def _proc_status(pid) -> dict[str, str] | None:
+    """The fields of ``/proc/PID/status`` (``{"Uid": "0 0 0 0", "State": "S (sleeping)", ...}``),
+    or None for a process that has ended or cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return dict(line.split(":", 1) for line in status if ":" in line)
+    except OSError:
+        return None
+
+
+def _proc_statuses():
+    """``(pid, fields)`` for every process on the machine whose status can be read."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _proc_status(entry.name)
+            if fields is not None:
+                yield int(entry.name), fields
+
+
+def _uids(fields: dict[str, str]) -> list[int]:
+    """A status's user ids: real, effective, saved and file system ([] where unreadable)."""
+    try:
+        return [int(field) for field in fields["Uid"].split()]
+    except (KeyError, ValueError):
+        return []
+
+
 def _tasks_of_user(uid: int) -> int:
     """Processes and threads the real user ``uid`` runs now, machine-wide (from ``/proc``)."""
     count = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid:
+    for _, fields in _proc_statuses():
+        if _uids(fields)[:1] == [uid]:
+            try:
                 count += int(fields["Threads"])
-        except (OSError, KeyError, ValueError):
-            continue
+            except (KeyError, ValueError):
+                continue
     return count
 
 
@@ -1011,12 +1034,7 @@ def _open_cgroup(limits: Limits) -> _Cgroup | None:
         if memory_parent is not None:
             raise SandboxUnavailable(f"cannot bound the run's total memory: making its cgroup "
                                      f"under {memory_parent} failed ({error})") from None
-        if pids_parent is None:
-            return None
-        try:
-            return _Cgroup(pids_parent, limits.processes)
-        except OSError:
-            return None
+        return None
 
 
 def process_limit(trusted: bool = False) -> str:
@@ -1244,19 +1262,7 @@ def run(argv: list[str], workdir: pathlib.Path, *, limits: Limits = Limits(),
 
 def _process_uids() -> set[int]:
     """Every user id (real, effective, saved, file system) a process on the machine holds."""
-    held = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                for line in status:
-                    if line.startswith("Uid:"):
-                        held.update(int(field) for field in line.split()[1:])
-                        break
-        except (OSError, ValueError):
-            continue
-    return held
+    return {uid for _, fields in _proc_statuses() for uid in _uids(fields)}
 
 
 _USED_RUN_USERS: set[int] = set()  # ids this process gave a run: never given twice
@@ -1337,18 +1343,8 @@ def _give(workdir: pathlib.Path, uid: int):
 def _processes_of(uid: int) -> dict[int, str]:
     """The processes that hold ``uid`` (real, effective, saved or file system), with their state
     letter (``T`` stopped, ``Z`` a zombie, ...), from ``/proc``."""
-    found = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
-            if uid in (int(field) for field in fields["Uid"].split()):
-                found[int(entry.name)] = fields["State"].split()[0]
-        except (OSError, KeyError, ValueError):
-            continue
-    return found
+    return {pid: (fields.get("State", "").split() or ["?"])[0]
+            for pid, fields in _proc_statuses() if uid in _uids(fields)}
 
 
 def _kill_user(uid: int, rounds: int = 10_000):
@@ -1382,7 +1378,8 @@ def _signal_if_of(pid: int, uid: int, number: int):
     except (AttributeError, OSError):  # Linux before 5.3: the PID, checked just before
         pidfd = None
     try:
-        if pid not in _processes_of_pids(uid, [pid]):
+        fields = _proc_status(pid)
+        if fields is None or uid not in _uids(fields):
             return
         if pidfd is None:
             os.kill(pid, number)
@@ -1393,22 +1390,6 @@ def _signal_if_of(pid: int, uid: int, number: int):
     finally:
         if pidfd is not None:
             os.close(pidfd)
-
-
-def _processes_of_pids(uid: int, pids) -> set[int]:
-    """Those of ``pids`` that are processes holding ``uid`` now."""
-    held = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                for line in status:
-                    if line.startswith("Uid:"):
-                        if uid in (int(field) for field in line.split()[1:]):
-                            held.add(pid)
-                        break
-        except (OSError, ValueError):
-            continue
-    return held
 
 
 # What a run's own user may leave where every user may write: removed after the run.
