@@ -380,6 +380,7 @@ def run(root) -> dict:
         # these modes keep out.
         os.chmod(root / "source", 0o700)
         os.chmod(root / "results", 0o755)
+        options = _grade_options()  # refuses a trusted mode that would not keep source/ closed
         with tempfile.TemporaryDirectory(prefix="opd-submission-") as tmp:
             folder = pathlib.Path(tmp) / lab.name
             folder.mkdir()
@@ -388,11 +389,11 @@ def run(root) -> dict:
             # own; the hidden tests after, in another: no visible test sees a hidden input, and
             # nothing of the hidden run reaches the visible report.
             with mock.patch.dict(labs.LABS, {lab.name: lab}):
-                visible = grade(folder, timeout=GRADE_TIMEOUT, **_grade_options())
+                visible = grade(folder, timeout=GRADE_TIMEOUT, **options)
             hidden_report = None
             if lab.hidden_tests:
                 with mock.patch.dict(labs.LABS, {lab.name: _hidden_only(lab)}):
-                    hidden_report = grade(folder, timeout=GRADE_TIMEOUT, **_grade_options())
+                    hidden_report = grade(folder, timeout=GRADE_TIMEOUT, **options)
         reports = [visible] + ([hidden_report] if hidden_report else [])
         per_test = all(t.get("cases") for r in reports for t in r["tasks"].values())
         collected = None if per_test else collect_tests(graded)
