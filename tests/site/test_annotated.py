@@ -4,13 +4,11 @@ each beside its prose, and each public definition has its anchor."""
 import ast
 import pathlib
 import re
-import sys
 
+import annotated  # a docs hook (tests/site/conftest.py)
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import annotated  # noqa: E402
 
 
 def _code_blocks(page: str) -> list[str]:

@@ -2,12 +2,11 @@
 
 import pathlib
 import re
-import sys
+
+import _built  # a docs hook (tests/site/conftest.py)
+import generate  # a docs hook (tests/site/conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import _built  # noqa: E402
-import generate  # noqa: E402
 
 EXPLORABLE_PATTERNS = ("explore_*.html",)
 

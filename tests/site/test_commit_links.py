@@ -1,11 +1,7 @@
 """``docs/hooks/commits.py``: full commit hashes shown short and linked."""
 
-import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import commits  # noqa: E402
+import commits  # a docs hook (tests/site/conftest.py)
 
 
 def test_full_commit_hashes_read_short_and_link_to_their_repository():

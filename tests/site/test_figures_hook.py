@@ -1,14 +1,9 @@
 """docs/hooks/figures.py: each figure of a page in a numbered <figure> with its caption."""
 
-import pathlib
 import re
-import sys
 
+import figures  # a docs hook (tests/site/conftest.py)
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import figures  # noqa: E402 (a hook module, not a package)
 
 PAGE = ('<p>Text.</p>\n<p><a class="glightbox" href="a.svg"><img alt="First &amp; best" '
         'src="a.svg"></a></p>\n<p>More <img alt="inline" src="i.svg"> text.</p>\n'

@@ -16,17 +16,15 @@ import pathlib
 import re
 import shutil
 import subprocess
-import sys
 import threading
 from urllib.parse import urlparse
 
+import explorables  # a docs hook (tests/site/conftest.py)
 import numpy as np
 import pytest
+import typeset  # a docs hook (tests/site/conftest.py)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import explorables  # noqa: E402
-import typeset  # noqa: E402
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 REQUIRE_BROWSER = os.environ.get("OPD_REQUIRE_BROWSER") == "1"
@@ -739,14 +737,14 @@ def test_at_a_laptops_width_no_table_or_code_block_of_a_chapter_is_wider_than_it
             const article = document.querySelector('article'), out = [];
             for (const box of article.querySelectorAll('table, pre')) {
               if (box.closest('details:not([open])') || box.closest('.annotated-row')) continue;
-              if (box.scrollWidth > article.clientWidth + 1 || box.scrollWidth > box.clientWidth + 1)
-                out.push(box.tagName + ' ' + box.scrollWidth + ' px: '
+              const width = box.scrollWidth;
+              if (width > article.clientWidth + 1 || width > box.clientWidth + 1)
+                out.push(box.tagName + ' ' + width + ' px: '
                          + box.textContent.trim().slice(0, 40));
             }
             return out; }""")]
     page.close()
     assert not problems, "\n".join(problems)
-
 
 
 @pytest.mark.slow
@@ -773,7 +771,6 @@ def test_a_method_hidden_in_the_legend_stays_hidden_when_the_slider_moves(full_s
     assert entries.count() == methods and state["active"] == 2
     assert len(state["values"]) == methods - 1  # the hidden one is not plotted
     page.close()
-
 
 
 def _best_estimators():

@@ -1,15 +1,10 @@
 """docs/hooks/solutions.py: the solution markers leave the code a reader sees, and a numbered
 listing keeps each line's own number."""
 
-import pathlib
 import re
-import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import solutions  # noqa: E402 (a hook module, not a package)
+import solutions  # a docs hook (tests/site/conftest.py)
 
 NUMBERED = ('<table class="highlighttable"><tbody><tr><td class="linenos"><div class="linenodiv">'
             '<pre><span></span><span class="normal">10</span>\n<span class="normal">11</span>\n'

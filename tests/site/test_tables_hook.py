@@ -1,11 +1,7 @@
 """docs/hooks/tables.py: identifiers in a table may break between their parts, never inside."""
 
-import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-import tables  # noqa: E402 (a hook module, not a package)
+import tables  # a docs hook (tests/site/conftest.py)
 
 
 def test_separators_in_a_tables_code_become_break_opportunities():
