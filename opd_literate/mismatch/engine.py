@@ -172,6 +172,11 @@ _SUM_TOLERANCE = 1e-6  # a float32 softmax sums to 1 within V half-ulps of each 
 _MAX_ENUMERATED = 2_000_000  # distributions nucleus_disagreement enumerates at most
 
 
+# vLLM's _SAMPLING_EPS (vllm/v1/sample/sampler.py at the commit above): a request whose
+# temperature is below it is sampled greedily, its logits never divided by the temperature.
+VLLM_GREEDY_BELOW = 1e-5
+
+
 def _check_temperature(temperature):
     return check_finite_number("temperature", temperature, positive=True)
 
@@ -194,12 +199,18 @@ def _check_min_p(min_p):
     return check_finite_number("min_p", min_p, low=0.0, high=1.0)
 
 
-def _check_sampler(sampler):
+def _check_sampler(sampler, temperature=None):
     if not isinstance(sampler, str):
         raise TypeError(f"sampler must be one of {SAMPLERS}, got {type(sampler).__name__} "
                         f"{sampler!r}")
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    if sampler == "vllm" and temperature is not None and temperature < VLLM_GREEDY_BELOW:
+        # vLLM does not divide by such a temperature: it takes the argmax (and reports the
+        # log-probs of the logits divided by 1), a sampler this model does not describe.
+        raise ValueError(f"temperature={temperature!r} is below {VLLM_GREEDY_BELOW:g}, where "
+                         "vLLM samples greedily (_SAMPLING_EPS, vllm/v1/sample/sampler.py); "
+                         "for its greedy sampler give top_k=1 at temperature=1.0")
     return sampler
 
 
@@ -299,8 +310,9 @@ def processed_log_probs(logits, temperature=1.0, top_k=None, top_p=1.0, min_p=0.
     [1.0, 0.0, 0.0, 0.0]
     """
     z = _check_logits(logits)
-    keep, scaled = _kept(z, _check_temperature(temperature), _check_top_k(top_k),
-                         _check_top_p(top_p), _check_min_p(min_p), _check_sampler(sampler))
+    temperature = _check_temperature(temperature)
+    keep, scaled = _kept(z, temperature, _check_top_k(top_k), _check_top_p(top_p),
+                         _check_min_p(min_p), _check_sampler(sampler, temperature))
     if keep.all():
         return log_softmax(scaled)
     return log_softmax(np.where(keep, scaled, -np.inf))
@@ -312,14 +324,14 @@ def _scaled(z, temperature, name):
         scaled = z / temperature
     if not np.isfinite(scaled).all():
         raise ValueError(f"{name} / temperature overflows float64 at temperature={temperature!r} "
-                         f"(largest |{name}| {float(np.abs(z).max()):.3g}); use a larger "
-                         "temperature")
+                         f"(largest |{name}| {float(np.abs(z).max(initial=0.0)):.3g}); use a "
+                         "larger temperature")
     return scaled
 
 
 def _scaled_float32(z, temperature, name, sampler):
     """z / temperature as the frameworks hold it: z rounded to float32, divided in float32."""
-    largest = float(np.abs(z).max())
+    largest = float(np.abs(z).max(initial=0.0))  # 0 for a batch of no rows
     if largest > _FLOAT32_MAX:
         raise ValueError(f"{name} must be within float32's range for sampler={sampler!r} (its "
                          f"logits are float32), got |{name}| up to {largest:.3g}")
@@ -798,7 +810,7 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     theta, raw, autoregressive = _check_engine_toy(toy)
     temperature = _check_temperature(temperature)
     top_k, top_p, min_p = _check_top_k(top_k), _check_top_p(top_p), _check_min_p(min_p)
-    sampler = _check_sampler(sampler)
+    sampler = _check_sampler(sampler, temperature)
     if not isinstance(reported, str):
         raise TypeError(f"reported must be one of {REPORTED}, got {type(reported).__name__} "
                         f"{reported!r}")

@@ -322,6 +322,10 @@ def _check_size(name, value):
     return int(value)
 
 
+# What opd_mismatch.add_teacher adds to a toy.
+_TEACHER_KEYS = frozenset({"phi", "logp_teacher", "kl", "kl_grad", "kl_grad_per_state"})
+
+
 def check_toy(toy, keys=("Y", "logp_train", "logp_sampler", "p_sampler", "score", "R",
                          "true_grad")):
     """Raise a ``ValueError`` naming the missing keys unless ``toy`` looks like ``make_toy``'s."""
@@ -329,7 +333,10 @@ def check_toy(toy, keys=("Y", "logp_train", "logp_sampler", "p_sampler", "score"
         raise TypeError(f"toy must be the dict returned by make_toy, got {type(toy).__name__}")
     missing = [k for k in keys if k not in toy]
     if missing:
-        raise ValueError(f"toy is missing the keys {missing}; build it with make_toy")
+        # The teacher's keys come from opd_mismatch.add_teacher, a step after make_toy.
+        how = ("add a teacher with opd_literate.mismatch.opd_mismatch.add_teacher(toy)"
+               if set(missing) <= _TEACHER_KEYS else "build it with make_toy or make_ar_toy")
+        raise ValueError(f"toy is missing the keys {missing}; {how}")
 
 
 def sample_from_sampler(toy, n, rng):

@@ -865,8 +865,9 @@ def test_the_exact_rule_counts_a_mass_within_the_tolerance_as_reaching_p():
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(sampler="VLLM"), ValueError, r"sampler must be one of \('exact', 'vllm'"),
     (dict(sampler=None), TypeError, "sampler must be one of .* got NoneType None"),
-    (dict(sampler="vllm", temperature=1e-46), ValueError,
+    (dict(sampler="transformers", temperature=1e-46), ValueError,
      "temperature=1e-46 is outside float32's positive range"),
+    (dict(sampler="vllm", temperature=1e-46), ValueError, "where vLLM samples greedily"),
     (dict(sampler="sglang", temperature=1e39), ValueError, "outside float32's positive range"),
 ])
 def test_bad_samplers_and_float32_temperatures_are_named(kwargs, error, message):
@@ -1115,3 +1116,28 @@ def test_a_masked_trainer_without_the_temperature_is_the_untempered_softmax_over
         np.testing.assert_allclose(engine["logp_train"][m], logp, rtol=0, atol=1e-14)
         np.testing.assert_allclose(engine["score"][m], theta.grad.numpy(), rtol=0, atol=1e-14)
         assert math.isclose(engine["p_train"][m], math.exp(logp.sum()), rel_tol=1e-13)
+
+
+@pytest.mark.parametrize("sampler", engine.SAMPLERS)
+@pytest.mark.parametrize("cuts", [{}, {"top_p": 0.5}, {"top_k": 2, "min_p": 0.1}])
+def test_a_batch_of_no_rows_gives_no_rows_under_every_sampler(sampler, cuts):
+    out = processed_log_probs(np.zeros((0, 4)), sampler=sampler, **cuts)
+    assert out.shape == (0, 4) and out.dtype == np.float64
+
+
+def test_below_vllms_greedy_temperature_the_vllm_sampler_is_refused():
+    """vLLM takes the argmax below _SAMPLING_EPS = 1e-5 instead of dividing by the temperature
+    (vllm/v1/sample/sampler.py): a model that divided would describe another sampler."""
+    logits = np.array([[1.0, 0.5, 0.0]])
+    message = (r"^temperature=9e-06 is below 1e-05, where vLLM samples greedily \(_SAMPLING_EPS, "
+               r"vllm/v1/sample/sampler.py\); for its greedy sampler give top_k=1 at "
+               r"temperature=1.0$")
+    with pytest.raises(ValueError, match=message):
+        processed_log_probs(logits, temperature=9e-6, sampler="vllm")
+    with pytest.raises(ValueError, match=message):
+        engine_toy(make_toy(T=1, V=3), temperature=9e-6, sampler="vllm")
+    # at the threshold vLLM divides, and so does the model; the other samplers divide anyway
+    assert np.isfinite(processed_log_probs(logits, temperature=1e-5, sampler="vllm")).any()
+    assert np.isfinite(processed_log_probs(logits, temperature=9e-6, sampler="sglang")).any()
+    greedy = processed_log_probs(logits, top_k=1, sampler="vllm")
+    assert greedy.tolist() == [[0.0, -math.inf, -math.inf]]

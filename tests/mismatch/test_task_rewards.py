@@ -579,7 +579,16 @@ def test_mixed_targets_names_a_missing_gradient(missing):
     toy = {key: value for key, value in _hand_toy().items() if key != missing}
     with pytest.raises(ValueError) as info:
         mixed_targets(toy, 1.0)
-    assert str(info.value) == f"toy is missing the keys {[missing]}; build it with make_toy"
+    how = ("build it with make_toy or make_ar_toy" if missing == "true_grad"
+           else "add a teacher with opd_literate.mismatch.opd_mismatch.add_teacher(toy)")
+    assert str(info.value) == f"toy is missing the keys {[missing]}; {how}"
+
+
+def test_a_toy_without_a_teacher_is_told_to_add_one():
+    with pytest.raises(ValueError) as info:
+        teacher_estimate(make_ar_toy(T=2, V=2))
+    assert str(info.value).endswith(
+        "; add a teacher with opd_literate.mismatch.opd_mismatch.add_teacher(toy)")
 
 
 def test_a_padded_position_carries_no_cost_in_any_kind():

@@ -483,7 +483,7 @@ def test_check_toy_messages():
     with pytest.raises(TypeError, match="^toy must be the dict returned by make_toy, got list$"):
         check_toy([1, 2])
     with pytest.raises(ValueError, match=r"^toy is missing the keys \['R', 'true_grad'\]; build "
-                       "it with make_toy$"):
+                       "it with make_toy or make_ar_toy$"):
         check_toy({k: 0 for k in ("Y", "logp_train", "logp_sampler", "p_sampler", "score")})
     check_toy({"a": 1}, keys=("a",))
 
