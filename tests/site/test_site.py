@@ -469,6 +469,45 @@ def test_at_a_phones_width_nothing_widens_the_page_and_what_scrolls_shows_a_cue(
     assert scrolling > 0  # the check saw displays that scroll (they are there at 390 px)
 
 
+# A chapter's tables and code blocks at a width: each that is wider than the box it is shown in
+# (it would scroll sideways). Pages of the API and of the annotated source are left out: their
+# parameter tables scroll with the cue (checked above).
+_WIDE_BOXES = """() => {
+  const out = [];
+  for (const box of document.querySelectorAll('article table, article pre > code')) {
+    if (box.closest('details:not([open])')) continue;
+    const wrap = box.closest('.md-typeset__scrollwrap');
+    for (const b of wrap ? [box, wrap] : [box])
+      if (b.scrollWidth > b.clientWidth + 1)
+        out.push(box.tagName + ' ' + b.scrollWidth + ' px in ' + b.clientWidth + ' px: ' +
+                 box.textContent.trim().slice(0, 50));
+  }
+  return [out, document.querySelectorAll('article table[data-opd-stacked]').length];
+}"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 390])
+def test_no_table_or_code_block_of_a_chapter_is_wider_than_its_column(full_site, full_server,
+                                                                      browser, width):
+    """A table too wide for the column is shown row by row (javascripts/tables.js, extra.css);
+    a code block wraps. On a phone some tables must be stacked for this to hold, so the test
+    also sees that the stacking happened there and nowhere at a laptop's width."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    problems, stacked = [], 0
+    for path in _pages(full_site):
+        if path.startswith(("api/", "source/")):
+            continue
+        page.goto(f"{full_server}/{path}/" if path else f"{full_server}/", wait_until="load")
+        page.wait_for_timeout(50)
+        wide, count = page.evaluate(_WIDE_BOXES)
+        problems += [f"{path or 'home'}: {p}" for p in wide]
+        stacked += count
+    page.close()
+    assert not problems, "\n".join(problems)
+    assert (stacked > 0) == (width < 600), stacked
+
+
 # The figures' text as shown: an SVG's user unit is its width's unit (pt), so a font size of
 # 10 is 10 pt at the natural size, scaled by the width the page gives the image.
 FIGURE_TEXT_PX = 13.0  # ticks, legends, labels: the body's small size
