@@ -20,6 +20,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
     min-p, top-k, top-p, and which log-probs it reports (imports: numpy).
   * ``opd_literate.mismatch.task_rewards``: OPD with task rewards, the mixtures' exact bias
     against the mixing weight (imports: numpy).
+  * ``opd_literate.mismatch.groups``: GRPO and RLOO group baselines when a rejection masks
+    part of a group, their exact bias and variance over every group (imports: numpy).
 
 * ``opd_literate.large_vocab``: the large-vocabulary chapter.
 

@@ -31,7 +31,7 @@ OUT = DOCS / "source"
 PACKAGE = DOCS.parent / "opd_literate"
 
 MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
-           "mismatch.correction", "mismatch.engine", "mismatch.task_rewards",
+           "mismatch.correction", "mismatch.engine", "mismatch.task_rewards", "mismatch.groups",
            "large_vocab.chunked", "large_vocab.topk", "large_vocab.clamps", "large_vocab.supports",
            "experiment.tinylm", "experiment.train", "experiment.quantized",
            "experiment.mismatch_training")

@@ -589,6 +589,52 @@ def _task_rewards():
     _write("task_rewards.svg", svg_bytes(fig))
 
 
+# The group-baseline section (mismatch chapter): the toy, verl's "0.5_2.0" band on rho, G.
+GROUPS_TOY = dict(T=3, V=2, mismatch=0.3, seed=0)
+GROUPS_BAND = dict(low=0.5, high=2.0)
+GROUPS_G = 4
+GROUPS_SIZES = (2, 3, 4, 8)
+
+
+def _groups():
+    """Rejected answers in a group baseline: every choice's exact moments, and RLOO's two
+    choices against the group size."""
+    from opd_literate.mismatch.groups import (
+        group_moments,
+        group_table,
+        kept_statistics,
+        rejection_weights,
+    )
+    from opd_literate.mismatch.toy import make_toy
+
+    toy = make_toy(**GROUPS_TOY)
+    w = rejection_weights(toy, "seq_mis", **GROUPS_BAND)
+    stats = kept_statistics(toy, w)
+    lines = ["| baseline | rel. bias against ∇J | bias against $C_K$ | cosine with ∇J | "
+             "variance | rel. RMSE (N = 64) | verl 0.9.1 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for row in group_table(toy, w, GROUPS_G):
+        lines.append(f"| `{row['baseline']}` | {row['rel_bias']:.4f} | {row['target_bias']:.4f} "
+                     f"| {row['cosine']:.4f} | {row['var']:.4f} | {row['rel_rmse']:.4f} | "
+                     f"{'yes' if row['verl'] else ''} |")
+    kept = int((w > 0).sum())
+    lines.append("")
+    lines.append(f"`make_toy({', '.join(f'{k}={v}' for k, v in GROUPS_TOY.items())})` "
+                 f"({len(w)} responses), `seq_mis(low={GROUPS_BAND['low']}, "
+                 f"high={GROUPS_BAND['high']})`, which keeps {kept} of them: $p = "
+                 f"{stats['p']:.4f}$, $\\bar r = {stats['reward_mean']:.4f}$, $\\bar r_K = "
+                 f"{stats['kept_reward_mean']:.4f}$; $G = {GROUPS_G}$.")
+    _write("groups_table.md", "\n".join(lines) + "\n")
+    sizes = ["| $G$ | `rloo_all`: bias against $C_K$ | `rloo_kept`: bias against $C_K$ | "
+             "`rloo_all`: variance | `rloo_kept`: variance |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for G in GROUPS_SIZES:
+        a, k = (group_moments(toy, w, G, b) for b in ("rloo_all", "rloo_kept"))
+        sizes.append(f"| {G} | {a['target_bias']:.4f} | {k['target_bias']:.4f} | "
+                     f"{a['var']:.4f} | {k['var']:.4f} |")
+    _write("groups_by_size.md", "\n".join(sizes) + "\n")
+
+
 CLAMP_STUDY = DOCS / "data" / "experiment" / "clamp_study.json"
 
 
@@ -861,6 +907,7 @@ GENERATORS = (
     (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg",
                "engine_samplers_table.md", "engine_nucleus_table.md")),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
+    (_groups, ("groups_table.md", "groups_by_size.md")),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
     (_supports, ("supports_table.md", "supports_bias.svg")),
     (_tinylm_mismatch, ("tinylm_mismatch_table.md", "tinylm_estimators_bias.md",

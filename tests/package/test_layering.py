@@ -32,6 +32,7 @@ THIRD_PARTY = {
     "mismatch.correction": {"torch"},
     "mismatch.engine": {"numpy"},
     "mismatch.task_rewards": {"numpy"},
+    "mismatch.groups": {"numpy"},
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
     "large_vocab.clamps": {"torch"},
@@ -60,7 +61,7 @@ THIRD_PARTY = {
     "course.handouts": set(),
     "course.lift": set(),
 }
-NUMPY_ONLY = ("mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch")
+NUMPY_ONLY = ("mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch", "mismatch.groups")
 
 
 def _path(module: str) -> pathlib.Path:
