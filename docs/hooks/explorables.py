@@ -32,7 +32,9 @@ EXPERIMENT = DOCS / "data" / "experiment" / "results.json"
 # sweep's mismatches.
 MISMATCH_NAMES = ("naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_mis", "seq_mis",
                   "geo_rs", "icepop", "token_clamp", "cispo", "ppo_clip_bypass", "token_veto",
-                  "k3_seq_rs", "geo_rs_token_tis", "gspo", "dppo_tv", "dppo_kl")
+                  "k3_seq_rs", "geo_rs_token_tis", "gspo", "dppo_tv", "dppo_kl",
+                  "trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
+                  "trl_sequence_mask", "off_policy_mask", "seq_mask_tis", "kpop")
 MISMATCHES = tuple(float(m) for m in np.round(np.linspace(0.0, 1.5, 16), 3))
 MISMATCH_START = MISMATCHES.index(0.3)  # the chapter's default toy
 BATCH = 64
@@ -95,7 +97,8 @@ def _best_estimator_figure(data: dict):
     colour_of = {i: k for k, i in enumerate(winners)}  # the winners, numbered 0, 1, ...
     palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
                "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#aec7e8", "#637939",
-               "#ad494a", "#a55194", "#000000", "#c7c7c7")  # as many as MISMATCH_NAMES
+               "#ad494a", "#a55194", "#000000", "#c7c7c7", "#8c6d31", "#6b6ecf", "#b5cf6b",
+               "#cedb9c", "#e7969c", "#843c39", "#5254a3")  # as many as MISMATCH_NAMES
     n = len(winners)
     scale = []
     for k in range(n):  # one flat band a winner

@@ -26,7 +26,8 @@ $$
 mask less the rejected tokens) and ``metrics``, named as verl logs them. A trainer multiplies
 its per-token policy-gradient loss by ``weights`` and reduces it over ``keep``; on the toy,
 ``weights * keep`` is exactly the weight $w_t$ of the matching numpy estimator
-(``tests/mismatch/test_correction.py`` checks all eighteen). The losses take the sampler's
+(``tests/mismatch/test_correction.py`` checks the eighteen of verl's options and the papers,
+``tests/mismatch/test_peer_switches.py`` the seven below). The losses take the sampler's
 log-probabilities as the PPO anchor, as verl's *bypass mode* does, and their autograd
 gradient is the estimator: [opd_literate.mismatch.correction.ppo_clip_loss][] (with verl's
 dual clip) and [opd_literate.mismatch.correction.reinforce_loss][] are the two losses of
@@ -49,6 +50,14 @@ options into it: there the only losses with the sampler as their anchor are PPO'
 REINFORCE (``tests/integration/test_verl.py`` reads both trainers).
 [opd_literate.mismatch.correction.kl_penalty][] adds the straight-through ``"k1+"`` /
 ``"k3+"`` estimators.
+
+**Other frameworks' switches.** [opd_literate.mismatch.correction.trl_importance_weights][] is
+TRL's vLLM importance correction (its four ``vllm_importance_sampling_mode`` values) and
+[opd_literate.mismatch.correction.off_policy_sequence_mask][] its ``off_policy_mask_threshold``
+(TRL 1.16.0, ``tests/integration/test_trl_is_modes.py`` runs TRL's own code on the same
+batches); [opd_literate.mismatch.correction.seq_mask_tis_weights][] is the seq-mask-tis of
+OpenRLHF and NeMo-RL, and [opd_literate.mismatch.correction.kpop_mask][] KPop's binary-KL
+mask (prime-rl, AReaL), each read from the commit its docstring names.
 
 **Overflow.** Every ratio is the exponential of a log-ratio clamped to
 $[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
@@ -135,6 +144,11 @@ __all__ = [
     "veto_mask",
     "offpolicy_metrics",
     "rollout_correction",
+    "TRL_IS_MODES",
+    "trl_importance_weights",
+    "off_policy_sequence_mask",
+    "seq_mask_tis_weights",
+    "kpop_mask",
     "ppo_clip_loss",
     "cispo_loss",
     "gspo_loss",
@@ -969,6 +983,319 @@ def rollout_correction(trainer_logp, sampler_logp, mask, *, rollout_is=None,
 
 
 # ---------------------------------------------------------------------------------------------
+# The switches of other frameworks: TRL's vLLM correction and off-policy mask, seq-mask-tis, KPop
+# ---------------------------------------------------------------------------------------------
+TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""TRL's ``vllm_importance_sampling_mode`` values (TRL 1.16.0, ``GRPOConfig``)."""
+
+
+def trl_importance_weights(trainer_logp, sampler_logp, mask,
+                           vllm_importance_sampling_mode="sequence_mask", *,
+                           vllm_importance_sampling_clip_min=None,
+                           vllm_importance_sampling_clip_max=3.0):
+    r"""TRL's vLLM importance weights: the token or sequence ratio, truncated or masked.
+
+    With $r = \rho_t$ (``token_*``) or $r = \rho = \exp \sum_t \log \rho_t$ on every token of
+    the response (``sequence_*``; the sum, not the mean), and the bounds $C_{\min}$,
+    $C_{\max}$ (``None``: no bound on that side),
+
+    $$
+    w^{\mathrm{truncate}} = \min(\max(r, C_{\min}), C_{\max}), \qquad
+    w^{\mathrm{mask}} = r\, \mathbb{1}[C_{\min} \le r \le C_{\max}] .
+    $$
+
+    TRL 1.16.0's ``GRPOTrainer._generate_and_score_completions``
+    (``trl/trainer/grpo_trainer.py`` lines 2660-2707) computes these from the trainer's
+    recomputed log-probabilities (``old_per_token_logps``) and vLLM's
+    (``sampling_per_token_logps``), and ``_compute_loss`` multiplies the per-token loss by them
+    (line 3147), before the KL term is added. The defaults are TRL's: ``"sequence_mask"``
+    (``GRPOConfig``'s field, ``trl/trainer/grpo_config.py`` line 935, and its docstring line
+    327; the docstring's list of modes, line 331, still calls ``token_truncate`` the default),
+    $C_{\min}$ ``None`` and $C_{\max} = 3$; ``vllm_importance_sampling_cap`` is TRL's
+    deprecated name of $C_{\max}$. As TRL's ``GRPOConfig`` does, a truncation needs one bound
+    at least, and $C_{\min} < C_{\max}$. On the toy these are the weights of
+    [opd_literate.mismatch.estimators.trl_token_truncate][] and its three siblings.
+
+    Differences from TRL, by this module's conventions: the log-ratio is clamped to
+    $[-20, 20]$ before the exponential (TRL's is not, so its sequence ratio can overflow to
+    ``inf``: masked, or truncated to $C_{\max}$, as here, unless $C_{\max}$ is ``None``); a
+    NaN log-probability where ``mask`` is 1 is an error (TRL counts a NaN sampler
+    log-probability as a log-ratio of 0).
+
+    Returns
+    -------
+    weights : torch.Tensor
+        ``(B, T)``, detached, 0 where ``mask`` is 0 (float32 for half-precision inputs).
+    metrics : dict
+        TRL's names, as it logs them: ``sampling/sampling_logp_difference/mean`` and ``/max``
+        of $|\log \pi(y_t) - \log \mu(y_t)|$ over the valid tokens, and
+        ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` of the weights $w$:
+        over the valid tokens for ``token_*``, over the responses with a token for
+        ``sequence_*`` (TRL counts every row, and a row with no token has the ratio 1).
+
+    Examples
+    --------
+    The ratios $0.625$ and $2.5$, their product $1.5625$; a second response has $\rho_t =
+    2.5, 2.5$ and $\rho = 6.25$, above TRL's cap 3:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2], [0.2, 0.2]]))
+    >>> ones = torch.ones(2, 2)
+    >>> w, m = trl_importance_weights(trainer, sampler, ones)  # sequence_mask, C_max = 3
+    >>> [[round(v, 6) for v in row] for row in w.tolist()]
+    [[1.5625, 1.5625], [0.0, 0.0]]
+    >>> round(m["sampling/importance_sampling_ratio/max"], 6)
+    1.5625
+    >>> w, _ = trl_importance_weights(trainer, sampler, ones, "token_truncate",
+    ...                               vllm_importance_sampling_clip_max=2.0)
+    >>> [[round(v, 6) for v in row] for row in w.tolist()]
+    [[0.625, 2.0], [2.0, 2.0]]
+    """
+    level, constraint, low, high = _check_trl_options(vllm_importance_sampling_mode,
+                                                      vllm_importance_sampling_clip_min,
+                                                      vllm_importance_sampling_clip_max)
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    _check_threshold_fits(high, dtype)
+    with torch.no_grad():  # TRL computes the weights under no_grad, from detached log-probs
+        log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+        ratio = select(mask, _exp_safe(_level_log_ratio(log_rho_t, mask, level)))  # (B, T)
+        if constraint == "truncate":
+            weights = torch.clamp(ratio, min=low, max=high)
+        else:  # TRL zeroes r < C_min or r > C_max: a ratio on a bound is kept
+            weights = torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
+        weights = select(mask, weights)
+        metrics = {}
+        if bool(mask.any()):
+            difference = log_rho_t.abs()[mask]
+            metrics["sampling/sampling_logp_difference/mean"] = float(difference.mean())
+            metrics["sampling/sampling_logp_difference/max"] = float(difference.max())
+            if level == "token":
+                applied = weights[mask]
+            else:  # one weight per response with a token: its first token holds it
+                has_token = mask.any(dim=1)
+                first = mask.to(torch.int8).argmax(dim=1)
+                applied = weights.gather(1, first[:, None])[:, 0][has_token]
+            name = "sampling/importance_sampling_ratio/"
+            metrics[name + "min"] = float(applied.min())
+            metrics[name + "mean"] = float(applied.mean())
+            metrics[name + "max"] = float(applied.max())
+    return weights, metrics
+
+
+def _check_trl_options(mode, clip_min, clip_max):
+    """TRL's checks of the mode and the bounds; return (level, constraint, low, high)."""
+    if mode not in TRL_IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {TRL_IS_MODES}, got "
+                         f"{mode!r}")
+    level, constraint = mode.split("_")
+    if constraint == "truncate" and clip_min is None and clip_max is None:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} needs "
+                         "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max "
+                         "(both are None), as TRL's GRPOConfig requires")
+    low = 0.0 if clip_min is None else check_finite_number(
+        "vllm_importance_sampling_clip_min", clip_min, low=0.0)
+    high = math.inf if clip_max is None else check_finite_number(
+        "vllm_importance_sampling_clip_max", clip_max, positive=True, allow_inf=True)
+    if clip_min is not None and clip_max is not None and not low < high:
+        raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min!r}) must be less than "
+                         f"vllm_importance_sampling_clip_max ({clip_max!r}), as in TRL's "
+                         "GRPOConfig")
+    return level, constraint, low, high
+
+
+def off_policy_sequence_mask(trainer_logp, sampler_logp, advantages, mask,
+                             off_policy_mask_threshold):
+    r"""TRL's off-policy sequence mask (DeepSeek-V3.2): drop the responses with $A < 0$ that are
+    far from the sampler.
+
+    $$
+    \bar k_{1,b} = \frac{1}{n_b} \sum_t \big(\log \mu(y_t) - \log \pi_\theta(y_t)\big), \qquad
+    \mathrm{keep}_{b,t} = \mathbb{1}\big[A_{b,t} \ge 0 \text{ or } \bar k_{1,b} \le \delta\big] .
+    $$
+
+    TRL 1.16.0's ``GRPOTrainer.get_off_policy_mask`` (``trl/trainer/grpo_trainer.py`` lines
+    2945-2968) with $\delta$ = ``off_policy_mask_threshold`` (``GRPOConfig``'s default ``None``
+    turns it off; its help suggests 0.5). ``_compute_loss`` multiplies the per-token loss by it
+    (line 3141), as well as by the vLLM importance weight
+    ([opd_literate.mismatch.correction.trl_importance_weights][]), with $\pi_\theta$ the
+    current policy (detached) and $\mu$ vLLM's log-probabilities. A response with $A = 0$ is
+    kept. With per-token advantages the sign is read per token, as TRL's broadcast does. On
+    the toy this is [opd_literate.mismatch.estimators.off_policy_mask][].
+
+    Parameters
+    ----------
+    trainer_logp, sampler_logp : torch.Tensor
+        ``(B, T)``; finite where ``mask`` is 1.
+    advantages : torch.Tensor
+        ``(B, T)`` or ``(B,)``.
+    mask : torch.Tensor
+        ``(B, T)`` in {0, 1}.
+    off_policy_mask_threshold : float
+        $\delta$, finite.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, T)`` bool: ``mask`` less the dropped responses (TRL returns the ``(B, 1)`` float).
+
+    Examples
+    --------
+    $\pi = 0.5$ where $\mu = 0.8$ on the first response ($\bar k_1 = \log 1.6 = 0.470$) and
+    $\mu = 0.5$ on the second ($\bar k_1 = 0$); both have $A < 0$, and $\delta = 0.4$ drops the
+    first. With $A \ge 0$ nothing is dropped:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.8], [0.5, 0.5]]))
+    >>> off_policy_sequence_mask(trainer, sampler, torch.tensor([-1.0, -1.0]), torch.ones(2, 2),
+    ...                          0.4).tolist()
+    [[False, False], [True, True]]
+    >>> off_policy_sequence_mask(trainer, sampler, torch.tensor([0.0, 1.0]), torch.ones(2, 2),
+    ...                          0.4).tolist()
+    [[True, True], [True, True]]
+    """
+    threshold = check_finite_number("off_policy_mask_threshold", off_policy_mask_threshold)
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    A = _check_advantages(advantages, mask, dtype)
+    with torch.no_grad():
+        k1 = -_token_log_ratio(trainer_logp, sampler_logp, mask, dtype)  # log mu - log pi
+        mean_k1 = k1.sum(dim=1, keepdim=True) / lengths(mask, dtype)[:, None]  # (B, 1)
+        return mask & ((A >= 0) | (mean_k1 <= threshold))
+
+
+def seq_mask_tis_weights(trainer_logp, sampler_logp, mask, *, low=0.999, high=1.002):
+    r"""seq-mask-tis (OpenRLHF, NeMo-RL): the raw token ratio, in the responses whose geometric
+    ratio lies in $[l, h]$.
+
+    $$
+    w_t = \rho_t\, \mathbb{1}\big[l \le \rho_{\mathrm{geo}} \le h\big], \qquad
+    \rho_{\mathrm{geo}} = \exp\Big(\frac{1}{n_b} \sum_t \log \rho_t\Big) .
+    $$
+
+    NeMo-RL's ``truncated_importance_sampling_type: seq-mask-tis``
+    (``nemo_rl/algorithms/loss/loss_functions.py`` at commit ``7ea279a``:
+    ``truncated_importance_sampling_ratio_min`` $= l$ and ``truncated_importance_sampling_ratio``
+    $= h$, the band $[0.999, 1.002]$ of its comment the defaults here) and OpenRLHF's
+    ``--algo.advantage.is_correction_type seq-mask-tis`` (``openrlhf/models/loss.py`` at
+    commit ``3c3be62``, the band ``--algo.advantage.is_correction_threshold``, default
+    ``0.5 5.0``). Neither truncates the token ratio. The same weights as
+    [opd_literate.mismatch.correction.rollout_correction][] with ``rollout_is="token"``,
+    ``rollout_is_threshold=inf``, ``rollout_rs="seq_mean_k1"`` at ``f"{1 / h}_{1 / l}"``.
+    On the toy these are the weights of [opd_literate.mismatch.estimators.seq_mask_tis][].
+
+    Returns
+    -------
+    weights : torch.Tensor
+        ``(B, T)``, detached, 0 where ``mask`` is 0 or the response is masked.
+    metrics : dict
+        ``is_oob_ratio``, NeMo-RL's name: the share of the responses with a token whose
+        $\rho_{\mathrm{geo}}$ is outside $[l, h]$.
+
+    Examples
+    --------
+    The geometric ratios $1.25$ and $2.5$; the band $[0.8, 1.3]$ keeps the first, whose
+    weights are its raw token ratios:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2], [0.2, 0.2]]))
+    >>> w, m = seq_mask_tis_weights(trainer, sampler, torch.ones(2, 2), low=0.8, high=1.3)
+    >>> [[round(v, 6) for v in row] for row in w.tolist()], m["is_oob_ratio"]
+    ([[0.625, 2.5], [0.0, 0.0]], 0.5)
+    """
+    low, high = check_band(low, high)
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    with torch.no_grad():
+        log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+        log_geo = _level_log_ratio(log_rho_t, mask, "geometric")  # (B, T), the mean on each
+        # compared in log space: log l <= mean log rho_t <= log h (log 0 = -inf keeps all)
+        log_low = math.log(low) if low > 0 else -math.inf
+        log_high = math.log(high) if high > 0 else -math.inf
+        kept = mask & (log_geo >= log_low) & (log_geo <= log_high)
+        weights = torch.where(kept, _exp_safe(log_rho_t), 0.0)
+        has_token = mask.any(dim=1)
+        metrics = {}
+        if bool(has_token.any()):
+            outside = has_token & ~kept.any(dim=1)
+            metrics["is_oob_ratio"] = float(outside.sum()) / float(has_token.sum())
+    return weights, metrics
+
+
+def kpop_mask(trainer_logp, sampler_logp, mask, kpop_threshold=0.1, *, eps=1e-6):
+    r"""KPop: keep a token when both binary KLs between $\pi_\theta(y_t)$ and $\mu(y_t)$ are
+    at most $\phi$.
+
+    With $p = \pi_\theta(y_t)$ and $q = \mu(y_t)$ clamped to $[\epsilon, 1 - \epsilon]$ and
+    $\mathrm{kl}(p, q) = p \log \frac{p}{q} + (1 - p) \log \frac{1 - p}{1 - q}$,
+
+    $$
+    \mathrm{keep}_t = \mathbb{1}\big[\max(\mathrm{kl}(p, q), \mathrm{kl}(q, p)) \le \phi\big] .
+    $$
+
+    prime-rl's ``kpop`` loss type (``src/prime_rl/trainer/rl/loss.py``, ``kpop_loss_fn``, at
+    commit ``b9ba060`` on its branch ``feat/algo-ablations``; $\phi$ = ``kpop_threshold``,
+    default 0.1, $\epsilon = 10^{-6}$), whose loss is $-\mathrm{keep}_t\, A\, \rho_t$ (the
+    ratio not detached, so its gradient is $\mathrm{keep}_t \rho_t A \nabla \log \pi_\theta$)
+    plus ``kl_tau`` $(\log \rho_t)^2$; AReaL's ``rejection_sampling.metric: binary_kl``
+    (``areal/utils/functional/functional.py`` at commit ``cbff54d``, $\epsilon = 10^{-8}$,
+    $\phi$ = ``upper``). The importance weight of the kept tokens is the raw $\rho_t$
+    ([opd_literate.mismatch.correction.importance_weights][] with ``rollout_is_threshold=inf``);
+    on the toy, that weight times ``keep`` is [opd_literate.mismatch.estimators.kpop][]. A
+    log-probability above 0 where ``mask`` is 1 is a ``ValueError``: $p$ is a probability.
+
+    Returns
+    -------
+    keep : torch.Tensor
+        ``(B, T)`` bool: ``mask`` less the masked tokens.
+    metrics : dict
+        prime-rl's names: ``is_masked`` (the share of valid tokens masked),
+        ``masked_mismatch_kl`` and ``unmasked_mismatch_kl`` (the mean of
+        $\rho_t - 1 - \log \rho_t$ over the masked and over the kept tokens; 0 over none).
+
+    Examples
+    --------
+    $\pi = 0.04$ where $\mu = 0.02$ (ratio 2, $\mathrm{kl} = 0.008$ and $0.006$): kept;
+    $\pi = 0.5$ where $\mu = 0.8$ (ratio 0.625, $\mathrm{kl}(p, q) = 0.223$): masked:
+
+    >>> trainer = torch.log(torch.tensor([[0.04, 0.5]]))
+    >>> sampler = torch.log(torch.tensor([[0.02, 0.8]]))
+    >>> keep, m = kpop_mask(trainer, sampler, torch.ones(1, 2))
+    >>> keep.tolist(), m["is_masked"]
+    ([[True, False]], 0.5)
+    """
+    threshold = check_finite_number("kpop_threshold", kpop_threshold, low=0.0, allow_inf=True)
+    eps = check_finite_number("eps", eps, positive=True)
+    if not eps < 0.5:
+        raise ValueError(f"eps must be < 0.5 (the clamp [eps, 1 - eps] must be an interval "
+                         f"holding more than 0.5), got {eps!r}")
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    _check_log_probabilities(mask, "kpop", trainer_logp=trainer_logp, sampler_logp=sampler_logp)
+    with torch.no_grad():
+        zeros = torch.zeros((), dtype=dtype, device=trainer_logp.device)
+        log_p = torch.where(mask, trainer_logp.detach().to(dtype), zeros)  # 1 on the padding
+        log_q = torch.where(mask, sampler_logp.detach().to(dtype), zeros)
+        # the clamp keeps log p and log(1 - p) finite; 1 - eps rounds in float32 (1 - 1e-6)
+        p = torch.exp(log_p).clamp(eps, 1.0 - eps)
+        q = torch.exp(log_q).clamp(eps, 1.0 - eps)
+        divergence = torch.maximum(_bernoulli_kl(p, q), _bernoulli_kl(q, p))
+        keep = mask & (divergence <= threshold)
+        metrics = {}
+        if bool(mask.any()):
+            x = (log_p - log_q).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+            k3 = torch.expm1(x) - x  # rho - 1 - log rho, prime-rl's mismatch_kl
+            masked = mask & ~keep
+            metrics["is_masked"] = float(masked.sum()) / float(mask.sum())
+            metrics["masked_mismatch_kl"] = (float(k3[masked].mean()) if bool(masked.any())
+                                             else 0.0)
+            metrics["unmasked_mismatch_kl"] = (float(k3[keep].mean()) if bool(keep.any())
+                                               else 0.0)
+    return keep, metrics
+
+
+def _bernoulli_kl(p, q):
+    """kl(p, q) of Bernoulli(p) and Bernoulli(q), elementwise, for p, q in (0, 1)."""
+    return p * torch.log(p / q) + (1.0 - p) * torch.log((1.0 - p) / (1.0 - q))
+
+
+# ---------------------------------------------------------------------------------------------
 # Bypass-mode losses
 # ---------------------------------------------------------------------------------------------
 def _check_advantages(advantages, mask, dtype):
@@ -1254,6 +1581,7 @@ def _check_dppo_options(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_
 
 
 _LOG_PROBABILITY_USE = {
+    "kpop": "KPop's binary KL reads p = exp(log p) as a probability",
     "tv": "DPPO-TV reads p = exp(log p) as a probability",
     "kl": "DPPO-KL's binary KL needs 1 - p >= 0",
     "dro": "DRO's value is the log-likelihood of the sampled token",

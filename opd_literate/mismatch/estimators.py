@@ -113,6 +113,13 @@ __all__ = [
     "gspo",
     "dppo_tv",
     "dppo_kl",
+    "trl_token_truncate",
+    "trl_token_mask",
+    "trl_sequence_truncate",
+    "trl_sequence_mask",
+    "off_policy_mask",
+    "seq_mask_tis",
+    "kpop",
     "VERL_COMMIT",
     "EstimatorSpec",
     "REGISTRY",
@@ -934,6 +941,303 @@ def dppo_kl(toy, delta_low=0.2, delta_high=0.2, clip_ratio_c=3.0, baseline=0.0, 
 
 
 # ---------------------------------------------------------------------------------------------
+# The switches of other frameworks: TRL's vLLM correction, seq-mask-tis, KPop
+# ---------------------------------------------------------------------------------------------
+def _check_trl_band(clip_min, clip_max):
+    r"""TRL's bounds $[C_{\min}, C_{\max}]$: its ``None`` is 0 below and ``inf`` above here."""
+    clip_min = check_finite_number("clip_min", clip_min, low=0.0)
+    clip_max = check_finite_number("clip_max", clip_max, positive=True, allow_inf=True)
+    if not clip_min < clip_max:  # GRPOConfig refuses clip_min >= clip_max
+        raise ValueError(f"clip_min must be < clip_max (as TRL's GRPOConfig requires), got "
+                         f"clip_min={clip_min!r} >= clip_max={clip_max!r}")
+    return clip_min, clip_max
+
+
+def _trl_vllm_weights(toy, level, constraint, clip_min, clip_max):
+    """TRL's vLLM importance weights on checked bounds: (M, T) per token, (M,) per sequence."""
+    if level == "token":
+        ratio = token_ratios(toy)
+    else:  # exp of the summed log-ratios, capped in log space as seq_tis does
+        with np.errstate(divide="ignore"):  # log(inf) = inf for an infinite clip_max
+            log_rho = np.minimum(_log_seq_ratio(toy), np.log(clip_max) + 1.0)
+        ratio = exp_ratio(log_rho, "sequence", toy)
+    if constraint == "truncate":
+        return np.clip(ratio, clip_min, clip_max)
+    return np.where((ratio >= clip_min) & (ratio <= clip_max), ratio, 0.0)
+
+
+def trl_token_truncate(toy, clip_min=0.0, clip_max=3.0, baseline=0.0, *, return_weights=False):
+    r"""TRL's ``vllm_importance_sampling_mode="token_truncate"``: $w_t = \mathrm{clip}(\rho_t,
+    C_{\min}, C_{\max})$.
+
+    $$
+    \hat g_t = \min(\max(\rho_t, C_{\min}), C_{\max})\, A\, s_t .
+    $$
+
+    TRL's ``GRPOTrainer`` (TRL 1.16.0, ``trl/trainer/grpo_trainer.py``) computes, when it
+    samples with vLLM, the ratio of the trainer's recomputed log-probability to vLLM's, clamps
+    it to ``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]`` (defaults
+    ``None`` and 3.0; ``vllm_importance_sampling_cap`` is the deprecated name of the upper
+    bound) and multiplies its per-token loss by it. The anchor of its PPO ratio is the
+    trainer's own recomputation, so at one update a batch the weight of $A s_t$ is this
+    truncated $\rho_t$. TRL's ``None`` bound is ``clip_min=0`` or ``clip_max=inf`` here (no
+    floor is a floor at 0: ratios are positive). ``token_tis`` with TRL's cap and a floor:
+    biased, as ``token_tis`` and ``token_clamp`` are.
+
+    Parameters
+    ----------
+    clip_min : float
+        $C_{\min} \ge 0$, finite.
+    clip_max : float
+        $C_{\max} > C_{\min}$; ``inf`` for none.
+
+    Examples
+    --------
+    The ratios 0.625 and 2.5: the floor 0.7 lifts the first, the cap 2 lowers the second:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> trl_token_truncate(one, clip_min=0.7, clip_max=2.0, return_weights=True).round(6).tolist()
+    [[0.7], [2.0]]
+    """
+    clip_min, clip_max = _check_trl_band(clip_min, clip_max)
+    weights = _trl_vllm_weights(toy, "token", "truncate", clip_min, clip_max)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def trl_token_mask(toy, clip_min=0.0, clip_max=3.0, baseline=0.0, *, return_weights=False):
+    r"""TRL's ``vllm_importance_sampling_mode="token_mask"``: $w_t = \rho_t\,
+    \mathbb{1}[C_{\min} \le \rho_t \le C_{\max}]$.
+
+    $$
+    \hat g_t = \rho_t\, \mathbb{1}[C_{\min} \le \rho_t \le C_{\max}]\, A\, s_t .
+    $$
+
+    TRL sets to 0 a ratio below ``vllm_importance_sampling_clip_min`` or above
+    ``vllm_importance_sampling_clip_max`` (strict comparisons, so a ratio on a bound is kept)
+    and keeps the others unchanged: ``token_mis`` (or IcePop) with TRL's band, $[0, 3]$ by
+    default. Biased.
+
+    Examples
+    --------
+    The cap 2 drops the ratio 2.5 of token 1; TRL's default cap 3 keeps it:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> trl_token_mask(one, clip_max=2.0, return_weights=True).round(6).tolist()
+    [[0.625], [0.0]]
+    >>> trl_token_mask(one, return_weights=True).round(6).tolist()
+    [[0.625], [2.5]]
+    """
+    clip_min, clip_max = _check_trl_band(clip_min, clip_max)
+    weights = _trl_vllm_weights(toy, "token", "mask", clip_min, clip_max)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def trl_sequence_truncate(toy, clip_min=0.0, clip_max=3.0, baseline=0.0, *,
+                          return_weights=False):
+    r"""TRL's ``vllm_importance_sampling_mode="sequence_truncate"``: $w_t = \mathrm{clip}(\rho,
+    C_{\min}, C_{\max})$ on every token.
+
+    $$
+    \rho = \exp \sum_t \big(\log \pi(y_t) - \log \mu(y_t)\big), \qquad
+    \hat g_t = \min(\max(\rho, C_{\min}), C_{\max})\, A\, s_t .
+    $$
+
+    The sequence ratio is the exponential of the *summed* log-ratios (not their mean, as
+    GSPO's and ``geo_rs``'s are), one weight for all the tokens of the response. With
+    $C_{\min} = 0$ this is ``seq_tis`` at TRL's cap 3; its bias is then
+    $-\mathbb{E}_\mu[(\rho - C_{\max})_+ A \sum_t s_t]$, and a floor adds
+    $+\mathbb{E}_\mu[(C_{\min} - \rho)_+ A \sum_t s_t]$. Biased.
+
+    Examples
+    --------
+    Two positions, $\rho = (0.390625, 1.5625, 1.5625, 6.25)$: the floor 0.5 lifts the first,
+    TRL's cap 3 lowers the last:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> trl_sequence_truncate(two, clip_min=0.5, return_weights=True).round(6).tolist()
+    [0.5, 1.5625, 1.5625, 3.0]
+    """
+    clip_min, clip_max = _check_trl_band(clip_min, clip_max)
+    weights = _trl_vllm_weights(toy, "sequence", "truncate", clip_min, clip_max)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def trl_sequence_mask(toy, clip_min=0.0, clip_max=3.0, baseline=0.0, *, return_weights=False):
+    r"""TRL's ``vllm_importance_sampling_mode="sequence_mask"``, its default: $w_t = \rho\,
+    \mathbb{1}[C_{\min} \le \rho \le C_{\max}]$ on every token.
+
+    $$
+    \hat g_t = \rho\, \mathbb{1}[C_{\min} \le \rho \le C_{\max}]\, A\, s_t .
+    $$
+
+    The mode that ``GRPOConfig`` selects by default in TRL 1.16.0 (its field and its
+    docstring's first line say ``"sequence_mask"``; the docstring's list of modes still calls
+    ``token_truncate`` the default). ``seq_mis`` with TRL's band $[0, 3]$: the kept sequences
+    keep their exact ratio, so the bias is the dropped mass,
+    $-\mathbb{E}_\mu[\rho\, \mathbb{1}[\rho \notin [C_{\min}, C_{\max}]]\, A \sum_t s_t]$.
+    The ratio is a product over the tokens: the longer the response, the more of them fall
+    outside any fixed band. Biased.
+
+    Examples
+    --------
+    TRL's default cap 3 drops the sequence $(1, 1)$ ($\rho = 6.25$):
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> trl_sequence_mask(two, return_weights=True).round(6).tolist()
+    [0.390625, 1.5625, 1.5625, 0.0]
+    """
+    clip_min, clip_max = _check_trl_band(clip_min, clip_max)
+    weights = _trl_vllm_weights(toy, "sequence", "mask", clip_min, clip_max)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def off_policy_mask(toy, threshold=0.5, baseline=0.0, *, return_weights=False):
+    r"""TRL's off-policy sequence mask (DeepSeek-V3.2): drop a sequence with $A < 0$ whose
+    mean log-ratio to the sampler exceeds $\delta$.
+
+    $$
+    \bar k_1 = \frac1T \sum_t \big(\log \mu(y_t) - \log \pi(y_t)\big), \qquad
+    \hat g_t = \mathbb{1}\big[A \ge 0 \text{ or } \bar k_1 \le \delta\big]\, A\, s_t .
+    $$
+
+    TRL's ``off_policy_mask_threshold`` ($\delta$; ``None``, off, by default; its help suggests
+    0.5, the default here), ``GRPOTrainer.get_off_policy_mask`` in TRL 1.16.0: $\bar k_1$ is
+    the k1 estimate of $\mathrm{KL}(\mu \,\|\, \pi)$ from the sampled tokens, and only a
+    sequence the policy would push *down* is dropped, on the argument that its tokens are the
+    ones a stale sample makes harmful. A sequence with $A = 0$ is kept. In TRL the mask
+    multiplies the loss together with the vLLM importance weight (on by default,
+    ``trl_sequence_mask``); here it stands alone, on the weight 1. Rejection only, depending
+    on the sign of the advantage: biased.
+
+    Parameters
+    ----------
+    threshold : float
+        $\delta$, finite (``inf`` keeps everything).
+
+    Examples
+    --------
+    One position, $\pi = (0.5, 0.5)$, $\mu = (0.2, 0.8)$, baseline 0.5. Token 1 has $A < 0$
+    and $\bar k_1 = \log(0.8 / 0.5) = 0.470$: dropped at $\delta = 0.4$, kept at 0.5.
+    Token 0 has $A > 0$: kept whatever its $\bar k_1 = \log 0.4$.
+
+    >>> flip = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.2, 0.8]]))  # rho_t = 2.5, 0.625
+    >>> off_policy_mask(flip, threshold=0.4, baseline=0.5, return_weights=True).tolist()
+    [1.0, 0.0]
+    >>> off_policy_mask(flip, threshold=0.5, baseline=0.5, return_weights=True).tolist()
+    [1.0, 1.0]
+    """
+    threshold = check_finite_number("threshold", threshold, allow_inf=True)
+    baseline_value = check_finite_number("baseline", baseline)
+    check_toy(toy)
+    k1 = toy["logp_sampler"] - toy["logp_train"]  # (M, T): log mu(y_t) - log pi(y_t)
+    if "mask" in toy:  # the mean over the response's own tokens
+        k1 = np.where(np.asarray(toy["mask"]) > 0, k1, 0.0)
+    mean_k1 = k1.sum(axis=1) / _response_lengths(toy)  # (M,)
+    advantage = toy["R"] - baseline_value
+    weights = ((advantage >= 0) | (mean_k1 <= threshold)).astype(float)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def seq_mask_tis(toy, low=0.999, high=1.002, baseline=0.0, *, return_weights=False):
+    r"""seq-mask-tis (OpenRLHF, NeMo-RL): the token ratio, untruncated, in the sequences whose
+    geometric ratio lies in $[l, h]$.
+
+    $$
+    \hat g_t = \rho_t\, \mathbb{1}[l \le \rho_{\mathrm{geo}} \le h]\, A\, s_t, \qquad
+    \rho_{\mathrm{geo}} = \exp\Big(\tfrac1T \sum_t \log \rho_t\Big).
+    $$
+
+    Despite the name, nothing is truncated: both frameworks mask by the geometric mean and
+    keep the raw token ratio. OpenRLHF ``--algo.advantage.is_correction_type seq-mask-tis``
+    (``openrlhf/models/loss.py`` at commit ``3c3be62``; its comment says the token weights
+    "still use TIS (token-level clamp)", the code does not clamp), with the band
+    ``--algo.advantage.is_correction_threshold``, ``[0.5, 5.0]`` by default (shared with
+    ``tis`` and ``icepop``). NeMo-RL ``truncated_importance_sampling_type: seq-mask-tis``
+    (``nemo_rl/algorithms/loss/loss_functions.py`` at commit ``7ea279a``) with
+    ``truncated_importance_sampling_ratio_min`` and ``truncated_importance_sampling_ratio``,
+    both required, and the reference band $[0.999, 1.002]$ of its comment: the defaults here.
+    (NeMo-RL's mean divides by $T + 10^{-8}$, OpenRLHF's by $T$.) ``geo_rs`` with the token
+    ratio instead of the weight 1, or ``geo_rs_token_tis`` without the cap. Biased.
+
+    Examples
+    --------
+    The geometric ratios of the two-position toy are $0.625, 1.25, 1.25, 2.5$; the band
+    $[0.8, 1.3]$ keeps the middle two, with their token ratios, the 2.5 uncapped:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> seq_mask_tis(two, low=0.8, high=1.3, return_weights=True).round(6).tolist()
+    [[0.0, 0.0], [0.625, 2.5], [2.5, 0.625], [0.0, 0.0]]
+    """
+    low, high = check_band(low, high)
+    keep = geo_rs(toy, low, high, return_weights=True)  # (M,): 1 inside the geometric band
+    weights = keep[:, None] * token_ratios(toy)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def kpop(toy, threshold=0.1, eps=1e-6, baseline=0.0, *, return_weights=False):
+    r"""KPop: the token ratio, masked where either binary KL between $\pi(y_t)$ and $\mu(y_t)$
+    exceeds $\phi$.
+
+    With $p = \pi(y_t)$, $q = \mu(y_t)$, both clamped to $[\epsilon, 1 - \epsilon]$, and the KL
+    between the Bernoulli distributions of "the token $y_t$ or another",
+
+    $$
+    \mathrm{kl}(p, q) = p \log \frac{p}{q} + (1 - p) \log \frac{1 - p}{1 - q}, \qquad
+    \hat g_t = \rho_t\, \mathbb{1}\big[\max(\mathrm{kl}(p, q), \mathrm{kl}(q, p)) \le \phi\big]
+    \, A\, s_t .
+    $$
+
+    KPop: a trust region on the binary KL, both ways, which is wide in
+    ratio for a rare token and tight for a likely one. prime-rl's ``kpop`` loss type
+    (``src/prime_rl/trainer/rl/loss.py``, ``kpop_loss_fn``, at commit ``b9ba060`` on its
+    branch ``feat/algo-ablations``: $\phi$ = ``kpop_threshold`` 0.1 and $\epsilon = 10^{-6}$,
+    the defaults here; its loss also adds ``kl_tau`` $(\log \rho_t)^2$, a regulariser with no
+    weight $w_t$, left out). AReaL's ``rejection_sampling.metric: binary_kl``
+    (``areal/utils/functional/functional.py`` at commit ``cbff54d``) is the same rule with
+    $\epsilon = 10^{-8}$ and $\phi$ = ``upper`` (2.0 in its example), though its
+    ``RejectionSamplingConfig`` at that commit refuses ``binary_kl`` (``_VALID_METRICS`` in
+    ``areal/api/cli_args.py``). verl 0.9.1 has no such option (its PR #6800, which adds
+    ``rollout_rs: binary_kl``, is open). Unlike ``dppo_kl`` the region does not depend on the
+    sign of the advantage, and the ratio is not capped. Biased.
+
+    Parameters
+    ----------
+    threshold : float
+        $\phi \ge 0$ (``inf`` keeps every token).
+    eps : float
+        $0 < \epsilon < 0.5$, the clamp that keeps $\log p$ and $\log(1 - p)$ finite.
+
+    Examples
+    --------
+    Three tokens, $\pi = (0.5, 0.04, 0.46)$, $\mu = (0.8, 0.02, 0.18)$. Token 1 doubled its
+    probability, but from 0.02: $\mathrm{kl} = 0.008$ and $0.006$, kept with its ratio 2. Token 0
+    moved from 0.8 to 0.5, a ratio of only 0.625, but $\mathrm{kl}(p, q) = 0.223 > 0.1$:
+    masked, as is token 2 ($\mathrm{kl} = 0.206$ and $0.174$):
+
+    >>> toy = toy_from_logits(np.log([[0.5, 0.04, 0.46]]), np.log([[0.8, 0.02, 0.18]]))
+    >>> kpop(toy, return_weights=True).round(6).tolist()
+    [[0.0], [2.0], [0.0]]
+    """
+    threshold = check_finite_number("threshold", threshold, low=0.0, allow_inf=True)
+    eps = check_finite_number("eps", eps, positive=True)
+    if not eps < 0.5:
+        raise ValueError(f"eps must be < 0.5 (the clamp [eps, 1 - eps] must be an interval "
+                         f"holding more than 0.5), got {eps!r}")
+    check_toy(toy)
+    p = np.clip(np.exp(toy["logp_train"]), eps, 1.0 - eps)  # (M, T): pi(y_t)
+    q = np.clip(np.exp(toy["logp_sampler"]), eps, 1.0 - eps)  # (M, T): mu(y_t)
+    # kept where both directions are within phi (prime-rl masks kl > phi, AReaL keeps <= phi)
+    keep = np.maximum(_binary_kl(p, q), _binary_kl(q, p)) <= threshold
+    weights = np.where(keep, token_ratios(toy), 0.0)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def _binary_kl(p, q):
+    """kl(p, q) of Bernoulli(p) and Bernoulli(q), elementwise."""
+    return p * np.log(p / q) + (1.0 - p) * np.log((1.0 - p) / (1.0 - q))
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry and the exact comparison
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -1050,13 +1354,54 @@ REGISTRY = {
             source="Qi et al. 2026 (DPPO-Binary-KL); verl loss_mode=dppo_kl, bypass",
             unbiased=False, reference="token",
         ),
+        EstimatorSpec(
+            name="trl_token_truncate", fn=trl_token_truncate,
+            defaults={"clip_min": 0.0, "clip_max": 3.0},
+            source="TRL vllm_importance_sampling_mode=token_truncate, clip_max 3.0",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="trl_token_mask", fn=trl_token_mask,
+            defaults={"clip_min": 0.0, "clip_max": 3.0},
+            source="TRL vllm_importance_sampling_mode=token_mask, clip_max 3.0",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="trl_sequence_truncate", fn=trl_sequence_truncate,
+            defaults={"clip_min": 0.0, "clip_max": 3.0},
+            source="TRL vllm_importance_sampling_mode=sequence_truncate, clip_max 3.0",
+            unbiased=False, reference="sequence",
+        ),
+        EstimatorSpec(
+            name="trl_sequence_mask", fn=trl_sequence_mask,
+            defaults={"clip_min": 0.0, "clip_max": 3.0},
+            source="TRL vllm_importance_sampling_mode=sequence_mask (its default), clip_max 3.0",
+            unbiased=False, reference="sequence",
+        ),
+        EstimatorSpec(
+            name="off_policy_mask", fn=off_policy_mask, defaults={"threshold": 0.5},
+            source="DeepSeek-V3.2 2025; TRL off_policy_mask_threshold 0.5 (off by default)",
+            unbiased=False, reference="one",
+        ),
+        EstimatorSpec(
+            name="seq_mask_tis", fn=seq_mask_tis, defaults={"low": 0.999, "high": 1.002},
+            source="OpenRLHF / NeMo-RL seq-mask-tis, NeMo-RL's band 0.999_1.002",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="kpop", fn=kpop, defaults={"threshold": 0.1, "eps": 1e-6},
+            source="KPop 2026; prime-rl loss kpop 0.1 (b9ba060), AReaL binary_kl",
+            unbiased=False, reference="token",
+        ),
     ]
 }
 """Every estimator of this module by name, with its default thresholds and source.
 
 Each "verl" source is the verl release ``VERL_VERSION`` (0.9.1): its files
 ``verl/trainer/ppo/rollout_corr_helper.py``, ``verl/trainer/ppo/core_algos.py`` and
-``verl/trainer/config/algorithm.py``."""
+``verl/trainer/config/algorithm.py``. Each "TRL" source is TRL 1.16.0, ``GRPOConfig`` and
+``GRPOTrainer`` (``trl/trainer/grpo_config.py``, ``trl/trainer/grpo_trainer.py``); the
+OpenRLHF, NeMo-RL, prime-rl and AReaL sources are the commits their estimators name."""
 
 
 def estimator_weights(toy, name, baseline=0.0, **params):

@@ -830,6 +830,14 @@ def _best_estimators():
     return table
 
 
+def test_the_explorables_offer_every_estimator_of_the_catalogue_and_the_home_page_counts_them():
+    from opd_literate.mismatch.estimators import REGISTRY
+
+    assert explorables.MISMATCH_NAMES == tuple(REGISTRY)
+    home = (ROOT / "docs" / "index.md").read_text()
+    assert f"{len(REGISTRY)} rollout corrections, exact bias and variance" in home
+
+
 def test_the_best_estimator_map_is_the_librarys_and_the_chapter_reads_it():
     """The map's cells hold the estimator of least error and its error (1e-12), and the
     chapter's three sentences about it hold for every cell they speak of."""
@@ -846,8 +854,10 @@ def test_the_best_estimator_map_is_the_librarys_and_the_chapter_reads_it():
             "`k3_seq_rs`) has the least error at every mismatch above 0") in page
     assert all(expected[m, n][0] in ("geo_rs", "k3_seq_rs")
                for (m, n) in expected if m > 0 and n <= 16)
-    assert "from a batch of 128 up and at a mismatch of 1.1 or more, `seq_tis`" in page
-    assert all(expected[m, n][0] == "seq_tis" for (m, n) in expected if m >= 1.1 and n >= 128)
+    assert ("from a batch of 512 up and at a mismatch of 1.1 or more, `trl_sequence_truncate` "
+            "(the sequence ratio truncated at 3, TRL's `sequence_truncate`)") in page
+    assert all(expected[m, n][0] == "trl_sequence_truncate" for (m, n) in expected
+               if m >= 1.1 and n >= 512)
     assert ("the unbiased `seq_is` only with 4,096 answers or more, at a mismatch of 0.5 or "
             "less") in page
     wins = {(m, n) for (m, n), (name, _) in expected.items() if name == "seq_is"}
