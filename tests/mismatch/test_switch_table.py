@@ -1,0 +1,94 @@
+"""The integration page's table of every framework's switches (``docs/integration.md``, "Every
+switch, framework by framework"): each estimator it names is the catalogue's, every estimator of
+the catalogue that a framework ships is on it, and the rows that set arguments other than the
+estimator's defaults hold on the toy's enumerated batch (the torch form with the framework's
+arguments equals the numpy estimator with the stated ones)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from opd_literate.mismatch import correction as C
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch import groups as G
+from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
+
+PAGE = pathlib.Path(__file__).parents[2] / "docs" / "integration.md"
+# The catalogue's estimators that no framework ships as an option: the uncorrected gradient,
+# the unbiased sequence ratio, a removed verl option and the two-sided clamp of the papers
+# (OpenRLHF's and NeMo-RL's rows name token_clamp with their bounds).
+NOT_A_SWITCH = {"naive", "seq_is", "token_veto"}
+
+
+def _section():
+    text = PAGE.read_text()
+    start = text.index("## Every switch, framework by framework")
+    return text[start:]
+
+
+def test_every_estimator_named_is_the_catalogues_and_every_shipped_one_is_named():
+    named = set(re.findall(r"\[`(\w+)`\]\[opd_literate\.mismatch\.estimators\.(\w+)\]",
+                           _section()))
+    assert all(label == target for label, target in named)
+    names = {target for _, target in named}
+    assert names <= set(E.REGISTRY)
+    assert set(E.REGISTRY) - names == NOT_A_SWITCH
+
+
+def test_every_torch_form_named_exists():
+    for module, name in re.findall(r"\]\[opd_literate\.mismatch\.(correction|groups)\.(\w+)\]",
+                                   _section()):
+        assert callable(getattr({"correction": C, "groups": G}[module], name)), name
+
+
+def _batch(toy):
+    return (torch.from_numpy(np.array(toy["logp_train"])),
+            torch.from_numpy(np.array(toy["logp_sampler"])),
+            torch.from_numpy(response_mask(toy)))
+
+
+def _weights(toy, torch_weights):
+    """The torch weights on the enumerated batch, against the numpy estimator's (M, T)."""
+    return torch_weights.numpy() * response_mask(toy)
+
+
+@pytest.mark.parametrize("make", [make_toy, make_ar_toy])
+@pytest.mark.parametrize("mismatch", [0.3, 1.0])
+def test_the_rows_with_their_own_arguments_hold_on_the_toys(make, mismatch):
+    toy = make(mismatch=mismatch)
+    batch = _batch(toy)
+    real = response_mask(toy)
+    # OpenRLHF `tis`: the token ratio clamped to its band [0.5, 5]
+    openrlhf_tis, _ = C.importance_weights(*batch, "token", rollout_is_threshold=5.0,
+                                           mode="clamp", lower=0.5)
+    np.testing.assert_allclose(_weights(toy, openrlhf_tis),
+                               E.token_clamp(toy, low=0.5, high=5.0, return_weights=True) * real,
+                               rtol=1e-12, atol=1e-14)
+    # NeMo-RL without a truncation type: the raw token ratio
+    raw, _ = C.importance_weights(*batch, "token", rollout_is_threshold=math.inf)
+    np.testing.assert_allclose(_weights(toy, raw), E.token_is(toy, return_weights=True) * real,
+                               rtol=1e-12, atol=1e-14)
+    # OpenRLHF `seq-mask-tis` and `icepop` at its band
+    seq_mask, _ = C.seq_mask_tis_weights(*batch, low=0.5, high=5.0)
+    np.testing.assert_allclose(
+        _weights(toy, seq_mask),
+        E.seq_mask_tis(toy, low=0.5, high=5.0, return_weights=True) * real,
+        rtol=1e-12, atol=1e-14)
+    icepop, _ = C.importance_weights(*batch, "token", rollout_is_threshold="0.5_5.0")
+    np.testing.assert_allclose(_weights(toy, icepop), E.icepop(toy, return_weights=True) * real,
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_the_page_states_the_frameworks_defaults_the_catalogue_uses():
+    section = " ".join(_section().split())
+    assert E.REGISTRY["icepop"].defaults == {"low": 0.5, "high": 5.0}
+    assert "`tis` (the default type) | [`token_clamp`]" in section
+    assert E.REGISTRY["trl_sequence_mask"].defaults == {"clip_min": 0.0, "clip_max": 3.0}
+    assert ('`vllm_importance_sampling_mode="sequence_mask"` (the default), '
+            "`vllm_importance_sampling_clip_max=3.0`") in section
