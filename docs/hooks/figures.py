@@ -7,6 +7,12 @@ explorable figure is the ``<div class="explorable" data-caption="...">`` that
 ``explorables.py`` writes; its caption is its title, with a note on how to use it.
 Both are numbered in the order they appear, so "Figure 3" in a chapter's text names the third
 figure a reader sees; ``#figure-3`` links to it.
+
+The text refers to a figure by its name, never by a number that an inserted figure would
+shift: ``[Figure](#fig-NAME)``, with NAME the image's file name without ``.svg``
+(``mismatch_sweep``) or the explorable's id (``explore-best``), becomes a link "Figure 3" to
+``#figure-3``. A reference to a name that no figure of the page has is an error, which fails the
+build.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import re
 
 # A paragraph holding one image and nothing else, with or without glightbox's link around it.
 STATIC = re.compile(r'<p>((?:<a class="glightbox"[^>]*>)?<img alt="([^"]*)"[^>]*>(?:</a>)?)</p>')
+_SOURCE = re.compile(r'<img [^>]*src="(?:[^"]*/)?([^"/]+)\.svg"')
+_EXPLORABLE_ID = re.compile(r'<div id="([\w-]+)"')
+REFERENCE = re.compile(r'<a href="#fig-([\w-]+)">Figure</a>')
 EXPLORABLE = re.compile(r'<div class="explorable" markdown="0" data-caption="([^"]*)">')
 
 
@@ -34,8 +43,11 @@ def number_figures(text: str) -> str:
     found = [(m.start(), m.end(), "static", m) for m in STATIC.finditer(text)]
     found += [(m.start(), _explorable_end(text, m.start()), "explorable", m)
               for m in EXPLORABLE.finditer(text)]
-    out, last = [], 0
+    out, last, numbers = [], 0, {}
     for number, (start, end, kind, match) in enumerate(sorted(found, key=lambda f: f[0]), 1):
+        name = (_SOURCE if kind == "static" else _EXPLORABLE_ID).search(text, start, end)
+        if name is not None:
+            numbers[name.group(1)] = number
         if kind == "static":
             body, caption = match.group(1), match.group(2)
             note = ""
@@ -49,7 +61,18 @@ def number_figures(text: str) -> str:
                 f"<figcaption><strong>Figure {number}.</strong> {_html.escape(label)}.{note}"
                 "</figcaption></figure>"]
         last = end
-    return "".join(out) + text[last:]
+    return _resolve("".join(out) + text[last:], numbers)
+
+
+def _resolve(text: str, numbers: dict) -> str:
+    """Each ``[Figure](#fig-NAME)`` of ``text`` as a link to its figure, with its number."""
+    def link(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in numbers:
+            raise ValueError(f"a reference to figure {name!r}, which is not on this page (its "
+                             f"figures: {sorted(numbers)})")
+        return f'<a href="#figure-{numbers[name]}">Figure {numbers[name]}</a>'
+    return REFERENCE.sub(link, text)
 
 
 def on_page_content(html, page, config, files):  # noqa: ARG001 (MkDocs hook API)

@@ -29,3 +29,32 @@ def test_figures_are_numbered_in_order_with_their_captions():
 def test_an_explorable_never_closed_is_refused():
     with pytest.raises(ValueError, match="never closed"):
         figures.number_figures('<div class="explorable" markdown="0" data-caption="x"><div>')
+
+
+def test_a_reference_by_name_becomes_the_figures_number_wherever_it_stands():
+    page = ('<p>See <a href="#fig-c">Figure</a> and <a href="#fig-x">Figure</a>.</p>\n' + PAGE)
+    out = figures.number_figures(page)
+    assert ('See <a href="#figure-3">Figure 3</a> and <a href="#figure-2">Figure 2</a>.'
+            in out)  # c.svg is the third figure, the explorable with <div id="x"> the second
+    assert "#fig-" not in out
+
+
+def test_a_reference_to_a_figure_not_on_the_page_fails_the_build():
+    with pytest.raises(ValueError, match=r"a reference to figure 'gone', which is not on this "
+                                         r"page \(its figures: \['a', 'c', 'x'\]\)"):
+        figures.number_figures('<p><a href="#fig-gone">Figure</a></p>' + PAGE)
+
+
+def test_every_figure_of_a_chapter_is_referred_to_by_name_from_its_text():
+    """Each chapter names each of its figures ([Figure](#fig-NAME)); the build turns the names
+    into numbers, and fails on a name that is not a figure of the page."""
+    import pathlib
+
+    docs = pathlib.Path(__file__).parents[2] / "docs"
+    for page in sorted(docs.glob("*.md")):
+        text = page.read_text()
+        names = set(re.findall(r"!\[[^\]]*\]\((?:[^)]*/)?([\w-]+)\.svg\)", text))
+        names |= {stem.replace("_", "-") for stem in
+                  re.findall(r'--8<-- "generated/(explore_\w+)\.html"', text)}
+        referred = set(re.findall(r"\[Figure\]\(#fig-([\w-]+)\)", text))
+        assert names == referred, (page.name, sorted(names ^ referred))
