@@ -34,7 +34,8 @@ MISMATCH_NAMES = ("naive", "token_is", "seq_is", "token_tis", "seq_tis", "token_
                   "geo_rs", "icepop", "token_clamp", "cispo", "ppo_clip_bypass", "token_veto",
                   "k3_seq_rs", "geo_rs_token_tis", "gspo", "dppo_tv", "dppo_kl",
                   "trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
-                  "trl_sequence_mask", "off_policy_mask", "seq_mask_tis", "kpop")
+                  "trl_sequence_mask", "off_policy_mask", "seq_mask_tis", "kpop", "sapo", "gmpo",
+                  "clip_cov", "luspo", "vespo")
 MISMATCHES = tuple(float(m) for m in np.round(np.linspace(0.0, 1.5, 16), 3))
 MISMATCH_START = MISMATCHES.index(0.3)  # the chapter's default toy
 BATCH = 64
@@ -88,31 +89,42 @@ def best_estimator_data() -> dict:
     return {"best": best, "rel_rmse": errors}
 
 
+# The map's colours, one an estimator that wins somewhere, in the catalogue's order.
+BEST_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#aec7e8", "#637939",
+                "#ad494a", "#a55194", "#000000", "#c7c7c7", "#8c6d31", "#6b6ecf", "#b5cf6b",
+                "#cedb9c", "#e7969c", "#843c39", "#5254a3", "#9c9ede", "#fd8d3c", "#31a354",
+               "#de9ed6", "#756bb1")  # as many as MISMATCH_NAMES
+
+
+def best_colours(data: dict) -> list[tuple[str, str]]:
+    """``[(estimator, colour)]`` for each estimator that wins a cell of the map, in the
+    catalogue's order: the map's colours and its key."""
+    winners = sorted({i for row in data["best"] for i in row})
+    return [(MISMATCH_NAMES[i], BEST_PALETTE[k % len(BEST_PALETTE)])
+            for k, i in enumerate(winners)]
+
+
 def _best_estimator_figure(data: dict):
     """A map over (batch size, mismatch) of the estimator with the least error, one colour an
-    estimator that wins somewhere; hover a cell for its name and error."""
+    estimator that wins somewhere; hover a cell for its name and error. Its key is HTML under
+    it (``best_legend``), which wraps on a phone, where a colour bar of a dozen names would
+    take the map's width."""
     import plotly.graph_objects as go
 
-    winners = sorted({i for row in data["best"] for i in row})
-    colour_of = {i: k for k, i in enumerate(winners)}  # the winners, numbered 0, 1, ...
-    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-               "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#e7ba52", "#aec7e8", "#637939",
-               "#ad494a", "#a55194", "#000000", "#c7c7c7", "#8c6d31", "#6b6ecf", "#b5cf6b",
-               "#cedb9c", "#e7969c", "#843c39", "#5254a3")  # as many as MISMATCH_NAMES
-    n = len(winners)
+    colours = best_colours(data)
+    index = {name: k for k, (name, _) in enumerate(colours)}
+    n = len(colours)
     scale = []
-    for k in range(n):  # one flat band a winner
-        colour = palette[k % len(palette)]
+    for k, (_, colour) in enumerate(colours):  # one flat band a winner
         scale += [[k / n, colour], [(k + 1) / n, colour]]
-    z = [[colour_of[i] for i in row] for row in data["best"]]
     names = [[MISMATCH_NAMES[i] for i in row] for row in data["best"]]
+    z = [[index[name] for name in row] for row in names]
     fig = go.Figure(go.Heatmap(
         z=z, x=[str(b) for b in BEST_BATCHES], y=[f"{m:g}" for m in MISMATCHES],
         customdata=[[[name, error] for name, error in zip(nr, er)]
                     for nr, er in zip(names, data["rel_rmse"])],
-        zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=1, ygap=1,
-        colorbar={"tickvals": list(range(n)), "ticktext": [MISMATCH_NAMES[i] for i in winners],
-                  "title": {"text": "least error"}, "thickness": 14},
+        zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=1, ygap=1, showscale=False,
         hovertemplate="mismatch %{y}, batch %{x}: %{customdata[0]}, "
                       "relative RMSE %{customdata[1]:.3g}<extra></extra>"))
     fig.update_layout(
@@ -124,6 +136,13 @@ def _best_estimator_figure(data: dict):
         font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
     )
     return fig
+
+
+def best_legend(entries) -> str:
+    """The map's key: a swatch and a name for each estimator that wins somewhere."""
+    items = "".join(f'<li><span class="explorable-swatch" style="background:{colour}"></span>'
+                    f"<code>{escape(name)}</code></li>" for name, colour in entries)
+    return f'<ul class="explorable-key" aria-label="least error">{items}</ul>\n'
 
 
 def threshold_explorer_data() -> dict:
@@ -232,16 +251,64 @@ def _experiment_figure(data: dict):
     return fig
 
 
-def _html(fig, div_id: str) -> str:
-    """The figure's ``<div>`` and script, after the tag that loads the site's plotly.js."""
+# Below this width of its box (a phone's column is 358 px) a figure takes its narrow layout.
+NARROW_PX = 560
+
+
+def _bars_narrow(fig) -> tuple[dict, dict]:
+    """The two bar panels of ``_bars_with_slider`` one above the other, each as wide as the
+    column (side by side, on a phone, the names leave each panel 60 px and the two subplot
+    titles run into each other): ``(narrow, wide)`` relayouts."""
+    layout = fig.layout
+    narrow = {"xaxis.domain": [0, 1], "xaxis2.domain": [0, 1], "yaxis.domain": [0.56, 1],
+              "yaxis2.domain": [0, 0.44], "yaxis2.showticklabels": True,
+              "annotations[0].x": 0.5, "annotations[1].x": 0.5, "annotations[1].y": 0.44,
+              "height": 2 * layout.height - 60}
+    wide = {"xaxis.domain": list(layout.xaxis.domain), "xaxis2.domain": list(layout.xaxis2.domain),
+            "yaxis.domain": list(layout.yaxis.domain), "yaxis2.domain": list(layout.yaxis2.domain),
+            "yaxis2.showticklabels": False, "annotations[0].x": layout.annotations[0].x,
+            "annotations[1].x": layout.annotations[1].x,
+            "annotations[1].y": layout.annotations[1].y, "height": layout.height}
+    return narrow, wide
+
+
+def _html(fig, div_id: str, narrow: tuple[dict, dict] | None = None, after: str = "") -> str:
+    """The figure's ``<div>`` and script, after the tag that loads the site's plotly.js; with
+    ``narrow`` = ``(narrow, wide)`` relayouts, a script that applies the first while the
+    figure's box is narrower than ``NARROW_PX`` and the second otherwise; ``after``, HTML
+    under the plot."""
     caption = escape(fig.layout.title.text or "", quote=True)  # figures.py numbers it
     # The title becomes the figure's caption, which wraps: inside the plot a long title is cut
     # on a phone, under the toolbar.
     fig.update_layout(title_text="", margin={"t": 40 if fig.layout.annotations else 20})
     body = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
                        config=PLOTLY_CONFIG)
+    fit = "" if narrow is None else _FIT.format(id=json.dumps(div_id), px=NARROW_PX,
+                                                narrow=json.dumps(narrow[0]),
+                                                wide=json.dumps(narrow[1]))
     return (f'<div class="explorable" markdown="0" data-caption="{caption}">\n'
-            f'<script src="../generated/plotly.min.js"></script>\n{body}\n</div>\n')
+            f'<script src="../generated/plotly.min.js"></script>\n{body}\n{after}{fit}</div>\n')
+
+
+# The plot's div and the one around it have its height in their style (to_html): both follow
+# the layout's.
+_FIT = """<script>
+(function () {{
+  var gd = document.getElementById({id}), state = null;
+  var narrow = {narrow}, wide = {wide};
+  function fit() {{
+    var small = gd.parentElement.parentElement.clientWidth < {px};
+    if (small === state || !window.Plotly || !gd.data) return;
+    state = small;
+    var keys = small ? narrow : wide;
+    gd.style.height = gd.parentElement.style.height = keys.height + "px";
+    Plotly.relayout(gd, keys);
+  }}
+  fit();
+  window.addEventListener("resize", fit);
+}})();
+</script>
+"""
 
 
 def _write(name: str, data) -> None:
@@ -253,17 +320,20 @@ def _write(name: str, data) -> None:
 
 def fragments() -> dict[str, str]:
     """``{file name: the HTML a page includes}`` for every explorable figure."""
+    mismatch = _bars_with_slider(
+        mismatch_explorer_data(), MISMATCH_NAMES, MISMATCH_START, "mismatch ε = ",
+        "Every estimator, exactly, as the mismatch grows (baseline 0)")
+    threshold = _bars_with_slider(
+        threshold_explorer_data(), THRESHOLD_NAMES, THRESHOLD_START, "threshold C = ",
+        f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}")
+    best_data = best_estimator_data()
     return {
-        "explore_mismatch.html": _html(_bars_with_slider(
-            mismatch_explorer_data(), MISMATCH_NAMES, MISMATCH_START, "mismatch ε = ",
-            "Every estimator, exactly, as the mismatch grows (baseline 0)"), "explore-mismatch"),
-        "explore_threshold.html": _html(_bars_with_slider(
-            threshold_explorer_data(), THRESHOLD_NAMES, THRESHOLD_START, "threshold C = ",
-            f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}"),
-            "explore-threshold"),
+        "explore_mismatch.html": _html(mismatch, "explore-mismatch", _bars_narrow(mismatch)),
+        "explore_threshold.html": _html(threshold, "explore-threshold", _bars_narrow(threshold)),
         "explore_experiment.html": _html(_experiment_figure(experiment_explorer_data()),
                                          "explore-experiment"),
-        "explore_best.html": _html(_best_estimator_figure(best_estimator_data()), "explore-best"),
+        "explore_best.html": _html(_best_estimator_figure(best_data), "explore-best",
+                                   after=best_legend(best_colours(best_data))),
     }
 
 

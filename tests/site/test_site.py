@@ -508,6 +508,39 @@ def test_no_table_or_code_block_of_a_chapter_is_wider_than_its_column(full_site,
     assert (stacked > 0) == (width < 600), stacked
 
 
+# Each explorable at a width: the plot inside its figure's box, and its subplot titles and axis
+# tick labels clear of one another.
+_EXPLORABLE_FIT = """() => Array.from(document.querySelectorAll('article .js-plotly-plot')).map(gd => {
+  const box = gd.closest('figure').getBoundingClientRect(), plot = gd.getBoundingClientRect();
+  const titles = Array.from(gd.querySelectorAll('.annotation-text')).map(t => t.getBoundingClientRect());
+  let overlap = false;
+  for (let i = 0; i < titles.length; i++) for (let j = i + 1; j < titles.length; j++) {
+    const a = titles[i], b = titles[j];
+    if (a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom) overlap = true;
+  }
+  return {id: gd.id, inside: plot.bottom <= box.bottom + 1 && plot.right <= box.right + 1,
+          overlap: overlap, stacked: gd.layout.xaxis2 ? gd._fullLayout.xaxis2.domain[0] < 0.5 : null};
+})"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 390])
+def test_every_explorable_fits_its_figure_and_its_panels_stack_on_a_phone(full_site, full_server,
+                                                                          browser, width):
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    seen = []
+    for path in ("mismatch", "experiment"):
+        page.goto(f"{full_server}/{path}/", wait_until="load")
+        page.wait_for_timeout(300)
+        seen += page.evaluate(_EXPLORABLE_FIT)
+    page.close()
+    assert len(seen) == 4, seen
+    assert all(f["inside"] and not f["overlap"] for f in seen), seen
+    # the two-panel bar charts: side by side at a laptop's width, stacked on a phone
+    bars = [f["stacked"] for f in seen if f["stacked"] is not None]
+    assert len(bars) == 2 and all(stacked == (width < 600) for stacked in bars), seen
+
+
 # The figures' text as shown: an SVG's user unit is its width's unit (pt), so a font size of
 # 10 is 10 pt at the natural size, scaled by the width the page gives the image.
 FIGURE_TEXT_PX = 13.0  # ticks, legends, labels: the body's small size
