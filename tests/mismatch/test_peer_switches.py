@@ -356,10 +356,10 @@ def test_the_chapters_sentence_on_trls_default_sequence_mask():
             mask["var"], rows["seq_tis"]["var"], rows["seq_is"]["var"]], stated[1:])
     assert rows["seq_tis"]["rel_bias"] < mask["rel_bias"] < rows["seq_mis"]["rel_bias"]
     assert mask["var"] < rows["seq_tis"]["var"] < rows["seq_is"]["var"]
-    lengths = _stated(r"on the same toy with 2, 4, 6, 8 and 10 positions its relative bias is "
-                      r"{n}, {n}, {n}, {n} and {n}\.")
+    lengths = _stated(r"on the same toy with 2, 4, 6 and 8 positions its relative bias is "
+                      r"{n}, {n}, {n} and {n}\.")
     by_length = [_rows(make_toy(T=T), 0.0, ["trl_sequence_mask"])["trl_sequence_mask"]["rel_bias"]
-                 for T in (2, 4, 6, 8, 10)]
+                 for T in (2, 4, 6, 8)]
     _close(by_length, lengths)
     assert all(a < b for a, b in zip(by_length, by_length[1:]))  # "grow longer"
     _close([trunc["rel_bias"], trunc["var"]],
