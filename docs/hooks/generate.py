@@ -496,6 +496,24 @@ SAMPLER_NAMES = {"exact": "exact", "vllm": "vLLM", "transformers": "transformers
 NUCLEUS_DISAGREEMENT = DOCS / "data" / "engine" / "nucleus_disagreement.json"
 
 
+def _engine_kept_mass():
+    """Kept masses (mismatch chapter, practice): the sequence ratio with each reported log-prob
+    and correction, against the three gradients."""
+    from opd_literate.mismatch.engine import kept_mass_table
+    from opd_literate.mismatch.toy import make_toy
+
+    lines = ["| log-probs, correction | ∇J_τ | ∇J_τ^W (writable sequences) | "
+             "∇E_{π_S}[R] (the engine's policy) |", "| --- | ---: | ---: | ---: |"]
+    for row in kept_mass_table(make_toy(), **ENGINE_KEPT_MASS):
+        lines.append(f"| {row['label']} | {row['rel_bias_true']:.3f} | "
+                     f"{row['rel_bias_writable']:.3f} | {row['rel_bias_masked']:.3f} |")
+    _write("engine_kept_mass_table.md", "\n".join(lines) + "\n")
+
+
+# The kept-mass table's engine: make_toy() sampled at temperature 0.7 and top-p 0.93.
+ENGINE_KEPT_MASS = dict(temperature=0.7, top_p=0.93)
+
+
 def _engine_samplers():
     """Which nucleus (mismatch chapter): each sampler's biases on the boundary toy, and where
     its kept sets differ from the exact nucleus on every two-decimal distribution, from
@@ -906,6 +924,7 @@ GENERATORS = (
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
     (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg",
                "engine_samplers_table.md", "engine_nucleus_table.md")),
+    (_engine_kept_mass, ("engine_kept_mass_table.md",)),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_groups, ("groups_table.md", "groups_by_size.md")),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),

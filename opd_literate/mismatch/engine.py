@@ -69,11 +69,23 @@ distribution of a few tokens, and :func:`boundary_toy` is a toy on which the fou
 four engines.
 
 **Which log-probs come back.** An engine can report $\log \mu(y_t)$ (the *processed*
-log-probs: the distribution that sampled) or $\log \mathrm{softmax}(z)_{y_t}$ (the *raw* ones:
-the model before temperature and truncation). Only the first is the denominator of an importance
-ratio: with the raw ones, $\rho_t = \pi(y_t) / \mathrm{softmax}(z)_{y_t}$ corrects a mismatch
-that is not the one that sampled. Which engine reports which by default is in the mismatch
-chapter, with its sources.
+log-probs: the distribution that sampled), $\log \mathrm{softmax}(z)_{y_t}$ (the *raw* ones:
+the model before temperature and truncation) or $\log \mu_\tau(y_t)$ (the *tempered* ones: after
+the temperature, before any cut, over the whole vocabulary). Only the first is the denominator
+of an importance ratio: with the raw ones, $\rho_t = \pi(y_t) / \mathrm{softmax}(z)_{y_t}$
+corrects a mismatch that is not the one that sampled, and with the tempered ones
+$\rho_t = \pi_\tau(y_t) / \mu_\tau(y_t)$ leaves out the kept mass,
+$\mu(y_t) = \mu_\tau(y_t) / \mu_\tau(S_t)$. vLLM reports raw or processed (``logprobs_mode``);
+SGLang reports the tempered ones unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set, which gives
+the raw ones (SGLang 0.5.23, ``python/sglang/srt/layers/sampler.py``, ``Sampler.forward``: the
+logits divided in place by the temperature at line 275, their softmax, and the log-probs
+``torch.log(probs)`` at line 315 of that full softmax, read before the cuts of
+``_sample_from_probs``, which work on copies; the untempered ``log_softmax`` at lines 237 and
+323). SGLang's opt-in ``return_sampling_mask`` adds each token's kept set and its processed
+log-prob, the filtered weight over the kept mass (line 574). ``reported=`` of
+:func:`engine_toy` is ``"processed"`` by default for every ``sampler``, the denominator of the
+exact ratio; SGLang as it ships is ``reported="tempered"``. Which engine reports which by default
+is in the mismatch chapter, with its sources.
 
 **The objective.** With sampling temperature $\tau$, the policy being trained is the trainer's
 softmax at the same temperature, $\pi_\tau = \mathrm{softmax}(\theta / \tau)$ (what verl and TRL
@@ -115,6 +127,48 @@ mismatch, and the sequence ratio is unbiased for $\nabla_\theta\, \mathbb{E}_{\p
 gradient of the policy as the engine runs it (``masked_grad``): the objective has changed from
 $J_\tau$ to the truncated one, and nothing is missing from its support.
 
+**Correcting the ratio by the kept mass.** A trainer that knows each position's kept set $S_t$
+can correct the reported log-probs by a kept mass (``kept_mass=`` of :func:`engine_toy`):
+
+* ``"sampler"``: the reported distribution renormalised on $S_t$, its log-prob minus the log of
+  its own mass on $S_t$. The tempered log-probs become the processed ones exactly,
+  $\log \mu_\tau(y_t) - \log \mu_\tau(S_t) = \log \mu(y_t)$; the processed ones carry mass 1 on
+  $S_t$ and stay; the raw ones become $\mathrm{softmax}(z)$ renormalised on $S_t$, the processed
+  ones only at $\tau = 1$.
+* ``"trainer"``: the log of the trainer's own kept mass $K_t = \pi_\tau(S_t)$ added (of
+  $\pi_1$ for a trainer without the temperature): the processed log-probs put on the trainer's
+  full vocabulary, $\log \mu(y_t) + \log K_t$, as TRL's pull request #7269 computes it from the
+  trainer's logits and the kept token ids of vLLM's ``return_sampling_mask``. The ratio becomes
+  $\pi_S(y_t) / \mu(y_t)$, 1 without the mismatch; the score stays the full vocabulary's. A
+  trainer that replays the mask (``trainer_mask=True``) already has that ratio, and is refused
+  this correction, which would count $K_t$ twice.
+
+**What each ratio is unbiased for.** Write $W$ for the sequences the engine can write. For a
+weight $w$, a baseline $\beta$ and the full-vocabulary score $s^\tau$,
+$\mathbb{E}_\mu[w\,(R - \beta)\, s^\tau] = \sum_{y \in W} \mu(y)\, w(y)\, (R(y) - \beta)\,
+s^\tau(y)$, and with $\beta = 0$:
+
+* the exact ratio $w = \pi_\tau / \mu$ (processed, or tempered with ``kept_mass="sampler"``):
+  $\sum_{y \in W} \pi_\tau R\, s^\tau = \nabla_\theta J^W_\tau$, the gradient of
+  $J^W_\tau = \mathbb{E}_{\pi_\tau}[R\, \mathbb{1}_W]$, the objective with the reward of every
+  sequence the engine cannot write set to 0, $W$ held fixed (``true_grad - truncated_grad``).
+  It is $\nabla_\theta J_\tau$ exactly when $\sum_{y \notin W} \pi_\tau R\, s^\tau = 0$, which
+  the support condition ($R(y) = 0$ on every $y \notin W$) ensures;
+* $w = \pi_S / \mu$ (processed with ``kept_mass="trainer"``): $\sum_{y \in W} \pi_S R\, s^\tau
+  = \nabla_\theta \mathbb{E}_{\pi_S}[R] + \mathbb{E}_{\pi_S}[R \sum_t \nabla_\theta \log
+  \pi_\tau(S_t)]$, because $s^\tau = \nabla \log \pi_S + \sum_t \nabla \log \pi_\tau(S_t)$ on
+  $W$; the row gradient of a kept mass is $\nabla \log \pi_\tau(S_t) = (\pi_{S,t} -
+  \pi_{\tau,t}) / \tau$, not 0 where a token is cut. So it is unbiased for the truncated
+  policy's gradient (``masked_grad``) only where that reward-weighted term vanishes, and for
+  $\nabla_\theta J_\tau$ only where nothing is cut. Where the kept sets do not depend on the
+  prefix (the toy of independent positions), $\pi_S = \pi_\tau / \pi_\tau(W)$ on $W$: the mean
+  is the exact ratio's divided by $\pi_\tau(W)$, the same direction, longer; and with a
+  baseline the extra term is $(\mathbb{E}_{\pi_S}[R] - \beta) \sum_t \nabla \log
+  \pi_\tau(S_t)$, zero at $\beta = \mathbb{E}_{\pi_S}[R]$ only;
+* the tempered ratio $w = \prod_t \pi_\tau(y_t) / \mu_\tau(y_t)$ (SGLang's log-probs, no
+  correction): $\sum_{y \in W} \pi_\tau R\, s^\tau / \prod_t \mu_\tau(S_t)$, the previous form
+  with the engine's kept masses in place of the trainer's, equal to it without the mismatch.
+
 :func:`engine_toy` turns a toy of [opd_literate.mismatch.toy][] into the toy of such an engine,
 with the same keys, so every estimator of [opd_literate.mismatch.estimators][] and
 [opd_literate.mismatch.toy.estimator_moments][] computes its exact mean, bias and variance under
@@ -134,17 +188,25 @@ from .estimators import seq_is, token_ratios  # noqa: F401 (the examples use the
 from .toy import (  # noqa: F401 (the examples use make_toy)
     ar_toy_from_logits,
     check_toy,
+    estimator_moments,
     log_softmax,
     make_toy,
     toy_from_logits,
 )
 
-__all__ = ["REPORTED", "SAMPLERS", "NUCLEUS_TOLERANCE", "BOUNDARY_PROBS", "processed_log_probs",
-           "top_p_kept", "nucleus_disagreement", "boundary_toy", "engine_toy"]
+__all__ = ["REPORTED", "KEPT_MASS", "SAMPLERS", "NUCLEUS_TOLERANCE", "BOUNDARY_PROBS",
+           "processed_log_probs", "top_p_kept", "nucleus_disagreement", "boundary_toy",
+           "engine_toy", "KEPT_MASS_CHOICES", "kept_mass_table"]
 
-REPORTED = ("processed", "raw")
+REPORTED = ("processed", "raw", "tempered")
 """The log-probs an engine can report for a sampled token: of the distribution that sampled it
-(after temperature, min-p, top-k and top-p), or of the model's raw softmax."""
+(after temperature, min-p, top-k and top-p; vLLM's ``processed_logprobs``), of the model's raw
+softmax (vLLM's default ``raw_logprobs``, SGLang with ``SGLANG_RETURN_ORIGINAL_LOGPROB``), or of
+the softmax of the logits over the temperature, before any cut (SGLang's default)."""
+
+KEPT_MASS = ("sampler", "trainer")
+"""The kept-mass corrections of the reported log-probs (module docstring): the reported
+distribution renormalised on the kept set, or the trainer's kept mass added (TRL's PR #7269)."""
 
 SAMPLERS = ("exact", "vllm", "transformers", "sglang")
 """The samplers whose kept set :func:`processed_log_probs` computes (module docstring, **Which
@@ -737,8 +799,27 @@ def _trainer(log_pi, temperature, target, writable):
     return dict(logp_train=logp, p_train=np.exp(logp.sum(axis=1)), score=score / temperature)
 
 
+def _log_kept(logits, kept):
+    """log of the softmax(logits) mass on the kept tokens, one value a row of the last axis."""
+    # Each logsumexp from its own largest term, so neither sum underflows (the trainer's most
+    # likely token may be one the engine cut).
+    on_kept = np.where(kept, logits, -np.inf)
+    top_kept = on_kept.max(axis=-1, keepdims=True)
+    top = logits.max(axis=-1, keepdims=True)
+    lse_kept = top_kept[..., 0] + np.log(np.exp(on_kept - top_kept).sum(axis=-1))
+    return lse_kept - top[..., 0] - np.log(np.exp(logits - top).sum(axis=-1))
+
+
+def _per_token(table, target, real):
+    """The (M, T) values of a per-row table (T,) or (T, V + 1) at each token's row, 0 on
+    padding."""
+    index = tuple(np.broadcast_to(i, target["Y"].shape) for i in _rows(target)[:-1])
+    return np.where(real, table[index], 0.0)
+
+
 def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed",
-               trainer_temperature=True, trainer_mask=False, min_p=0.0, sampler="exact"):
+               trainer_temperature=True, trainer_mask=False, min_p=0.0, sampler="exact",
+               kept_mass=None):
     r"""The toy of an inference engine that samples with temperature, top-$k$ and top-$p$.
 
     The sampler's raw logits are the toy's, $z = \theta + \epsilon b$; it samples from their
@@ -755,9 +836,11 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     temperature, top_k, top_p, min_p, sampler
         The engine's sampling parameters and whose rules cut, as in
         :func:`processed_log_probs`.
-    reported : {"processed", "raw"}
+    reported : {"processed", "raw", "tempered"}
         The log-probs the engine returns, which the estimators read as ``logp_sampler``:
-        $\log \mu(y_t)$, or the raw $\log \mathrm{softmax}(z)_{y_t}$.
+        $\log \mu(y_t)$, the raw $\log \mathrm{softmax}(z)_{y_t}$, or the tempered
+        $\log \mu_\tau(y_t) = \log \mathrm{softmax}(z / \tau)_{y_t}$ before any cut
+        (SGLang's default). The default is ``"processed"`` for every ``sampler``.
     trainer_temperature : bool
         Whether the trainer divides its logits by ``temperature``: ``logp_train`` and
         ``score`` are those of $\pi_\tau$ (True) or of $\pi_1$ (False).
@@ -766,6 +849,11 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
         over the kept tokens $S_t$ of each position (held fixed, not differentiated), as with
         vLLM's ``return_sampling_mask``. False: the full-vocabulary softmax, as TRL and verl
         compute it.
+    kept_mass : {None, "sampler", "trainer"}
+        The correction of the reported log-probs (module docstring): none; ``"sampler"``, the
+        reported distribution renormalised on each position's kept set (the tempered log-probs
+        become the processed ones); ``"trainer"``, the log of the trainer's kept mass
+        $\pi_\tau(S_t)$ added (TRL's PR #7269; refused with ``trainer_mask=True``).
 
     Returns
     -------
@@ -777,9 +865,11 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
         ``truncated_grad``, the part of ``true_grad`` carried by the sequences left out, and
         ``truncated_mass``, their probability under $\pi_\tau$; ``masked_grad``, the gradient
         of the truncated policy's objective $\nabla_\theta\, \mathbb{E}_{\pi_S}[R]$ ($\pi_S$:
-        $\pi_\tau$ renormalised on the kept tokens, the kept sets held fixed); and
-        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``sampler``, ``reported``,
-        ``trainer_temperature``, ``trainer_mask``.
+        $\pi_\tau$ renormalised on the kept tokens, the kept sets held fixed);
+        ``log_kept_sampler`` and ``log_kept_trainer``, shape ``(M, T)``: each token's
+        $\log \mu_\tau(S_t)$ and $\log \pi(S_t)$ (the trainer's softmax as it computes it),
+        0 on padding; and ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``sampler``,
+        ``reported``, ``trainer_temperature``, ``trainer_mask``, ``kept_mass``.
 
     Examples
     --------
@@ -806,6 +896,28 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     True
     >>> round(engine["truncated_mass"], 12)
     0.2
+
+    The same engine, its log-probs corrected by a kept mass. SGLang's tempered log-probs are
+    of the full softmax: ratio 1, the kept mass hidden. Renormalised on the kept set
+    (``kept_mass="sampler"``) they are the processed ones, ratio 0.8; the processed ones with
+    the trainer's kept mass added (``kept_mass="trainer"``) give ratio 1 again:
+
+    >>> same = toy_from_logits(logits, logits)
+    >>> choices = (("tempered", None), ("tempered", "sampler"), ("processed", "trainer"))
+    >>> [token_ratios(engine_toy(same, top_p=0.7, reported=r, kept_mass=k)).round(12).tolist()
+    ...  for r, k in choices]
+    [[[1.0], [1.0]], [[0.8], [0.8]], [[1.0], [1.0]]]
+
+    The reward is 1 for token 0 alone, which the engine keeps: the support condition holds, and
+    the exact ratio's mean is the true gradient. With the trainer's kept mass it is
+    $1 / 0.8 = 1.25$ times the true gradient:
+
+    >>> for k in (None, "trainer"):
+    ...     e = engine_toy(same, top_p=0.7, kept_mass=k)
+    ...     mean = np.einsum("m,mtv->tv", e["p_sampler"], seq_is(e))
+    ...     print(k, (mean / e["true_grad"]).round(12).tolist())
+    None [[1.0, 1.0, 1.0]]
+    trainer [[1.25, 1.25, 1.25]]
     """
     theta, raw, autoregressive = _check_engine_toy(toy)
     temperature = _check_temperature(temperature)
@@ -820,6 +932,15 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
                        ("trainer_mask", trainer_mask)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if kept_mass is not None and not isinstance(kept_mass, str):
+        raise TypeError(f"kept_mass must be None or one of {KEPT_MASS}, got "
+                        f"{type(kept_mass).__name__} {kept_mass!r}")
+    if kept_mass is not None and kept_mass not in KEPT_MASS:
+        raise ValueError(f"kept_mass must be None or one of {KEPT_MASS}, got {kept_mass!r}")
+    if kept_mass == "trainer" and trainer_mask:
+        raise ValueError("kept_mass='trainer' with trainer_mask=True counts the trainer's kept "
+                         "mass twice: the replayed mask already renormalises the trainer on "
+                         "the kept set")
     scaled_theta = _scaled(theta, temperature, "theta")
     kept, scaled_raw = _kept(raw, temperature, top_k, top_p, min_p, sampler,
                              "theta + mismatch * b")
@@ -859,7 +980,23 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
                        p_train=target["p_train"][writable], score=score_target[writable])
     else:
         trainer = _trainer(log_softmax(theta), 1.0, target, writable)
-    reported_logp = logp_processed if reported == "processed" else target["logp_sampler"]
+    # Each token's kept mass, log of sum over S_t of a softmax: of the engine's tempered logits
+    # and of the trainer's logits as it computes them (divided by tau or not).
+    trainer_logits = scaled_theta if trainer_temperature else theta
+    log_kept_sampler = _per_token(_log_kept(scaled_raw, kept), target, real)
+    log_kept_trainer = _per_token(_log_kept(trainer_logits, kept), target, real)
+    if reported == "processed":
+        reported_logp, log_kept_reported = logp_processed, 0.0  # its mass on S_t is 1
+    elif reported == "raw":  # the toys' enumeration reads softmax(theta + mismatch * b)
+        reported_logp = target["logp_sampler"]
+        log_kept_reported = _per_token(_log_kept(raw, kept), target, real)
+    else:  # tempered: softmax(z / tau) over the whole vocabulary, SGLang's default
+        reported_logp = np.where(real, log_softmax(scaled_raw)[rows], 0.0)
+        log_kept_reported = log_kept_sampler
+    if kept_mass == "sampler":  # renormalised on S_t: log l(y_t) - log l(S_t)
+        reported_logp = reported_logp - log_kept_reported
+    elif kept_mass == "trainer":  # on the trainer's support: log mu(y_t) + log pi(S_t)
+        reported_logp = reported_logp + log_kept_trainer
     engine = {key: value[writable] if key in ("Y", "mask", "prev", "R") else value
               for key, value in target.items()}
     engine.update(
@@ -870,9 +1007,68 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
         truncated_grad=truncated_grad,
         truncated_mass=float(target["p_train"][~writable].sum()),
         masked_grad=masked_grad,
+        log_kept_sampler=log_kept_sampler[writable],
+        log_kept_trainer=log_kept_trainer[writable],
         theta=toy["theta"], b=toy["b"], mismatch=toy["mismatch"],
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
         reported=reported,
         trainer_temperature=bool(trainer_temperature), trainer_mask=bool(trainer_mask),
+        kept_mass=kept_mass,
     )
     return engine
+
+
+KEPT_MASS_CHOICES = (
+    ("vLLM processed (TRL, verl)", dict(reported="processed")),
+    ("+ the trainer's kept mass (TRL #7269)", dict(reported="processed", kept_mass="trainer")),
+    ("the engine's mask replayed", dict(reported="processed", trainer_mask=True)),
+    ("vLLM raw", dict(reported="raw")),
+    ("+ renormalised on the kept set", dict(reported="raw", kept_mass="sampler")),
+    ("SGLang (tempered)", dict(reported="tempered")),
+    ("+ renormalised on the kept set", dict(reported="tempered", kept_mass="sampler")),
+    ("+ the trainer's kept mass", dict(reported="tempered", kept_mass="trainer")),
+)
+"""The log-probs a trainer can get and the kept-mass corrections of them, as ``engine_toy``
+options: the rows of ``kept_mass_table``."""
+
+
+def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES):
+    r"""The sequence ratio (``seq_is``) with each reported log-prob and kept-mass correction:
+    its exact relative bias against the three gradients it could be meant to estimate.
+
+    For each ``(label, options)`` of ``choices``, ``engine_toy(toy, temperature=..., top_p=...,
+    **options)`` and the mean of ``seq_is`` on it, against $
+abla J_	au$ (``true_grad``),
+    $
+abla J_	au^W$, the objective with the reward of every sequence the engine cannot write
+    set to 0 (``true_grad - truncated_grad``), and $
+abla \mathbb{E}_{\pi_S}[R]$, the gradient
+    of the policy as the engine runs it (``masked_grad``): each the norm of the difference over
+    the norm of the target.
+
+    Returns
+    -------
+    list of dict
+        ``label``, ``options`` and ``rel_bias_true``, ``rel_bias_writable``, ``rel_bias_masked``.
+
+    Examples
+    --------
+    The processed log-probs give the exact ratio, unbiased for $
+abla J_	au^W$; with the
+    engine's mask replayed the trainer's policy is the engine's, unbiased for its gradient:
+
+    >>> rows = kept_mass_table(make_toy(T=2, V=3))
+    >>> round(rows[0]["rel_bias_writable"], 12), round(rows[2]["rel_bias_masked"], 12)
+    (0.0, 0.0)
+    """
+    rows = []
+    for label, options in choices:
+        engine = engine_toy(toy, temperature=temperature, top_p=top_p, **options)
+        mean = estimator_moments(engine, seq_is(engine))["mean"]
+        targets = {"true": engine["true_grad"],
+                   "writable": engine["true_grad"] - engine["truncated_grad"],
+                   "masked": engine["masked_grad"]}
+        rows.append(dict(label=label, options=dict(options), **{
+            f"rel_bias_{name}": float(np.linalg.norm(mean - target) / np.linalg.norm(target))
+            for name, target in targets.items()}))
+    return rows

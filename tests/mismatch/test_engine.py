@@ -389,7 +389,7 @@ def test_a_cut_token_never_reaches_the_torch_corrections():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(reported="sampled"), r"reported must be one of \('processed', 'raw'\)"),
+    (dict(reported="sampled"), r"reported must be one of \('processed', 'raw', 'tempered'\)"),
     (dict(trainer_temperature="yes"), "trainer_temperature must be True or False"),
     (dict(trainer_mask=1), "trainer_mask must be True or False"),
     (dict(temperature=0), "temperature must be > 0"),
@@ -1040,7 +1040,8 @@ def test_engine_toy_refuses_a_bad_autoregressive_toy_by_name():
 
 @pytest.mark.parametrize("reported", [["raw"], np.array(["raw"]), None])
 def test_engine_toy_refuses_a_reported_that_is_not_a_string(reported):
-    with pytest.raises(TypeError, match=r"reported must be one of \('processed', 'raw'\), got"):
+    with pytest.raises(TypeError,
+                       match=r"reported must be one of \('processed', 'raw', 'tempered'\), got"):
         engine_toy(boundary_toy(), reported=reported)
 
 
