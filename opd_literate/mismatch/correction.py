@@ -156,6 +156,13 @@ __all__ = [
     "dppo_tv_loss",
     "dppo_kl_loss",
     "dro_loss",
+    "sapo_loss",
+    "geo_mean_loss",
+    "luspo_loss",
+    "VESPO_LOG_W_MIN",
+    "vespo_loss",
+    "clip_cov_loss",
+    "kl_cov_loss",
     "kl_penalty",
 ]
 
@@ -1882,6 +1889,358 @@ def dro_loss(trainer_logp, sampler_logp, advantages, mask, *, dro_beta,
     loss = aggregate(select(mask, per_token), mask, reduction)
     metrics = {"actor/ppo_kl": float(masked_mean(-log_rho_t.detach(), mask))}
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft gates, geometric means and covariance selection: verl's and TRL's other policy losses
+# ---------------------------------------------------------------------------------------------
+def _ppo_kl(log_rho_t, mask):
+    r"""verl's ``actor/ppo_kl``: the mean of $-\log \rho_t$ over the valid tokens."""
+    return float(masked_mean(-log_rho_t.detach(), mask))
+
+
+def sapo_loss(trainer_logp, sampler_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
+              reduction="seq-mean-token-mean"):
+    r"""SAPO: a sigmoid gate of the ratio instead of PPO's clip, the sampler as the anchor.
+
+    With $r_t = \exp(\mathrm{clamp}(\log \rho_t, -20, 20))$ and $\tau = \tau_+$ where $A > 0$,
+    $\tau_-$ elsewhere,
+
+    $$
+    L_t = -\frac{4}{\tau}\, \sigma\big(\tau (r_t - 1)\big)\, A, \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -r_t\,
+    \mathrm{sech}^2\Big(\frac{\tau (r_t - 1)}{2}\Big)\, A :
+    $$
+
+    the weight of [opd_literate.mismatch.estimators.sapo][] times $-A$ (with
+    ``reduction="sum"``). verl ``loss_mode: sapo`` (``compute_policy_loss_sapo``, the actor's
+    ``tau_pos`` 1.0 and ``tau_neg`` 1.05; it reduces by ``"seq-mean-token-mean"`` whatever
+    ``loss_agg_mode`` says, dividing each response by its length plus $10^{-8}$, where this
+    one divides by the length) and TRL ``loss_type="sapo"`` (``sapo_temperature_pos`` /
+    ``_neg``, the same defaults and reduction; TRL does not clamp the log-ratio). The default
+    ``reduction`` is theirs.
+
+    Examples
+    --------
+    $\rho = 2.5$, $A = -1$: the gradient is $2.5\, \mathrm{sech}^2(0.7875) = 1.4209$ where
+    PPO's would be $2.5$:
+
+    >>> trainer = torch.log(torch.tensor([[0.5]], dtype=torch.float64)).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.2]], dtype=torch.float64))
+    >>> loss, _ = sapo_loss(trainer, sampler, torch.tensor([-1.0]), torch.ones(1, 1))
+    >>> loss.backward()
+    >>> round(trainer.grad.item(), 4)
+    1.4209
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    tau_pos = check_finite_number("tau_pos", tau_pos, positive=True)
+    tau_neg = check_finite_number("tau_neg", tau_neg, positive=True)
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    ratio = _exp_safe(log_rho_t)
+    tau = torch.where(A > 0, torch.full_like(A, tau_pos), torch.full_like(A, tau_neg))
+    # f_tau(r) = (4 / tau) sigmoid(tau (r - 1)), 1 at r = 1 in slope
+    per_token = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * A
+    loss = aggregate(select(mask, per_token), mask, reduction)
+    return loss, {"actor/ppo_kl": _ppo_kl(log_rho_t, mask)}
+
+
+def geo_mean_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+                  clip_ratio_low=None, clip_ratio_high=None):
+    r"""GMPO (verl's ``geo_mean``): the geometric mean of the log-space-clipped token ratios,
+    one term a response, the sampler as the anchor.
+
+    With $x_t = \log \rho_t$, $m_t = \min(x_t, \varepsilon_h)$ where $A > 0$, $\max(x_t,
+    -\varepsilon_l)$ where $A < 0$, 0 where $A = 0$ (verl's $\mathrm{sign}(A)$), $n_b$ the
+    tokens of response $b$ and $\bar A_b$ the mean of its advantages,
+
+    $$
+    L = \frac1B \sum_b -\bar A_b \exp\Big(\frac{1}{n_b} \sum_t m_t\Big), \qquad
+    \frac{\partial L}{\partial \log \pi_\theta(y_t)} = -\frac{\bar A_b}{B\, n_b}
+    \exp\Big(\frac{1}{n_b} \sum_k m_k\Big)\, \mathbb{1}[t \text{ not clipped}] :
+    $$
+
+    $B n_b$ times the gradient is the weight of [opd_literate.mismatch.estimators.gmpo][] times
+    $-A$. verl ``loss_mode: geo_mean`` (``compute_policy_loss_geo_mean``) reads the actor's
+    ``clip_ratio_low`` / ``clip_ratio_high`` (None: ``clip_ratio``; 0.2 each in its config) as
+    $\varepsilon_l, \varepsilon_h$ and ignores ``loss_agg_mode``: there is no ``reduction``
+    here either. verl divides by $n_b + 10^{-8}$ (here by $n_b$, at least 1) and does not clamp
+    $x_t$ (here $\pm 20$, as every ratio); it supports one advantage a response, as here.
+
+    Returns
+    -------
+    loss : torch.Tensor
+    metrics : dict
+        verl's ``actor/pg_clipfrac`` (share of valid tokens whose $x_t$ lies outside
+        $[-\varepsilon_l, \varepsilon_h]$ with $A > 0$), ``actor/pg_clipfrac_lower`` (the
+        same with $A < 0$) and ``actor/ppo_kl``.
+
+    Examples
+    --------
+    One response of two tokens, $\rho_t = 0.625, 2.5$, $A = 1$: the second is clipped at
+    $e^{0.2}$, the first gets $-\frac12 \sqrt{0.625\, e^{0.2}} = -0.4369$:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2]], dtype=torch.float64))
+    >>> loss, _ = geo_mean_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 2))
+    >>> loss.backward()
+    >>> [round(g, 4) for g in trainer.grad[0].tolist()]
+    [-0.4369, 0.0]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    x = log_rho_t.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    sign = torch.sign(A)
+    # sign(A) min(sign(A) x, sign(A) clamp(x)): clipped above for A > 0, below for A < 0
+    m = sign * torch.minimum(sign * x, sign * x.clamp(-low, high))
+    n = lengths(mask, dtype)  # (B,)
+    ratio = torch.exp(select(mask, m).sum(dim=1) / n)  # (B,)
+    seq_advantage = select(mask, A).sum(dim=1) / n  # (B,): verl's mean advantage
+    loss = (-seq_advantage * ratio).mean()
+    with torch.no_grad():
+        clipped = (x < -low) | (x > high)
+        metrics = {
+            "actor/pg_clipfrac": float(masked_mean((clipped & (A > 0)).to(dtype), mask)),
+            "actor/ppo_kl": _ppo_kl(log_rho_t, mask),
+            "actor/pg_clipfrac_lower": float(masked_mean((clipped & (A < 0)).to(dtype), mask)),
+        }
+    return loss, metrics
+
+
+def luspo_loss(trainer_logp, sampler_logp, advantages, mask, *, epsilon=0.2,
+               epsilon_high=None):
+    r"""LUSPO (TRL): GSPO's clipped sequence-ratio term, summed over the response's tokens.
+
+    TRL ``loss_type="luspo"`` with ``importance_sampling_level="sequence"``: with $s$ the
+    geometric sequence ratio,
+    $L = \frac1B \sum_b n_b \max(-A s, -A\, \mathrm{clip}(s, 1 - \varepsilon,
+    1 + \varepsilon_h))$. That is [opd_literate.mismatch.correction.gspo_loss][] with
+    ``reduction="seq-mean-token-sum"`` (GSPO's value on each of the $n_b$ tokens, summed), and
+    its gradient on token $t$ is $-A s / B$ unless clipped: $B$ times it is the weight of
+    [opd_literate.mismatch.estimators.luspo][] times $-A$. ``epsilon`` and ``epsilon_high``
+    are ``GRPOConfig``'s (0.2, and None meaning ``epsilon``). TRL does not clamp the log-ratio.
+
+    Examples
+    --------
+    $\rho_t = 1.1, 1.1$ and $A = 1$: $s = 1.1$, inside $[0.8, 1.2]$; the loss is
+    $2 \cdot (-1.1)$, and each token gets $-1.1$:
+
+    >>> trainer = torch.log(torch.tensor([[0.55, 0.55]], dtype=torch.float64)).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    >>> loss, _ = luspo_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 2))
+    >>> loss.backward()
+    >>> round(loss.item(), 6), [round(g, 6) for g in trainer.grad[0].tolist()]
+    (-2.2, [-1.1, -1.1])
+    """
+    epsilon = check_finite_number("epsilon", epsilon, low=0.0)
+    high = epsilon if epsilon_high is None else check_finite_number("epsilon_high",
+                                                                    epsilon_high, low=0.0)
+    return gspo_loss(trainer_logp, sampler_logp, advantages, mask, clip_ratio_low=epsilon,
+                     clip_ratio_high=high, reduction="seq-mean-token-sum")
+
+
+VESPO_LOG_W_MIN = math.log(1e-8)
+r"""$\log 10^{-8}$: the floor of VESPO's $\log w$ in TRL's ``get_gamma_weights``."""
+
+
+def vespo_loss(trainer_logp, sampler_logp, advantages, mask, *, k_pos=2.0, lambda_pos=3.0,
+               k_neg=3.0, lambda_neg=2.0, reduction="token-mean"):
+    r"""VESPO (TRL): a detached gamma weight of the sequence ratio times the log-likelihood.
+
+    With $\log w = \mathrm{clamp}(\sum_t \mathrm{clamp}(\log \rho_t, -20, 20),
+    \log 10^{-8}, 20)$ and $(k, \lambda)$ by the sign of $A$ ($A \ge 0$: $k_+, \lambda_+$),
+
+    $$
+    \varphi = \exp\big(\lambda + k \log w - \lambda w\big), \qquad
+    L_t = -\mathrm{sg}(\varphi)\, A \log \pi_\theta(y_t), \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -\varphi A :
+    $$
+
+    with ``reduction="sum"`` the weight of [opd_literate.mismatch.estimators.vespo][] times
+    $-A$ (where the clamps do not bind). TRL ``loss_type="vespo"`` (``get_gamma_weights``;
+    ``vespo_k_pos`` 2, ``vespo_lambda_pos`` 3, ``vespo_k_neg`` 3, ``vespo_lambda_neg`` 2;
+    $\lambda$ floored at $10^{-4}$ there, required $> 0$ here), reduced over the tokens of the
+    batch (``num_items_in_batch``: ``"token-mean"`` on one process without accumulation).
+    Here the sampler is the anchor; TRL's anchor is its own recomputation, with the vLLM
+    ratio folded into $\log w$ (see the numpy estimator).
+
+    Examples
+    --------
+    Two tokens with $\rho_t = 1.25$ each, $A = 1$: $w = 1.5625$, $\varphi = 1.5625^2
+    e^{3 (1 - 1.5625)} = 0.4516$ on both:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.4, 0.4]], dtype=torch.float64))
+    >>> loss, _ = vespo_loss(trainer, sampler, torch.tensor([1.0]), torch.ones(1, 2),
+    ...                      reduction="sum")
+    >>> loss.backward()
+    >>> [round(g, 4) for g in trainer.grad[0].tolist()]
+    [-0.4516, -0.4516]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    k_pos, k_neg = (check_finite_number(n, v, low=0.0) for n, v in (("k_pos", k_pos),
+                                                                  ("k_neg", k_neg)))
+    lambda_pos, lambda_neg = (check_finite_number(n, v, positive=True) for n, v in (
+        ("lambda_pos", lambda_pos), ("lambda_neg", lambda_neg)))
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    with torch.no_grad():  # phi scales the gradient; it carries none
+        log_w = log_rho_t.clamp(-SAFETY_BOUND, SAFETY_BOUND).sum(dim=1, keepdim=True)
+        log_w = log_w.clamp(VESPO_LOG_W_MIN, SAFETY_BOUND).expand_as(A)  # (B, T)
+        positive = A >= 0
+        k = torch.where(positive, torch.full_like(A, k_pos), torch.full_like(A, k_neg))
+        lam = torch.where(positive, torch.full_like(A, lambda_pos),
+                          torch.full_like(A, lambda_neg))
+        # log phi = lambda + k log w - lambda w
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    per_token = -phi * A * select(mask, trainer_logp.to(dtype))
+    loss = aggregate(select(mask, per_token), mask, reduction)
+    return loss, {"actor/ppo_kl": _ppo_kl(log_rho_t, mask)}
+
+
+def _batch_covariance(trainer_logp, A, mask, dtype):
+    r"""verl's $(A_t - \bar A)(\log \pi(y_t) - \overline{\log \pi})$, the means over the batch's
+    valid tokens; detached, 0 off the mask."""
+    log_pi = select(mask, trainer_logp.detach().to(dtype))
+    cov = (A - masked_mean(A, mask)) * (log_pi - masked_mean(log_pi, mask))
+    return select(mask, cov)
+
+
+def clip_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+                  clip_ratio_low=None, clip_ratio_high=None, clip_cov_ratio=2e-4,
+                  clip_cov_lb=1.0, clip_cov_ub=5.0, reduction="token-mean"):
+    r"""Clip-Cov: PPO's clipped loss with a share of the high-covariance tokens removed,
+    averaged over verl's random choice of them; the sampler as the anchor.
+
+    With $c_t = (A_t - \bar A)(\log \pi_\theta(y_t) - \overline{\log \pi_\theta})$ over the
+    batch's $N$ valid tokens, the *eligible* tokens are those PPO's clip leaves with
+    $l < c_t < u$; verl sets the loss of $k = \max(\lfloor r N \rfloor, 1)$ of the $n_e$
+    eligible ones, drawn with ``torch.randperm``, to 0. This loss is the expectation over that
+    draw: each eligible token's PPO term times $1 - q$, $q = \min(k, n_e) / n_e$,
+
+    $$
+    L_t = \max\big(-A r_t,\ -A\, \mathrm{clip}(r_t, 1 - \varepsilon_l, 1 + \varepsilon_h)
+    \big)\, \big(1 - q\, \mathbb{1}[t \text{ eligible}]\big),
+    $$
+
+    equal to verl's where $k \ge n_e$ (no draw) and its mean over the draws otherwise: its
+    gradient with ``reduction="sum"`` on the toy's enumerated batch is the weight of
+    [opd_literate.mismatch.estimators.clip_cov][] with ``statistics="enumerated"`` times $-A$.
+    verl ``loss_mode: clip_cov`` (``compute_policy_loss_clip_cov``): the actor's
+    ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` and ``policy_loss``'s
+    ``clip_cov_ratio`` $r$ (0.0002), ``clip_cov_lb`` $l$ (1.0), ``clip_cov_ub`` $u$ (5.0); no
+    dual clip. The batch is the one the loss is called with. verl does not clamp the
+    log-ratio (here $\pm 20$).
+
+    Returns
+    -------
+    loss : torch.Tensor
+    metrics : dict
+        ``actor/pg_clipfrac`` (here the expected share of valid tokens removed, $q n_e / N$;
+        verl logs the drawn one, the same where $k \ge n_e$) and ``actor/ppo_kl``.
+
+    Examples
+    --------
+    Two tokens, $\rho_t = 1.6, 0.4$, $A = 0.5, -0.5$, $\varepsilon = 0.7$ (nothing clipped):
+    $c_t = 0.5 \log 2 = 0.347$ for both. With $l = 0.3$ both are eligible and $k = 1$ of them is
+    removed: each keeps half its gradient.
+
+    >>> trainer = torch.log(torch.tensor([[0.8, 0.2]], dtype=torch.float64)).requires_grad_()
+    >>> sampler = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    >>> loss, m = clip_cov_loss(trainer, sampler, torch.tensor([[0.5, -0.5]]), torch.ones(1, 2),
+    ...                         clip_ratio=0.7, clip_cov_lb=0.3, reduction="sum")
+    >>> loss.backward()
+    >>> [round(g, 6) for g in trainer.grad[0].tolist()], m["actor/pg_clipfrac"]
+    ([-0.4, 0.1], 0.5)
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    share = check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
+    lb = check_finite_number("clip_cov_lb", clip_cov_lb, allow_inf=True)
+    ub = check_finite_number("clip_cov_ub", clip_cov_ub, allow_inf=True)
+    if not lb < ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {lb!r} >= {ub!r}")
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    ratio = _exp_safe(log_rho_t)
+    unclipped = -A * ratio
+    clipped = -A * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    with torch.no_grad():
+        cov = _batch_covariance(trainer_logp, A, mask, dtype)
+        eligible = mask & ~(clipped > unclipped) & (cov > lb) & (cov < ub)
+        n_eligible = int(eligible.sum())
+        k = max(int(share * int(mask.sum())), 1)  # verl's clip_num
+        q = min(k, n_eligible) / n_eligible if n_eligible else 0.0
+        keep = torch.where(eligible, torch.full_like(A, 1.0 - q), torch.ones_like(A))
+    per_token = torch.maximum(unclipped, clipped) * keep
+    loss = aggregate(select(mask, per_token), mask, reduction)
+    metrics = {"actor/pg_clipfrac": q * n_eligible / max(int(mask.sum()), 1),
+               "actor/ppo_kl": _ppo_kl(log_rho_t, mask)}
+    return loss, metrics
+
+
+def kl_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, kl_cov_ratio=2e-4,
+                ppo_kl_coef=0.1, reduction="token-mean"):
+    r"""KL-Cov: the unclipped ratio loss, plus $\beta |\log \rho_t|$ on the tokens of largest
+    covariance; the sampler as the anchor.
+
+    $$
+    L_t = -A r_t + \beta\, \mathbb{1}[t \text{ selected}]\, |\log \rho_t|, \qquad
+    \frac{\partial L_t}{\partial \log \pi_\theta(y_t)} = -A r_t
+    + \beta\, \mathbb{1}[t \text{ selected}]\, \mathrm{sign}(\log \rho_t),
+    $$
+
+    the selected tokens the $\max(\lfloor r N \rfloor, 1)$ of largest
+    $c_t = (A_t - \bar A)(\log \pi_\theta(y_t) - \overline{\log \pi_\theta})$ among the
+    batch's $N$ valid tokens (``torch.topk``, as verl). The penalty's gradient does not scale
+    with $A$: this is the estimate of [opd_literate.mismatch.estimators.kl_cov][] (with
+    ``statistics="enumerated"``), which has no weight $w_t$. verl ``loss_mode: kl_cov``
+    (``compute_policy_loss_kl_cov``): ``policy_loss.kl_cov_ratio`` $r$ (0.0002) and
+    ``ppo_kl_coef`` $\beta$ (0.1 in its composed config). No clip; verl does not clamp the
+    log-ratio (here $r_t$ from the clamp at $\pm 20$, $|\log \rho_t|$ unclamped).
+
+    Examples
+    --------
+    Three tokens, $\rho_t = 2, 1/3, 1$, $A = 1, 0, 0$: $c = (0.41, 0.26, -0.05)$. With
+    $r = 0.5$ ($k = 1$) token 0 alone gets the penalty, $-A \rho + \beta = -2 + 1$; with
+    $r = 0.67$ ($k = 2$) token 1 too, whose $A = 0$: its gradient is
+    $\beta\, \mathrm{sign}(\log \tfrac13) = -1$.
+
+    >>> trainer = torch.log(torch.tensor([[0.8, 0.2, 0.5]], dtype=torch.float64))
+    >>> sampler = torch.log(torch.tensor([[0.4, 0.6, 0.5]], dtype=torch.float64))
+    >>> A = torch.tensor([[1.0, 0.0, 0.0]])
+    >>> for r in (0.5, 0.67):
+    ...     x = trainer.clone().requires_grad_()
+    ...     kl_cov_loss(x, sampler, A, torch.ones(1, 3), kl_cov_ratio=r, ppo_kl_coef=1.0,
+    ...                 reduction="sum")[0].backward()
+    ...     print([round(g, 4) for g in x.grad[0].tolist()])
+    [-1.0, 0.0, 0.0]
+    [-1.0, -1.0, 0.0]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    share = check_finite_number("kl_cov_ratio", kl_cov_ratio, positive=True)
+    beta = check_finite_number("ppo_kl_coef", ppo_kl_coef, low=0.0)
+    check_reduction(reduction)
+    A = _check_advantages(advantages, mask, dtype)
+    log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
+    with torch.no_grad():
+        cov = _batch_covariance(trainer_logp, A, mask, dtype)
+        valid = cov[mask]  # the valid tokens, row by row, as verl flattens them
+        k = max(1, int(valid.numel() * share))
+        top = torch.topk(valid, min(k, valid.numel()), largest=True).indices
+        flags = torch.zeros_like(valid, dtype=torch.bool)
+        flags[top] = True
+        selected = torch.zeros_like(mask)
+        selected[mask] = flags
+    per_token = -A * _exp_safe(log_rho_t) + torch.where(
+        selected, beta * log_rho_t.abs(), torch.zeros_like(log_rho_t))
+    loss = aggregate(select(mask, per_token), mask, reduction)
+    return loss, {"actor/ppo_kl": float(masked_mean(log_rho_t.detach().abs(), mask))}
 
 
 def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):

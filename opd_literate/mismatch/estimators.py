@@ -52,6 +52,12 @@ form above, and it estimates the gradient of an objective regularised towards it
 ($\mu$ in bypass mode), not $\nabla J$. Its torch form is
 [opd_literate.mismatch.correction.dro_loss][].
 
+**Not here: GPG and KL-Cov.** verl's ``gpg`` loss, $-A \log \pi_\theta(y_t)$, has no anchor:
+its weight is $w_t = 1$, ``naive``'s (its torch form is
+[opd_literate.mismatch.correction.reinforce_loss][] without weights). verl's ``kl_cov`` adds
+$\beta |\log \rho_t|$ on some tokens, a term that does not scale with $A$: ``kl_cov`` below
+returns its estimate, which has no weight, and is not in ``REGISTRY``.
+
 **The hand-made examples.** Each estimator's example uses a toy of one or two positions built
 with [opd_literate.mismatch.toy.toy_from_logits][], where the ratios are round numbers: with the
 trainer uniform, $\pi_t = (0.5, 0.5)$, and the sampler at $\mu_t = (0.8, 0.2)$, the token ratios are
@@ -120,6 +126,13 @@ __all__ = [
     "off_policy_mask",
     "seq_mask_tis",
     "kpop",
+    "sapo",
+    "gmpo",
+    "clip_cov",
+    "luspo",
+    "vespo",
+    "kl_cov",
+    "COV_STATISTICS",
     "VERL_COMMIT",
     "EstimatorSpec",
     "REGISTRY",
@@ -1238,6 +1251,427 @@ def _binary_kl(p, q):
 
 
 # ---------------------------------------------------------------------------------------------
+# The policy losses of verl and TRL beyond the clip: soft gates, geometric means, covariances
+# ---------------------------------------------------------------------------------------------
+def _sech2(x):
+    r"""$\mathrm{sech}^2(x / 2) = 4 \sigma(x) (1 - \sigma(x))$, without overflow for large $|x|$."""
+    e = np.exp(-np.abs(x))
+    return 4.0 * e / (1.0 + e) ** 2
+
+
+def sapo(toy, tau_pos=1.0, tau_neg=1.05, baseline=0.0, *, return_weights=False):
+    r"""SAPO, bypass mode: the token ratio damped by a smooth gate instead of a clip.
+
+    The loss of token $t$ is $L_t = -f_\tau(\rho_t) A$ with the gate
+    $f_\tau(r) = \frac{4}{\tau} \sigma(\tau (r - 1))$, $\tau = \tau_+$ where $A > 0$ and
+    $\tau_-$ where $A \le 0$. Since $\frac{d}{dr} f_\tau(r) = 4 \sigma(1 - \sigma) =
+    \mathrm{sech}^2(\tau (r - 1) / 2)$ and $\nabla \rho_t = \rho_t s_t$:
+
+    $$
+    w_t = \rho_t\, \mathrm{sech}^2\Big(\frac{\tau (\rho_t - 1)}{2}\Big), \qquad
+    \hat g_t = w_t\, A\, s_t .
+    $$
+
+    The gate is 1 at $\rho_t = 1$ and falls off smoothly on both sides: near the anchor the
+    weight is the token ratio of ``token_is``, far from it $w_t \to 0$ (exponentially in
+    $\rho_t$ above, like $\rho_t$ below), a soft form of PPO's hard clip. From *Soft Adaptive Policy
+    Optimization* (arXiv 2511.20347, 2025). verl ``loss_mode: sapo``
+    (``compute_policy_loss_sapo``: the actor's ``tau_pos`` 1.0 and ``tau_neg`` 1.05, the
+    defaults here) and TRL ``loss_type="sapo"`` (``sapo_temperature_pos`` 1.0,
+    ``sapo_temperature_neg`` 1.05); both take $\tau_+$ where $A > 0$ only. Both frameworks
+    reduce it per response (``"seq-mean-token-mean"``, verl whatever ``loss_agg_mode`` says), a
+    reduction left out here as for ``gspo``. The anchor is the sampler (verl's
+    ``bypass_mode`` in its default trainer); TRL's anchor is its own recomputation, so there
+    the gate is 1 at one update a batch and the sampler enters through its vLLM weight
+    (``trl_sequence_mask`` by default). Biased.
+
+    Parameters
+    ----------
+    tau_pos, tau_neg : float
+        $\tau_+, \tau_- > 0$, finite.
+
+    Examples
+    --------
+    One position, baseline 0.5: token 0 ($\rho = 0.625$, $A > 0$) gets
+    $0.625\, \mathrm{sech}^2(0.1875) = 0.6035$; token 1 ($\rho = 2.5$, $A < 0$)
+    $2.5\, \mathrm{sech}^2(1.05 \cdot 1.5 / 2) = 1.4209$, where ``token_is`` keeps 2.5:
+
+    >>> one = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.8, 0.2]]))  # rho_t = 0.625, 2.5
+    >>> sapo(one, baseline=0.5, return_weights=True).round(4).tolist()
+    [[0.6035], [1.4209]]
+    """
+    tau_pos = check_finite_number("tau_pos", tau_pos, positive=True)
+    tau_neg = check_finite_number("tau_neg", tau_neg, positive=True)
+    baseline_value = check_finite_number("baseline", baseline)
+    ratio = token_ratios(toy)  # (M, T)
+    advantage = (toy["R"] - baseline_value)[:, None]  # (M, 1)
+    tau = np.where(advantage > 0, tau_pos, tau_neg)  # (M, 1): verl's and TRL's A > 0 test
+    # d/d log pi of f_tau(rho_t) = f_tau'(rho_t) rho_t, f_tau' = sech^2(tau (rho_t - 1) / 2)
+    weights = ratio * _sech2(tau * (ratio - 1.0))
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def gmpo(toy, eps_low=0.2, eps_high=0.2, baseline=0.0, *, return_weights=False):
+    r"""GMPO (verl's ``geo_mean``), bypass mode: the geometric mean of token ratios clipped in
+    log space, each clipped token removed.
+
+    With $x_t = \log \rho_t$, GMPO clips $x_t$ at $\varepsilon_h$ from above where $A > 0$ and
+    at $-\varepsilon_l$ from below where $A < 0$: $m_t = \min(x_t, \varepsilon_h)$ or
+    $\max(x_t, -\varepsilon_l)$. The loss of a response is $-A \exp(\frac1T \sum_k m_k)$; a
+    clipped $m_t$ is a constant, so
+
+    $$
+    w_t = \exp\Big(\frac1T \sum_k m_k\Big)\, \big(1 - \mathbb{1}[A > 0,\ x_t > \varepsilon_h]
+    - \mathbb{1}[A < 0,\ x_t < -\varepsilon_l]\big), \qquad \hat g_t = w_t\, A\, s_t .
+    $$
+
+    Unlike GSPO (``gspo``), the clip acts on each token, and a clipped token still counts in the
+    mean with its clipped value: the other tokens' weight is the geometric mean of the *clipped*
+    ratios, not $\rho_{\mathrm{geo}}$. From *Geometric-Mean Policy Optimization* (arXiv
+    2507.20673, 2025). verl ``loss_mode: geo_mean`` (``compute_policy_loss_geo_mean``), with the
+    actor's ``clip_ratio_low`` / ``clip_ratio_high`` as $\varepsilon_l, \varepsilon_h$ in log
+    space (0.2 each: the defaults here, i.e. ratios in $[e^{-0.2}, e^{0.2}]$). verl's loss is
+    the mean over responses of $-A \exp(\cdot)$ whatever ``loss_agg_mode`` says, which divides
+    each token's gradient by the length (by $T + 10^{-8}$); that division is left out here as
+    for ``gspo``. verl's $\mathrm{sign}(0) = 0$ sends no gradient where $A = 0$; the weight
+    there is taken unclipped, $\rho_{\mathrm{geo}}$ (its estimate is 0 either way). Biased.
+
+    Parameters
+    ----------
+    eps_low, eps_high : float
+        $\varepsilon_l, \varepsilon_h \ge 0$, in log space; ``inf`` for no clip on that side.
+
+    Examples
+    --------
+    Two positions, $\log \rho_t = \log 0.625, \log 2.5 = -0.470, 0.916$, baseline 0.5. In
+    $(0, 1)$ ($A > 0$) the second token is clipped at 0.2: it gets 0, the first
+    $\exp((\log 0.625 + 0.2) / 2) = \sqrt{0.625\, e^{0.2}} = 0.8737$. In $(1, 1)$ ($A < 0$)
+    nothing is below $-0.2$: both keep $2.5$.
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> gmpo(two, baseline=0.5, return_weights=True).round(4).tolist()
+    [[0.625, 0.625], [0.8737, 0.0], [0.0, 0.8737], [2.5, 2.5]]
+    """
+    eps_low = check_finite_number("eps_low", eps_low, low=0.0, allow_inf=True)
+    eps_high = check_finite_number("eps_high", eps_high, low=0.0, allow_inf=True)
+    baseline_value = check_finite_number("baseline", baseline)
+    check_toy(toy)
+    log_rho_t = toy["logp_train"] - toy["logp_sampler"]  # (M, T); 0 on the AR toy's padding
+    advantage = (toy["R"] - baseline_value)[:, None]  # (M, 1)
+    up = (advantage > 0) & (log_rho_t > eps_high)  # clipped from above: a constant
+    down = (advantage < 0) & (log_rho_t < -eps_low)  # clipped from below: a constant
+    m = np.where(up, eps_high, np.where(down, -eps_low, log_rho_t))
+    lengths = _response_lengths(toy)
+    ratio = exp_ratio(m.sum(axis=1) / lengths, "geometric", toy)  # (M,)
+    weights = np.where(up | down, 0.0, ratio[:, None])
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def luspo(toy, eps_low=0.2, eps_high=0.2, baseline=0.0, *, return_weights=False):
+    r"""LUSPO (TRL): GSPO's sequence ratio, PPO-clipped, without GSPO's division by the length.
+
+    $$
+    w_t = \rho_{\mathrm{geo}} \big(1 - \mathbb{1}[A > 0,\ \rho_{\mathrm{geo}} > 1 +
+    \varepsilon_h] - \mathbb{1}[A < 0,\ \rho_{\mathrm{geo}} < 1 - \varepsilon_l]\big).
+    $$
+
+    TRL ``loss_type="luspo"`` with ``importance_sampling_level="sequence"`` (which its trainer
+    asks for): the GSPO term of a response, $-\min(\rho_{\mathrm{geo}} A,
+    \mathrm{clip}(\rho_{\mathrm{geo}}) A)$, summed over its $T$ tokens, the mean over responses.
+    Since $\nabla \rho_{\mathrm{geo}} = \rho_{\mathrm{geo}} \frac1T \sum_t s_t$, the sum over
+    the $T$ tokens cancels the $\frac1T$: every token gets the weight $\rho_{\mathrm{geo}}$,
+    exactly the weight of ``gspo``, with TRL's clip range (``epsilon`` 0.2, ``epsilon_high``
+    defaulting to it: the defaults here) instead of GSPO's $3 \cdot 10^{-4}$ and $4 \cdot
+    10^{-4}$. From *Length-Unbiased Sequence Policy Optimization* (arXiv 2602.05261). At TRL's
+    default ``importance_sampling_level="token"`` the same loss is PPO's clip without the dual
+    clip, ``ppo_clip_bypass(clip_ratio_c=inf)``. TRL's anchor is its own recomputation (see
+    ``sapo``); the sampler is the anchor here. Biased.
+
+    Examples
+    --------
+    One position, $\pi = (0.5, 0.5)$, $\mu = (0.45, 0.55)$, baseline 0.5: $\rho = (1.1111,
+    0.9091)$ with $A = +0.5$ and $-0.5$. Both are inside TRL's range $[0.8, 1.2]$; GSPO's
+    narrow one clips both:
+
+    >>> toy = toy_from_logits(np.log([[0.5, 0.5]]), np.log([[0.45, 0.55]]))
+    >>> luspo(toy, baseline=0.5, return_weights=True).round(4).tolist()
+    [1.1111, 0.9091]
+    >>> gspo(toy, baseline=0.5, return_weights=True).round(4).tolist()
+    [0.0, 0.0]
+    """
+    # LUSPO's weight is GSPO's: the length it multiplies by is the 1 / T of the ratio's gradient.
+    return gspo(toy, eps_low, eps_high, baseline, return_weights=return_weights)
+
+
+def vespo(toy, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, baseline=0.0, *,
+          return_weights=False):
+    r"""VESPO (TRL), bypass mode: a gamma-shaped function of the sequence ratio on every token.
+
+    $$
+    \varphi(\rho) = e^{\lambda} \rho^{k} e^{-\lambda \rho} = \rho^k e^{\lambda (1 - \rho)},
+    \qquad w_t = \varphi(\rho), \qquad \hat g_t = \varphi(\rho)\, A\, s_t,
+    $$
+
+    with $(k, \lambda) = (k_+, \lambda_+)$ where $A \ge 0$ and $(k_-, \lambda_-)$ where
+    $A < 0$, and $\rho = \pi(y) / \mu(y)$ the sequence ratio (the sum of the log-ratios, not
+    their mean). $\varphi(1) = 1$, its maximum is at $\rho = k / \lambda$, and it vanishes as
+    $\rho \to 0$ and as $\rho \to \infty$: ``seq_is``'s weight $\rho$ replaced by a bounded one,
+    $\varphi \le (k / \lambda)^k e^{\lambda - k}$. The loss is $-\mathrm{sg}(\varphi) A \log
+    \pi_\theta(y_t)$, so the weight is $\varphi$ itself. TRL ``loss_type="vespo"``
+    (``GRPOTrainer.get_gamma_weights``; ``vespo_k_pos`` 2, ``vespo_lambda_pos`` 3,
+    ``vespo_k_neg`` 3, ``vespo_lambda_neg`` 2: the defaults here), from the VESPO paper (arXiv
+    2602.10693). TRL clamps $\log \rho$ to $[\log 10^{-8},
+    20]$ (here it is not: the two differ where $\varphi < e^{\lambda} 10^{-8 k}$ or
+    $\rho > e^{20}$, where both are below $10^{-15}$). In TRL the sampler enters through its
+    token-level vLLM weight folded into $\rho$ (``token_truncate`` or ``token_mask``); with the
+    trainer's recomputation as the anchor at one update a batch, $\log \rho$ is then the sum of
+    the truncated (or masked) token log-ratios to the sampler, which is this $\rho$ where no
+    token's ratio is truncated. Biased.
+
+    Parameters
+    ----------
+    k_pos, k_neg : float
+        $k \ge 0$, finite.
+    lambda_pos, lambda_neg : float
+        $\lambda > 0$, finite.
+
+    Examples
+    --------
+    Two positions, baseline 0.5: $(0, 0)$ has $\rho = 0.390625$ and $A > 0$:
+    $0.390625^2 e^{3 \cdot 0.609375} = 0.9494$; $(0, 1)$ has $\rho = 1.5625$:
+    $1.5625^2 e^{-3 \cdot 0.5625} = 0.4516$; $(1, 1)$ has $\rho = 6.25$ and $A < 0$:
+    $6.25^3 e^{-2 \cdot 5.25} = 0.0067$, where ``seq_is`` keeps 6.25:
+
+    >>> two = toy_from_logits(np.log([[0.5, 0.5]] * 2), np.log([[0.8, 0.2]] * 2))
+    >>> vespo(two, baseline=0.5, return_weights=True).round(4).tolist()
+    [0.9494, 0.4516, 0.4516, 0.0067]
+    """
+    values = {}
+    for name, value in (("k_pos", k_pos), ("k_neg", k_neg)):
+        values[name] = check_finite_number(name, value, low=0.0)
+    for name, value in (("lambda_pos", lambda_pos), ("lambda_neg", lambda_neg)):
+        values[name] = check_finite_number(name, value, positive=True)
+    baseline_value = check_finite_number("baseline", baseline)
+    check_toy(toy)
+    log_rho = _log_seq_ratio(toy)  # (M,)
+    positive = toy["R"] - baseline_value >= 0  # TRL's A >= 0 test
+    k = np.where(positive, values["k_pos"], values["k_neg"])
+    lam = np.where(positive, values["lambda_pos"], values["lambda_neg"])
+    with np.errstate(over="ignore"):  # rho = inf: lambda (1 - rho) = -inf, phi = 0
+        rho = np.exp(log_rho)
+        # log phi = k log rho + lambda (1 - rho), in log space: rho^k alone may overflow
+        weights = np.exp(k * log_rho + lam * (1.0 - rho))
+    return _finish(toy, weights, baseline, return_weights)
+
+
+COV_STATISTICS = ("population", "enumerated")
+"""The batch whose statistics ``clip_cov`` and ``kl_cov`` read: the sampler's population, or the
+batch that holds each response of the toy once."""
+
+
+def _token_masses(toy, statistics):
+    """(M, T) masses of the tokens of the batch whose means verl takes: each response's tokens
+    weighted by mu(y) ("population") or 1 ("enumerated"), normalised to sum to 1."""
+    if statistics not in COV_STATISTICS:
+        raise ValueError(f"statistics must be one of {COV_STATISTICS}, got {statistics!r}")
+    mask = np.asarray(toy["mask"], dtype=float) if "mask" in toy else np.ones(
+        toy["logp_train"].shape)
+    if statistics == "population":
+        mask = toy["p_sampler"][:, None] * mask
+    return mask / mask.sum()
+
+
+def _log_prob_advantage_covariance(toy, baseline, masses):
+    r"""verl's per-token $(A_t - \bar A)(\log \pi(y_t) - \overline{\log \pi})$, means under
+    ``masses``; ``(M, T)`` with the advantage ``(M, 1)``."""
+    advantage = (toy["R"] - baseline)[:, None]  # (M, 1)
+    log_pi = np.where(masses > 0, toy["logp_train"], 0.0)
+    mean_advantage = float((masses * advantage).sum())
+    mean_log_pi = float((masses * log_pi).sum())
+    return (advantage - mean_advantage) * (log_pi - mean_log_pi), advantage
+
+
+def clip_cov(toy, eps=0.2, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0, baseline=0.0,
+             *, statistics="population", return_weights=False):
+    r"""Clip-Cov, bypass mode: PPO's clip, and a share of the tokens of large covariance
+    between log-probability and advantage removed.
+
+    With the covariance of token $t$ over the batch,
+    $c_t = (A - \bar A)(\log \pi(y_t) - \overline{\log \pi})$ (the means over the batch's
+    tokens), the tokens that PPO's clip leaves and whose $c_t$ lies in $(l, u)$ are
+    *eligible*, and verl sets the loss of $k = \max(\lfloor r N \rfloor, 1)$ of them, drawn at
+    random, to 0 ($N$ the batch's tokens, $r$ = ``clip_cov_ratio``). Each eligible token is
+    dropped with probability $q = \min(k, n_e) / n_e$ ($n_e$ eligible tokens). This estimator
+    is the average over that draw (the same expectation as verl's gradient on the batch, a
+    smaller variance):
+
+    $$
+    w_t = \rho_t \big(1 - \mathbb{1}[A > 0,\ \rho_t > 1 + \varepsilon]
+    - \mathbb{1}[A < 0,\ \rho_t < 1 - \varepsilon]\big)
+    \big(1 - q\, \mathbb{1}[t \text{ eligible}]\big).
+    $$
+
+    **Which batch.** $w_t$ depends on the whole batch through $\bar A$,
+    $\overline{\log \pi}$ and $q$, so it is no function of one response: it is not of the
+    form $w_t A s_t$ of the module's other estimators unless the batch is fixed. Two batches
+    are offered. ``statistics="population"`` (the default, and the registered estimator) is
+    the limit of a large batch drawn from $\mu$: the means are expectations under $\mu$ over
+    the tokens, and $q = \min(1, r / P_e)$ with $P_e$ the share of eligible tokens under
+    $\mu$. ``statistics="enumerated"`` is verl's rule on the batch that holds each response of
+    the toy once ($N = M T$, plain means, $k$ and $n_e$ counted): what
+    [opd_literate.mismatch.correction.clip_cov_loss][] computes on the toy's enumerated batch.
+
+    From *The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models* (2025;
+    verl adapts the code of PRIME-RL/Entropy-Mechanism-of-RL). verl ``loss_mode: clip_cov``
+    (``compute_policy_loss_clip_cov``; ``policy_loss.clip_cov_ratio`` 0.0002, ``clip_cov_lb``
+    1.0, ``clip_cov_ub`` 5.0 and the actor's ``clip_ratio`` 0.2: the defaults here). No dual
+    clip, and verl does not clamp the log-ratio. Biased.
+
+    Parameters
+    ----------
+    eps : float
+        $\varepsilon > 0$, PPO's clip range.
+    clip_cov_ratio : float
+        $r > 0$, the share of the batch's tokens to drop.
+    clip_cov_lb, clip_cov_ub : float
+        $l < u$, the band of $c_t$ (strict on both sides, as verl's).
+    statistics : str
+        ``"population"`` or ``"enumerated"`` (see above).
+
+    Examples
+    --------
+    One position, $\pi = (0.8, 0.2)$, $\mu = (0.5, 0.5)$, baseline 0.5: $\rho = (1.6, 0.4)$,
+    $A = \pm 0.5$, $\bar A = 0$ and $c = 0.5 \log 2 = 0.3466$ for both tokens. With
+    $\varepsilon = 0.7$ PPO clips neither, and $l = 0.3$ makes both eligible. In the
+    population every token is eligible ($P_e = 1$): $q = r = 0.25$; in the enumerated batch
+    of $N = 2$ tokens, $k = 1$ of the $n_e = 2$: $q = 0.5$.
+
+    >>> toy = toy_from_logits(np.log([[0.8, 0.2]]), np.log([[0.5, 0.5]]))
+    >>> p = dict(eps=0.7, clip_cov_ratio=0.25, clip_cov_lb=0.3, baseline=0.5, return_weights=True)
+    >>> clip_cov(toy, **p).round(6).tolist()
+    [[1.2], [0.3]]
+    >>> clip_cov(toy, **p, statistics="enumerated").round(6).tolist()
+    [[0.8], [0.2]]
+    """
+    eps = check_finite_number("eps", eps, positive=True)
+    ratio_share = check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
+    low, high = (check_finite_number(n, v, allow_inf=True)
+                 for n, v in (("clip_cov_lb", clip_cov_lb), ("clip_cov_ub", clip_cov_ub)))
+    if not low < high:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {low!r} >= {high!r}")
+    baseline_value = check_finite_number("baseline", baseline)
+    check_toy(toy)
+    masses = _token_masses(toy, statistics)
+    cov, advantage = _log_prob_advantage_covariance(toy, baseline_value, masses)
+    ratio = token_ratios(toy)
+    clipped = ((advantage > 0) & (ratio > 1 + eps)) | ((advantage < 0) & (ratio < 1 - eps))
+    token = np.asarray(toy["mask"]) > 0 if "mask" in toy else np.ones(ratio.shape, bool)
+    eligible = token & ~clipped & (cov > low) & (cov < high)
+    if statistics == "population":
+        share = float(masses[eligible].sum())
+        q = min(1.0, ratio_share / share) if share > 0 else 0.0
+    else:
+        n_eligible = int(eligible.sum())
+        k = max(int(ratio_share * int(token.sum())), 1)  # verl's int(): rounds down
+        q = min(k, n_eligible) / n_eligible if n_eligible else 0.0
+    weights = np.where(clipped, 0.0, ratio) * np.where(eligible, 1.0 - q, 1.0)
+    return _finish(toy, weights, baseline, return_weights)
+
+
+def kl_cov(toy, kl_cov_ratio=2e-4, ppo_kl_coef=0.1, baseline=0.0, *, statistics="population",
+           return_weights=False):
+    r"""KL-Cov, bypass mode: the token ratio, and on the tokens of largest covariance an
+    absolute-log-ratio penalty. Its estimate is **not** of the form $w_t A s_t$.
+
+    The loss is $-A \rho_t$ on every token (no clip) and $-A \rho_t + \beta |\log \rho_t|$ on
+    the share $r$ of the batch's tokens whose covariance
+    $c_t = (A - \bar A)(\log \pi(y_t) - \overline{\log \pi})$ is largest (``clip_cov``'s $c_t$;
+    verl takes the $\max(\lfloor r N \rfloor, 1)$ largest of the $N$ tokens). Since
+    $\nabla |\log \rho_t| = \mathrm{sign}(\log \rho_t)\, s_t$,
+
+    $$
+    \hat g_t = \rho_t\, A\, s_t - \beta\, \mathbb{1}[t \text{ selected}]\,
+    \mathrm{sign}(\log \rho_t)\, s_t :
+    $$
+
+    ``token_is`` less a pull towards the anchor that does not scale with $A$ (it acts where
+    $A = 0$), so no weight $w_t$ expresses it and ``kl_cov`` is not in ``REGISTRY`` (whose
+    comparison reads weights): like DRO's, it estimates the gradient of a regularised
+    objective, not $\nabla J$. It returns the estimate, whose exact moments
+    [opd_literate.mismatch.toy.estimator_moments][] computes; ``return_weights=True`` is a
+    ``ValueError``. At $\theta_{\mathrm{old}} = \theta$ in verl's decoupled mode
+    $\log \rho_t = 0$ and the penalty's gradient is 0 (torch's $\mathrm{sign}(0) = 0$); in
+    bypass mode it is not.
+
+    **Which batch** (see ``clip_cov``). ``statistics="population"``: the means under $\mu$,
+    and the selected tokens are the top share $r$ of the token mass under $\mu$ by $c_t$; the
+    tokens whose $c_t$ equals the boundary value share the remaining mass, each selected by
+    that fraction. ``statistics="enumerated"``: verl's rule on the batch of the toy's $M$
+    responses, the $\max(\lfloor r M T \rfloor, 1)$ largest $c_t$; a tie at the boundary is a
+    ``ValueError`` (verl's ``torch.topk`` breaks it arbitrarily).
+
+    verl ``loss_mode: kl_cov`` (``compute_policy_loss_kl_cov``): ``policy_loss.kl_cov_ratio``
+    0.0002 and ``ppo_kl_coef`` $\beta$ 0.1 in the composed config (the code falls back to 1.0
+    only for a config without one): the defaults here. From the same paper as
+    ``clip_cov``.
+
+    Examples
+    --------
+    One position, $\pi = (0.8, 0.2)$, $\mu = (0.4, 0.6)$, baseline 0: $\rho = (2, 1/3)$,
+    $A = (1, 0)$, $\bar A = 0.4$, $c = (0.499, 0.222)$. The top half of the token mass under
+    $\mu$ is token 0 (mass 0.4) and $1/6$ of token 1 (0.1 of its 0.6). With $\beta = 1$,
+    token 0 gives $(2 \cdot 1 - 1)\, s = (0.2, -0.2)$; token 1 ($A = 0$, $\log \rho < 0$) only
+    the penalty, $+\frac16 s = \frac16 (-0.8, 0.8)$:
+
+    >>> toy = toy_from_logits(np.log([[0.8, 0.2]]), np.log([[0.4, 0.6]]))
+    >>> kl_cov(toy, kl_cov_ratio=0.5, ppo_kl_coef=1.0).round(4).tolist()
+    [[[0.2, -0.2]], [[-0.1333, 0.1333]]]
+    """
+    if return_weights:
+        raise ValueError("kl_cov has no weights: its penalty's gradient -beta sign(log rho_t) "
+                         "s_t does not scale with the advantage (call it without "
+                         "return_weights for the estimate)")
+    share = check_finite_number("kl_cov_ratio", kl_cov_ratio, positive=True)
+    beta = check_finite_number("ppo_kl_coef", ppo_kl_coef, low=0.0)
+    baseline_value = check_finite_number("baseline", baseline)
+    check_toy(toy)
+    masses = _token_masses(toy, statistics)
+    cov, _ = _log_prob_advantage_covariance(toy, baseline_value, masses)
+    token = masses > 0 if statistics == "enumerated" else (
+        np.asarray(toy["mask"]) > 0 if "mask" in toy else np.ones(cov.shape, bool))
+    selected = _top_share(cov, token, masses, share, statistics)  # (M, T) in [0, 1]
+    log_rho_t = np.where(token, toy["logp_train"] - toy["logp_sampler"], 0.0)
+    penalty = beta * selected * np.sign(log_rho_t)  # (M, T)
+    extra = (1,) * (np.ndim(toy["score"]) - 2)
+    return (weighted_score(toy, token_ratios(toy), baseline)
+            - penalty.reshape(penalty.shape + extra) * toy["score"])
+
+
+def _top_share(cov, token, masses, share, statistics):
+    """(M, T) selection of the tokens of largest ``cov``: verl's top k of the enumerated batch
+    (0 or 1), or the top ``share`` of the population's token mass (a fraction at the boundary)."""
+    values = cov[token]
+    if statistics == "enumerated":
+        k = max(1, int(values.size * share))  # verl's k = max(1, int(N * kl_cov_ratio))
+        order = np.sort(values)[::-1]
+        if k < values.size and order[k - 1] == order[k]:
+            raise ValueError(f"the {k}-th and {k + 1}-th largest covariances are equal "
+                             f"({order[k]!r}): verl's top-k would pick either")
+        return (token & (cov >= order[k - 1])).astype(float)
+    selected = np.zeros(cov.shape)
+    remaining = min(share, 1.0)
+    for value in np.unique(values)[::-1]:  # the largest covariance first
+        if remaining <= 0:
+            break
+        cells = token & (cov == value)
+        mass = float(masses[cells].sum())
+        take = min(1.0, remaining / mass) if mass > 0 else 0.0
+        selected[cells] = take
+        remaining -= take * mass
+    return selected
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry and the exact comparison
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -1392,6 +1826,33 @@ REGISTRY = {
             name="kpop", fn=kpop, defaults={"threshold": 0.1, "eps": 1e-6},
             source="KPop 2026; prime-rl loss kpop 0.1 (b9ba060), AReaL binary_kl",
             unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="sapo", fn=sapo, defaults={"tau_pos": 1.0, "tau_neg": 1.05},
+            source="SAPO 2025; verl loss_mode=sapo (bypass) and TRL loss_type=sapo, tau 1.0/1.05",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="gmpo", fn=gmpo, defaults={"eps_low": 0.2, "eps_high": 0.2},
+            source="GMPO 2025; verl loss_mode=geo_mean, bypass, log-space clip 0.2",
+            unbiased=False, reference="geometric",
+        ),
+        EstimatorSpec(
+            name="clip_cov", fn=clip_cov,
+            defaults={"eps": 0.2, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+            source="Clip-Cov 2025; verl loss_mode=clip_cov, bypass, population statistics",
+            unbiased=False, reference="token",
+        ),
+        EstimatorSpec(
+            name="luspo", fn=luspo, defaults={"eps_low": 0.2, "eps_high": 0.2},
+            source="LUSPO 2026; TRL loss_type=luspo, importance_sampling_level=sequence, 0.2",
+            unbiased=False, reference="geometric",
+        ),
+        EstimatorSpec(
+            name="vespo", fn=vespo,
+            defaults={"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0},
+            source="VESPO 2026; TRL loss_type=vespo, k 2/3, lambda 3/2",
+            unbiased=False, reference="sequence",
         ),
     ]
 }

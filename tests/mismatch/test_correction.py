@@ -130,10 +130,13 @@ OVERRIDES = {
 # The other frameworks' seven: their torch forms are compared in test_peer_switches.py.
 PEER_SWITCHES = {"trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
                  "trl_sequence_mask", "off_policy_mask", "seq_mask_tis", "kpop"}
+# verl's and TRL's other policy losses: their torch forms are compared in test_policy_losses.py.
+POLICY_LOSSES = {"sapo", "gmpo", "clip_cov", "luspo", "vespo"}
 
 
 def test_every_estimator_is_covered():
-    assert set(OVERRIDES) | {"naive", "token_is", "seq_is"} | PEER_SWITCHES == set(E.REGISTRY)
+    assert (set(OVERRIDES) | {"naive", "token_is", "seq_is"} | PEER_SWITCHES | POLICY_LOSSES
+            == set(E.REGISTRY))
 
 
 def _check_estimator(name, toy_name):

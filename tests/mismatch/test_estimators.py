@@ -215,7 +215,7 @@ def advantage_times_score(toy, baseline):
 def test_every_row_of_the_table_equals_the_estimator_called_directly():
     toy = make_toy(mismatch=1.0)
     rows = {r["name"]: r for r in E.comparison_table(toy, N=64, baseline=0.5)}
-    assert set(rows) == set(E.REGISTRY) and len(rows) == 25
+    assert set(rows) == set(E.REGISTRY) and len(rows) == 30
     for name, spec in E.REGISTRY.items():
         direct = estimator_moments(toy, spec.fn(toy, **spec.defaults, baseline=0.5))
         for key in ("bias", "var", "rel_bias"):
@@ -615,10 +615,13 @@ OTHER = {
 # The other frameworks' seven, rebuilt and checked in test_peer_switches.py.
 PEER_SWITCHES = {"trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
                  "trl_sequence_mask", "off_policy_mask", "seq_mask_tis", "kpop"}
+# verl's and TRL's other policy losses, rebuilt and checked in test_policy_losses.py.
+POLICY_LOSSES = {"sapo", "gmpo", "clip_cov", "luspo", "vespo"}
 
 
 def test_the_defaults_are_the_registrys():
-    assert set(DEFAULTS) | PEER_SWITCHES == set(REGISTRY) and not set(DEFAULTS) & PEER_SWITCHES
+    assert set(DEFAULTS) | PEER_SWITCHES | POLICY_LOSSES == set(REGISTRY)
+    assert not set(DEFAULTS) & (PEER_SWITCHES | POLICY_LOSSES)
     for name in DEFAULTS:
         assert REGISTRY[name].defaults == DEFAULTS[name]
 
@@ -936,8 +939,9 @@ def test_comparison_table_defaults():
     toy = TOYS["m1"]
     rows = comparison_table(toy)
     assert [r["name"] for r in rows] == list(REGISTRY)  # every estimator, in the registry's order
-    # the other frameworks' seven: their rows are checked in test_peer_switches.py
-    rows = [r for r in rows if r["name"] not in PEER_SWITCHES]
+    # the other frameworks' seven (test_peer_switches.py) and the policy losses
+    # (test_policy_losses.py) have their rows checked there
+    rows = [r for r in rows if r["name"] not in PEER_SWITCHES | POLICY_LOSSES]
     expected = [_row(toy, n, reference(n, toy, 0.0, **DEFAULTS[n]), 64, 0.0) for n in DEFAULTS]
     _assert_rows(rows, expected)
 

@@ -1,0 +1,193 @@
+"""TRL 1.16.0's loss types sapo, luspo and vespo against the torch module and the catalogue.
+
+``GRPOTrainer._compute_loss`` is called on a stub holding the attributes it reads (as
+``test_trl_is_modes.py`` does), with the sampler's log-probabilities as
+``old_per_token_logps`` and vLLM off, so that TRL's own loss has the sampler as its anchor; its
+value and gradient equal those of ``sapo_loss``, ``luspo_loss`` and ``vespo_loss`` of
+``opd_literate.mismatch.correction`` on random batches and on the toys' enumerated batches,
+where the gradient gives the catalogue's weights. ``GRPOConfig``'s defaults are the
+catalogue's. ``GRPOTrainer.get_gamma_weights`` with TRL's own pipeline (the anchor its
+recomputation, the vLLM ratio folded in) gives ``vespo``'s weight where no ratio is truncated.
+
+Marker ``trl``, in ``.venv-trl``.
+"""
+
+import dataclasses
+import types
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from opd_literate.mismatch import correction as C
+from opd_literate.mismatch import estimators as E
+from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
+
+TRL_VERSION = "1.16.0"
+TOYS = {
+    "toy": make_toy(T=3, V=3, mismatch=0.6, seed=1),
+    "ar_toy": make_ar_toy(T=3, V=4, mismatch=0.8, seed=1),
+}
+BASELINE = 0.5
+# TRL builds the temperatures with torch.where on two Python floats, a float32 tensor whatever
+# the log-probabilities' dtype: its 1.05 is 1.0499999523... (test_trls_temperature_is_float32)
+TAU_NEG_FLOAT32 = float(np.float32(1.05))
+pytestmark = pytest.mark.trl
+
+
+@pytest.fixture(scope="module")
+def trl_grpo():
+    trl = pytest.importorskip("trl", reason="trl is not installed: the TRL integration needs "
+                              "the optional extra, pip install -e '.[trl]'")
+    assert trl.__version__ == TRL_VERSION
+    from trl.trainer import grpo_trainer
+    return grpo_trainer
+
+
+def _field(trl_grpo, name):
+    return {f.name: f for f in dataclasses.fields(trl_grpo.GRPOConfig)}[name].default
+
+
+def test_grpo_configs_defaults_are_the_catalogues(trl_grpo):
+    assert {"tau_pos": _field(trl_grpo, "sapo_temperature_pos"),
+            "tau_neg": _field(trl_grpo, "sapo_temperature_neg")} == E.REGISTRY["sapo"].defaults
+    assert {"k_pos": _field(trl_grpo, "vespo_k_pos"),
+            "lambda_pos": _field(trl_grpo, "vespo_lambda_pos"),
+            "k_neg": _field(trl_grpo, "vespo_k_neg"),
+            "lambda_neg": _field(trl_grpo, "vespo_lambda_neg")} == E.REGISTRY["vespo"].defaults
+    assert (_field(trl_grpo, "epsilon"), _field(trl_grpo, "epsilon_high")) == (0.2, None)
+    assert E.REGISTRY["luspo"].defaults == {"eps_low": 0.2, "eps_high": 0.2}
+    assert _field(trl_grpo, "importance_sampling_level") == "token"
+    for loss_type in ("sapo", "luspo", "vespo"):
+        assert f"'{loss_type}'" in str(
+            {f.name: f for f in dataclasses.fields(trl_grpo.GRPOConfig)}["loss_type"].metadata)
+
+
+def _stub(trl_grpo, loss_type, level, **args):
+    stub = types.SimpleNamespace(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level,
+        beta=0.0, loss_type=loss_type, epsilon_low=args.pop("epsilon", 0.2),
+        epsilon_high=args.pop("epsilon_high", 0.2), use_vllm=False,
+        vllm_importance_sampling_correction=False, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
+        model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)},
+        args=types.SimpleNamespace(delta=None, steps_per_generation=1, **args),
+        accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x,
+                                          reduce=lambda x, reduction: x))
+    stub.get_gamma_weights = trl_grpo.GRPOTrainer.get_gamma_weights
+    return stub
+
+
+def _trl(trl_grpo, stub, trainer, sampler, mask, advantages):
+    """TRL's loss and its gradient in log pi(y_t), the sampler as old_per_token_logps."""
+    leaf = trainer.clone().requires_grad_(True)
+    stub._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
+    B, T = trainer.shape
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+              "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+              "advantages": advantages, "old_per_token_logps": sampler,
+              "num_items_in_batch": mask.sum()}
+    loss = trl_grpo.GRPOTrainer._compute_loss(stub, None, inputs)
+    loss.backward()
+    return loss.item(), leaf.grad
+
+
+def _ours(loss_fn, trainer, sampler, mask, advantages, **options):
+    leaf = trainer.clone().requires_grad_(True)
+    loss, _ = loss_fn(leaf, sampler, advantages, mask, **options)
+    loss.backward()
+    return loss.item(), leaf.grad
+
+
+def _batch(seed, B=16, T=7, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    trainer = torch.log(torch.rand(B, T, generator=g, dtype=torch.float64) * 0.97 + 0.02)
+    sampler = (trainer - scale * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(
+        max=-1e-3)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
+    return trainer, sampler, mask, torch.randn(B, generator=g, dtype=torch.float64)
+
+
+CASES = {
+    "sapo": ("token", dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+             C.sapo_loss, dict(tau_pos=1.0, tau_neg=TAU_NEG_FLOAT32)),
+    "sapo_other": ("token", dict(sapo_temperature_pos=3.0, sapo_temperature_neg=0.5),
+                   C.sapo_loss, dict(tau_pos=3.0, tau_neg=0.5)),
+    "luspo": ("sequence", dict(epsilon=0.2, epsilon_high=0.2), C.luspo_loss,
+              dict(epsilon=0.2)),
+    "luspo_other": ("sequence", dict(epsilon=0.05, epsilon_high=0.1), C.luspo_loss,
+                    dict(epsilon=0.05, epsilon_high=0.1)),
+    "vespo": ("token", dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                            vespo_lambda_neg=2.0), C.vespo_loss, {}),
+    "vespo_other": ("token", dict(vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=0.5,
+                                  vespo_lambda_neg=1.0), C.vespo_loss,
+                    dict(k_pos=1.0, lambda_pos=2.0, k_neg=0.5, lambda_neg=1.0)),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trls_loss_is_ours(trl_grpo, case, seed):
+    level, args, loss_fn, options = CASES[case]
+    loss_type = case.split("_")[0]
+    trainer, sampler, mask, A = _batch(seed)
+    theirs = _trl(trl_grpo, _stub(trl_grpo, loss_type, level, **args), trainer, sampler, mask, A)
+    ours = _ours(loss_fn, trainer, sampler, mask, A, **options)
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+@pytest.mark.parametrize("case", ["sapo", "luspo", "vespo"])
+def test_trls_gradient_on_the_toy_is_the_catalogues_weight(trl_grpo, case, toy_name):
+    """-grad / A of TRL's loss, rescaled by its reduction, is the estimator's weight."""
+    toy = TOYS[toy_name]
+    level, args, _, _ = CASES[case]
+    trainer = torch.from_numpy(np.array(toy["logp_train"]))
+    sampler = torch.from_numpy(np.array(toy["logp_sampler"]))
+    mask = torch.from_numpy(response_mask(toy))
+    A = torch.from_numpy(np.asarray(toy["R"], dtype=float) - BASELINE)
+    _, grad = _trl(trl_grpo, _stub(trl_grpo, case, level, **args), trainer, sampler, mask, A)
+    B, n = mask.shape[0], mask.sum(dim=1, keepdim=True)
+    scale = {"sapo": B * n, "luspo": B * torch.ones_like(n), "vespo": mask.sum()}[case]
+    theirs = (-grad * scale / A[:, None]).numpy()
+    params = {"tau_neg": TAU_NEG_FLOAT32} if case == "sapo" else {}
+    ours = getattr(E, case)(toy, **params, baseline=BASELINE, return_weights=True)
+    ours = np.broadcast_to(ours if ours.ndim == 2 else ours[:, None], theirs.shape)
+    keep = response_mask(toy) > 0
+    np.testing.assert_allclose(np.where(keep, theirs, 0), np.where(keep, ours, 0),
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+def test_trls_pipeline_folds_the_vllm_ratio_into_vespos_weight(trl_grpo, toy_name):
+    """With TRL's anchor (its recomputation: log-ratio 0) and the token vLLM ratio rho_t
+    (untruncated), get_gamma_weights gives phi(rho): the catalogue's vespo weight."""
+    toy = TOYS[toy_name]
+    mask = torch.from_numpy(response_mask(toy))
+    rho_t = torch.from_numpy(np.exp(np.array(toy["logp_train"]) - np.array(toy["logp_sampler"])))
+    rho_t = torch.where(mask > 0, rho_t, torch.ones_like(rho_t))
+    A = torch.from_numpy(np.asarray(toy["R"], dtype=float) - BASELINE)[:, None]
+    phi = trl_grpo.GRPOTrainer.get_gamma_weights(
+        advantages=A, log_ratio_per_token=torch.zeros_like(rho_t), mask=mask,
+        importance_sampling_ratio=rho_t)
+    np.testing.assert_allclose(phi[:, 0].numpy(),
+                               E.vespo(toy, baseline=BASELINE, return_weights=True),
+                               rtol=1e-12, atol=1e-300)
+
+
+def test_trls_temperature_is_float32(trl_grpo):
+    """With float64 inputs TRL's SAPO gate uses tau_neg = float32(1.05): its loss differs from
+    the float64 gate at 1.05 by about 1e-8 relative, and equals the gate at float32(1.05)."""
+    trainer, sampler, mask, A = _batch(0)
+    level, args, _, _ = CASES["sapo"]
+    theirs = _trl(trl_grpo, _stub(trl_grpo, "sapo", level, **args), trainer, sampler, mask, A)
+    exact = _ours(C.sapo_loss, trainer, sampler, mask, A, tau_neg=1.05)
+    rounded = _ours(C.sapo_loss, trainer, sampler, mask, A, tau_neg=TAU_NEG_FLOAT32)
+    assert TAU_NEG_FLOAT32 != 1.05 and abs(TAU_NEG_FLOAT32 - 1.05) < 1e-7
+    assert theirs[0] == pytest.approx(rounded[0], rel=1e-12)
+    assert theirs[0] != pytest.approx(exact[0], rel=1e-12)
+    assert theirs[0] == pytest.approx(exact[0], rel=1e-6)
