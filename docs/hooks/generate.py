@@ -696,6 +696,7 @@ def _tinylm_clamps():
 def _supports():
     """The "Which support" study of the large-vocabulary chapter: its table and figure."""
     from opd_literate.large_vocab.supports import (
+        NEMO_CHOICES,
         format_support_table,
         plot_support_bias,
         support_study,
@@ -703,6 +704,8 @@ def _supports():
 
     data = support_study()
     _write("supports_table.md", format_support_table(data) + "\n")
+    _write("supports_nemo_table.md",
+           format_support_table(support_study(choices=NEMO_CHOICES)) + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         svg = plot_support_bias(pathlib.Path(tmp) / "supports_bias.svg", data)
         _write("supports_bias.svg", svg.read_bytes())
@@ -928,7 +931,7 @@ GENERATORS = (
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_groups, ("groups_table.md", "groups_by_size.md")),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
-    (_supports, ("supports_table.md", "supports_bias.svg")),
+    (_supports, ("supports_table.md", "supports_nemo_table.md", "supports_bias.svg")),
     (_tinylm_mismatch, ("tinylm_mismatch_table.md", "tinylm_estimators_bias.md",
                         "tinylm_estimators_rmse.md", "tinylm_estimators_bias_all.md",
                         "tinylm_opd_table.md", "tinylm_mismatch.svg")),

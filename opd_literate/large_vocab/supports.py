@@ -55,6 +55,13 @@ $$
   out (:func:`skip_first_tokens`).
 * verl (``clamps`` module): the teacher's top-$k$, forward, the unrenormalised sum (c) with
   clamps.
+* NeMo-RL (NVIDIA-NeMo/RL at ``NEMO_RL_COMMIT``, ``nemo_rl/algorithms/loss/loss_functions.py``,
+  ``DistillationLossFn``): the teacher's top-$k$ (``topk_logits_k``, 64 by default), the
+  teacher renormalised over it; the student renormalised too, (a), or with
+  ``zero_outside_topk`` its full softmax against a teacher of probability $e^{-100}$ off $S$;
+  ``kl_type`` forward, reverse or ``"mixed"`` (the default), $w$ times the forward KL plus
+  $1 - w$ times the reverse ($w$ = ``mixed_kl_weight``, 0.5), a weighted sum and not the JSD
+  (:func:`nemo_rl_topk_kl`, ``NEMO_CHOICES``).
 
 **Bounds, proved.**
 
@@ -181,14 +188,22 @@ __all__ = [
     "TINKER_TOPK",
     "TRL_VERSION",
     "TINKER_COOKBOOK_COMMIT",
+    "NEMO_RL_COMMIT",
+    "NEMO_RL_KL_TYPES",
+    "NEMO_RL_MIXED_KL_WEIGHT",
+    "NEMO_RL_TOPK",
+    "NEMO_RL_LOG_INFINITESIMAL",
     "Support",
     "Choice",
     "CHOICES",
+    "NemoChoice",
+    "NEMO_CHOICES",
     "trl_support_rule",
     "build_support",
     "support_divergence",
     "reinforce_reverse_kl",
     "skip_first_tokens",
+    "nemo_rl_topk_kl",
     "expected_sampled_divergence",
     "forward_kl_upper_bound",
     "support_bias",
@@ -220,6 +235,24 @@ TRL_VERSION = "1.16.0"
 
 TINKER_COOKBOOK_COMMIT = "9dfcc3a2cf44432d621a01005073dc6d76a1e87a"
 """The thinking-machines-lab/tinker-cookbook commit read (2026-08-19)."""
+
+NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+"""The NVIDIA-NeMo/RL commit every NeMo-RL statement of this module is read from."""
+
+NEMO_RL_KL_TYPES = ("forward", "reverse", "mixed")
+"""NeMo-RL's ``loss_fn.kl_type`` values (``DistillationLossFn.__init__`` asserts one of them)."""
+
+NEMO_RL_MIXED_KL_WEIGHT = 0.5
+"""NeMo-RL's default ``mixed_kl_weight``, the forward KL's weight in ``"mixed"`` (the
+``DistillationLossConfig`` dataclass and ``examples/configs/distillation_math.yaml``)."""
+
+NEMO_RL_TOPK = 64
+"""NeMo-RL's default ``distillation.topk_logits_k`` (``DistillationConfig`` and
+``distillation_math.yaml``)."""
+
+NEMO_RL_LOG_INFINITESIMAL = -100.0
+"""NeMo-RL's ``log_infinitesimal``: the teacher's log-probability off its top-$k$ under
+``zero_outside_topk`` (set in ``DistillationLossFn.__init__``, not configurable)."""
 
 # The width K of each rule's support, for a given k
 _WIDTH = {"teacher_topk": lambda k: k, "student_topk": lambda k: k, "union": lambda k: 2 * k,
@@ -799,6 +832,171 @@ def skip_first_tokens(mask, n=TINKER_SKIP_FIRST_N_TOKENS):
     return keep & (keep.long().cumsum(dim=-1) > n)
 
 
+# ---------------------------------------------------------------------------------------------
+# NeMo-RL's top-k loss
+# ---------------------------------------------------------------------------------------------
+def nemo_rl_topk_kl(student_logits, support, *, kl_type="mixed",
+                    mixed_kl_weight=NEMO_RL_MIXED_KL_WEIGHT, zero_outside_topk=False, mask=None):
+    r"""NeMo-RL's distillation loss on the teacher's top-$k$, at every position.
+
+    ``DistillationLossFn`` of ``nemo_rl/algorithms/loss/loss_functions.py`` (NVIDIA-NeMo/RL at
+    ``NEMO_RL_COMMIT``, lines 1109 to 1182), on the log-probabilities that
+    ``get_distillation_topk_logprobs_from_logits`` of ``nemo_rl/distributed/model_utils.py``
+    gives it (lines 1856 to 2020). The teacher is always renormalised over its top-$k$ $S$,
+    $\tilde q = q / Q$ (a ``log_softmax`` of its $k$ reported logits, line 2011). The student
+    is renormalised too, $\tilde p = p / P$ (a ``log_softmax`` of its logits at $S$, line
+    2003), unless ``zero_outside_topk``, where it keeps its full softmax $p$ (line 1973). With
+    $w$ = ``mixed_kl_weight``:
+
+    $$
+    \ell_{\text{forward}} = \mathrm{KL}(\tilde q \,\|\, \tilde p), \quad
+    \ell_{\text{reverse}} = \mathrm{KL}(\tilde p \,\|\, \tilde q), \quad
+    \ell_{\text{mixed}} = w\, \ell_{\text{forward}} + (1 - w)\, \ell_{\text{reverse}},
+    $$
+
+    a weighted sum of the two KLs (no mixture distribution: not the JSD). With
+    ``zero_outside_topk`` the teacher is $\tilde q$ on $S$ and $e^{\lambda}$ off it,
+    $\lambda$ = ``NEMO_RL_LOG_INFINITESIMAL`` $= -100$ ("zero" outside its top-$k$), against
+    the student's $p$:
+
+    $$
+    \ell_{\text{forward}} = \sum_{v \in S} \tilde q_v \log\frac{\tilde q_v}{p_v}, \qquad
+    \ell_{\text{reverse}} = \sum_{v \in S} p_v \log\frac{p_v}{\tilde q_v}
+    + \sum_{v \notin S} p_v\, (\log p_v - \lambda),
+    $$
+
+    and the mixed loss the same weighted sum. NeMo-RL adds the second sum of the reverse KL
+    only when ``kl_type`` is not ``"forward"`` (line 1155), as
+    $H_{\text{rest}} - \lambda P_{\text{rest}}$ with $H_{\text{rest}} = \sum_v p_v \log p_v -
+    \sum_{v \in S} p_v \log p_v$ and $P_{\text{rest}} = 1 - P$ (lines 1156 to 1159), times
+    $1 - w$ for ``"mixed"``; here it is summed from the student's entries off $S$, which is
+    the same sum without the cancellation (exactly 0 where $S$ holds every token). The forward
+    term off $S$ is $0$ (a teacher of probability 0 there), up to $e^{-100}$ per token.
+
+    In terms of the full KLs (exact): with verl's unrenormalised sums
+    $c_q = \sum_{v \in S} q_v \log(q_v / p_v)$ and $c_p = \sum_{v \in S} p_v \log(p_v / q_v)$,
+    the renormalised losses are $c_q / Q - \log Q + \log P$ and $c_p / P - \log P + \log Q$;
+    with ``zero_outside_topk`` the forward is $c_q / Q - \log Q$ and the reverse is
+
+    $$
+    \mathrm{KL}(p \,\|\, q) + P \log Q + \sum_{v \notin S} p_v\, (\log q_v - \lambda),
+    $$
+
+    above the reverse KL by about $(1 - P)(100 + \log q_v)$ wherever the student has mass off
+    $S$ on tokens the teacher gives more than $e^{-100}$.
+
+    At $k = V$ every option is the full divergence: $\mathrm{KL}(q \,\|\, p)$,
+    $\mathrm{KL}(p \,\|\, q)$ or their weighted sum. ``mixed`` with $w = 1$ is ``forward`` and
+    with $w = 0$ ``reverse``, exactly (an infinite term times a weight 0 is not read).
+
+    Parameters
+    ----------
+    student_logits : torch.Tensor
+        ``(..., V)`` floating, carrying the gradient; divided by the sampling temperature
+        first, as NeMo-RL's workers divide each model's logits by its own
+        ``generation.temperature`` (1.0 in ``examples/configs/distillation_math.yaml``)
+        before the top-$k$ and the loss.
+    support : Support
+        The teacher's top-$k$ (``build_support("teacher_topk", ...)``, $k$ =
+        ``distillation.topk_logits_k``, ``NEMO_RL_TOPK`` = 64 shipped), checked as for
+        :func:`support_divergence`. Only $\tilde q$ is read, so ``teacher_logp`` may be the
+        full-softmax log-probabilities or NeMo-RL's ``log_softmax`` of the $k$ reported
+        logits.
+    kl_type : str
+        One of ``NEMO_RL_KL_TYPES``; ``"mixed"`` by default, as ``DistillationLossConfig`` and
+        ``distillation_math.yaml`` (the recipes under ``examples/configs/recipes/llm/`` set
+        ``"reverse"``).
+    mixed_kl_weight : float
+        $w \in [0, 1]$, the weight of the forward KL in ``"mixed"`` (0.5 by default); read by
+        ``"mixed"`` only.
+    zero_outside_topk : bool
+        ``False`` by default (both yaml and dataclass).
+    mask : torch.Tensor, optional
+        0/1 over the leading shape: 0 gives exactly 0 in value and gradient, and the row is not
+        read.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(...)``, in the compute dtype (float32 for half precision, as NeMo-RL casts the
+        student's logits to float32). $+\infty$ with a zero gradient where a KL term is
+        $a_v \log(a_v / 0)$, $a_v > 0$. A term of probability 0 (a student token that cannot
+        be emitted, a teacher slot of log-probability $-\infty$) is NaN in NeMo-RL's form,
+        $0 \cdot (-\infty)$, and its limit 0 here. NeMo-RL reduces
+        the per-position values as $\sum_t m_t \ell_t / (N + 10^{-8})$, $N$ the number of
+        valid tokens of the global batch (``masked_mean`` with ``global_valid_toks``, line
+        1193).
+
+    Examples
+    --------
+    The teacher's top-2 of $V = 3$, $q_S = (0.6, 0.2)$, so $\tilde q = (3/4, 1/4)$; the student
+    $p = (0.4, 0.4, 0.2)$, $\tilde p = (1/2, 1/2)$:
+
+    >>> student = torch.log(torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64))
+    >>> top2 = Support(torch.tensor([0, 1]), torch.tensor([True, True]),
+    ...                torch.log(torch.tensor([0.6, 0.2], dtype=torch.float64)))
+    >>> # forward 3/4 log(3/2) + 1/4 log(1/2) = 0.1308; reverse 1/2 log(2/3) + 1/2 log 2 = 0.1438
+    >>> [round(nemo_rl_topk_kl(student, top2, kl_type=t).item(), 4)
+    ...  for t in ("forward", "reverse", "mixed")]
+    [0.1308, 0.1438, 0.1373]
+
+    With ``zero_outside_topk`` the reverse KL adds $0.2 (\log 0.2 + 100) = 19.68$ for the
+    student's mass off $S$, to $0.4 \log\frac{0.4}{3/4} + 0.4 \log\frac{0.4}{1/4} = -0.0634$:
+
+    >>> round(nemo_rl_topk_kl(student, top2, kl_type="reverse", zero_outside_topk=True).item(), 4)
+    19.6147
+    """
+    keep, ids, valid, teacher_logp = _inputs(student_logits, support, mask)
+    if kl_type not in NEMO_RL_KL_TYPES:
+        raise ValueError(f"kl_type must be one of {NEMO_RL_KL_TYPES}, got {kl_type!r}")
+    w = check_finite_number("mixed_kl_weight", mixed_kl_weight, low=0.0, high=1.0)
+    if not isinstance(zero_outside_topk, bool):
+        raise TypeError(f"zero_outside_topk must be a bool, got "
+                        f"{type(zero_outside_topk).__name__} {zero_outside_topk!r}")
+    dtype = compute_dtype(student_logits, teacher_logp)
+    z = student_logits
+    if keep is not None:
+        z = torch.where(keep.unsqueeze(-1), z, torch.zeros_like(z))
+    log_p = _log_softmax(z, dtype, "student_logits")  # (..., V)
+    s = log_p.gather(-1, ids)  # (..., K), log p_v on S
+    t = teacher_logp.detach().to(dtype)
+    if keep is not None:
+        # a masked-out row: one slot, the teacher equal to the student (a loss of 0)
+        first = torch.zeros_like(valid)
+        first[..., 0] = True
+        valid = torch.where(keep.unsqueeze(-1), valid, first)
+        t = torch.where(keep.unsqueeze(-1), t, s.detach())
+    s = torch.where(valid, s, torch.full_like(s, -math.inf))
+    t = torch.where(valid, t, torch.full_like(t, -math.inf))
+    # log q~ = t - log Q (line 2011); a teacher with no mass on S has no terms (divided by 1)
+    log_Q = _masked_logsumexp(t)
+    log_q = t - torch.where(log_Q > -math.inf, log_Q, torch.zeros_like(log_Q))
+    if zero_outside_topk:
+        log_s = s  # the student's full log-softmax at S (line 1973)
+    else:
+        # log p~ = s - log P (line 2003)
+        log_P = _masked_logsumexp(s)
+        log_s = s - torch.where(log_P > -math.inf, log_P, torch.zeros_like(log_P))
+    forward = _masked_kl(log_q, log_s)  # sum_S q~ (log q~ - log p)
+    reverse = _masked_kl(log_s, log_q)  # sum_S p (log p - log q~)
+    if zero_outside_topk and kl_type != "forward":
+        # the teacher's e^lambda off S: sum_{v not in S} p_v (log p_v - lambda), 0 log 0 = 0
+        count = torch.zeros_like(log_p, dtype=torch.long).scatter_add_(-1, ids, valid.long())
+        off = (count == 0) & (log_p > -math.inf)
+        lp = torch.where(off, log_p, torch.zeros_like(log_p))
+        rest = torch.where(off, lp.exp() * (lp - NEMO_RL_LOG_INFINITESIMAL),
+                           torch.zeros_like(lp))
+        reverse = reverse + rest.sum(dim=-1)
+    if kl_type == "forward" or (kl_type == "mixed" and w == 1.0):
+        loss = forward
+    elif kl_type == "reverse" or w == 0.0:
+        loss = reverse
+    else:
+        # w KL_forward + (1 - w) KL_reverse (lines 1175 to 1180)
+        loss = w * forward + (1.0 - w) * reverse
+    return select(keep, loss)
+
+
 def expected_sampled_divergence(student_logits, teacher_logits, *, beta,
                                 approximation="tail", max_log_mass=TAIL_MAX_LOG_MASS):
     r"""TRL's top-1 loss with a sampled token, averaged exactly over the token $x \sim p$.
@@ -991,6 +1189,49 @@ CHOICES = (
 """The choices the study compares, each a framework's (or, for the bound, none)."""
 
 
+
+@dataclass(frozen=True)
+class NemoChoice:
+    r"""NeMo-RL's loss on the teacher's top-$k$ with its options (:func:`nemo_rl_topk_kl`), a
+    row of :func:`support_study` beside the ``Choice`` rows.
+
+    Its reference is the full-vocabulary form of the same loss: $\mathrm{KL}(q \,\|\, p)$,
+    $\mathrm{KL}(p \,\|\, q)$, or for ``"mixed"`` $w\, \mathrm{KL}(q \,\|\, p) + (1 - w)\,
+    \mathrm{KL}(p \,\|\, q)$ (not the JSD)."""
+
+    label: str
+    """The table's name."""
+    framework: str
+    """The options that select it."""
+    kl_type: str
+    """One of ``NEMO_RL_KL_TYPES``."""
+    mixed_kl_weight: float = NEMO_RL_MIXED_KL_WEIGHT
+    """$w$, the forward KL's weight (read by ``"mixed"`` only)."""
+    zero_outside_topk: bool = False
+    """NeMo-RL's ``zero_outside_topk``."""
+
+    rule = "teacher_topk"  # the support NeMo-RL's teacher reports (not a field)
+    loss = "nemo_rl"  # no clamp, no bound: the study's other columns stay empty (not a field)
+
+
+NEMO_CHOICES = (
+    NemoChoice("NeMo-RL top-k, forward, renormalised (a)", "NeMo-RL kl_type=forward", "forward"),
+    NemoChoice("NeMo-RL top-k, reverse, renormalised (a)",
+               "NeMo-RL kl_type=reverse (its recipes)", "reverse"),
+    NemoChoice("NeMo-RL top-k, mixed 0.5, renormalised (a)",
+               "NeMo-RL defaults (kl_type=mixed, mixed_kl_weight=0.5)", "mixed"),
+    NemoChoice("NeMo-RL top-k, forward, zero outside",
+               "NeMo-RL kl_type=forward, zero_outside_topk", "forward", zero_outside_topk=True),
+    NemoChoice("NeMo-RL top-k, reverse, zero outside",
+               "NeMo-RL kl_type=reverse, zero_outside_topk", "reverse", zero_outside_topk=True),
+    NemoChoice("NeMo-RL top-k, mixed 0.5, zero outside",
+               "NeMo-RL kl_type=mixed, mixed_kl_weight=0.5, zero_outside_topk", "mixed",
+               zero_outside_topk=True),
+)
+"""NeMo-RL's options on the teacher's top-$k$; ``support_study(choices=NEMO_CHOICES)`` computes
+their rows."""
+
+
 def _rows_value_and_grad(fn, logits):
     """Per-row values of ``fn`` and their gradients w.r.t. ``logits`` (rows are independent:
     one backward pass of the sum)."""
@@ -1013,6 +1254,10 @@ def _choice_loss(choice, k, student_logits, teacher_logits):
         return lambda z: forward_kl_upper_bound(z, support.teacher_logp, support.ids)
     if choice.loss == "reinforce":
         return lambda z: reinforce_reverse_kl(z, support)
+    if isinstance(choice, NemoChoice):
+        return lambda z: nemo_rl_topk_kl(z, support, kl_type=choice.kl_type,
+                                         mixed_kl_weight=choice.mixed_kl_weight,
+                                         zero_outside_topk=choice.zero_outside_topk)
     return lambda z: support_divergence(z, support, beta=choice.beta, approximation=choice.loss)
 
 
@@ -1028,11 +1273,14 @@ def support_bias(choice, k, student_logits, teacher_logits):
     $$
 
     The sampled rules are averaged exactly over $x \sim p$ (:func:`expected_sampled_divergence`).
+    NeMo-RL's ``"mixed"`` (a ``NemoChoice``) is measured against the same weighted sum of the
+    full KLs, $w\, \mathrm{KL}(q \,\|\, p) + (1 - w)\, \mathrm{KL}(p \,\|\, q)$, not against
+    the JSD.
 
     Parameters
     ----------
     choice : Choice
-        One of ``CHOICES``, or another.
+        One of ``CHOICES``, or another; or a ``NemoChoice`` (``NEMO_CHOICES``).
     k : int
         The support's $k$ ($1 \le k \le V$).
     student_logits, teacher_logits : torch.Tensor
@@ -1054,7 +1302,7 @@ def support_bias(choice, k, student_logits, teacher_logits):
     >>> abs(bias["rel_bias"].item()) < 1e-6, bias["rel_grad_error"].item() < 1e-5
     (True, True)
     """
-    _check_choice(choice)
+    _check_any_choice(choice)
     check_float_tensor("student_logits", student_logits, 2)
     check_float_tensor("teacher_logits", teacher_logits, 2)
     if teacher_logits.shape != student_logits.shape:
@@ -1063,10 +1311,24 @@ def support_bias(choice, k, student_logits, teacher_logits):
     _check_rule(choice.rule, k, student_logits.shape[-1])
     student = student_logits.detach().to(torch.float64)
     teacher = teacher_logits.detach().to(torch.float64)
-    return _bias(choice, k, student, teacher, _truth(student, teacher, choice.beta))
+    return _bias(choice, k, student, teacher, _truth(student, teacher, *_reference(choice)))
 
 
 _CHOICE_LOSSES = ("tail", "renormalize", "reinforce", "verl", "upper_bound")
+
+
+def _check_any_choice(choice):
+    """:func:`_check_choice`, or for a ``NemoChoice`` the checks of :func:`nemo_rl_topk_kl`."""
+    if not isinstance(choice, NemoChoice):
+        _check_choice(choice)
+        return
+    if choice.kl_type not in NEMO_RL_KL_TYPES:
+        raise ValueError(f"choice.kl_type must be one of {NEMO_RL_KL_TYPES}, got "
+                         f"{choice.kl_type!r}")
+    check_finite_number("choice.mixed_kl_weight", choice.mixed_kl_weight, low=0.0, high=1.0)
+    if not isinstance(choice.zero_outside_topk, bool):
+        raise TypeError(f"choice.zero_outside_topk must be a bool, got "
+                        f"{type(choice.zero_outside_topk).__name__} {choice.zero_outside_topk!r}")
 
 
 def _check_choice(choice):
@@ -1092,10 +1354,29 @@ def _check_choice(choice):
                          f"and beta {choice.beta!r}")
 
 
-def _truth(student, teacher, beta):
-    """The full divergence at each position and its gradient, checked nonzero and finite."""
-    true, true_grad = _rows_value_and_grad(
-        lambda z: generalized_jsd_per_position(z[None], teacher[None], beta=beta)[0], student)
+def _reference(choice):
+    r"""``(beta, mixture)``: the full divergence ``choice`` is measured against, $D_\beta$, or
+    for NeMo-RL's ``"mixed"`` (``mixture`` True) the weighted sum of the two KLs, $\beta$ the
+    reverse KL's weight $1 - w$."""
+    if not isinstance(choice, NemoChoice):
+        return choice.beta, False
+    if choice.kl_type != "mixed":
+        return (0.0 if choice.kl_type == "forward" else 1.0), False
+    return 1.0 - float(choice.mixed_kl_weight), True
+
+
+def _truth(student, teacher, beta, mixture=False):
+    r"""The full divergence at each position and its gradient, checked nonzero and finite:
+    $D_\beta$, or with ``mixture`` $(1 - \beta)\, \mathrm{KL}(q \| p) + \beta\,
+    \mathrm{KL}(p \| q)$."""
+    def full(z, b):
+        return generalized_jsd_per_position(z[None], teacher[None], beta=b)[0]
+
+    if mixture:
+        true, true_grad = _rows_value_and_grad(
+            lambda z: (1.0 - beta) * full(z, 0.0) + beta * full(z, 1.0), student)
+    else:
+        true, true_grad = _rows_value_and_grad(lambda z: full(z, beta), student)
     norm = true_grad.norm(dim=-1)
     if not bool(((true > 0) & (true < math.inf) & (norm > 0)).all()):
         raise ValueError("the full divergence and its gradient must be nonzero and finite at "
@@ -1158,7 +1439,7 @@ def support_study(V=4096, exponent=1.1, temperature=1.0, noise=1.0, positions=16
         raise ValueError(f"ks must not repeat a value (one row per choice and k), got {ks!r}")
     choices = tuple(choices)
     for choice in choices:
-        _check_choice(choice)
+        _check_any_choice(choice)
     labels = [choice.label for choice in choices]
     if len(set(labels)) != len(labels):
         raise ValueError(f"choices must have distinct labels (the table's rows), got {labels!r}")
@@ -1168,12 +1449,12 @@ def support_study(V=4096, exponent=1.1, temperature=1.0, noise=1.0, positions=16
     clamped = {r["k"]: r for r in clamp_study(
         V, exponent, temperatures=(temperature,), noises=(noise,), ks=tuple(ks),
         positions=positions, seed=seed)}
-    truths = {beta: _truth(student, teacher, beta) for beta in {c.beta for c in choices}}
+    truths = {ref: _truth(student, teacher, *ref) for ref in {_reference(c) for c in choices}}
     rows = []
     for choice in choices:
         top1 = choice.rule not in ("teacher_topk", "student_topk", "union")
         for k in ([1] if top1 else ks):
-            bias = _bias(choice, k, student, teacher, truths[choice.beta])
+            bias = _bias(choice, k, student, teacher, truths[_reference(choice)])
             grad = bias["rel_grad_error"]
             rows.append({
                 "label": choice.label, "framework": choice.framework, "k": k,
