@@ -35,6 +35,12 @@ the package's own modules), so that a reader knows what a lifted module drags al
     their union, TRL's top-1 paths and Tinker's REINFORCE reverse KL, built chunk by chunk,
     with their exact bias and bounds (imports: torch; its figure through ``_figures``).
 
+* ``opd_literate.teachers``: the teachers chapter.
+
+  * ``opd_literate.teachers.cross_tokenizer``: distillation across tokenizers on an enumerable
+    toy: the exact string-level reverse KL and its gradient, TRL's ULD and GOLD losses and
+    NeMo-RL's projection, each with its exact bias (imports: numpy).
+
 * ``opd_literate.experiment``: the experiment chapter.
 
   * ``opd_literate.experiment.tinylm``: a tiny LM for two-digit addition (imports: torch).

@@ -653,6 +653,20 @@ def _groups():
     _write("groups_by_size.md", "\n".join(sizes) + "\n")
 
 
+def _cross_tokenizer():
+    """The teachers chapter: each cross-tokenizer loss's exact bias on the four toys."""
+    from opd_literate.teachers.cross_tokenizer import bias_table
+
+    lines = ["| toy | loss | E[loss] | string KL | pathwise: rel. error | pathwise: cosine | "
+             "total: rel. error | total: cosine |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in bias_table():
+        lines.append(f"| `{r['kind']}` | {r['method']} | {r['value']:.4f} | "
+                     f"{r['exact_value']:.4f} | {r['rel_norm']:.3f} | {r['cosine']:.3f} | "
+                     f"{r['total_rel_norm']:.3f} | {r['total_cosine']:.3f} |")
+    _write("cross_tokenizer_table.md", "\n".join(lines) + "\n")
+
+
 CLAMP_STUDY = DOCS / "data" / "experiment" / "clamp_study.json"
 
 
@@ -930,6 +944,7 @@ GENERATORS = (
     (_engine_kept_mass, ("engine_kept_mass_table.md",)),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_groups, ("groups_table.md", "groups_by_size.md")),
+    (_cross_tokenizer, ("cross_tokenizer_table.md",)),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
     (_supports, ("supports_table.md", "supports_nemo_table.md", "supports_bias.svg")),
     (_tinylm_mismatch, ("tinylm_mismatch_table.md", "tinylm_estimators_bias.md",

@@ -33,6 +33,7 @@ THIRD_PARTY = {
     "mismatch.engine": {"numpy"},
     "mismatch.task_rewards": {"numpy"},
     "mismatch.groups": {"numpy"},
+    "teachers.cross_tokenizer": {"numpy"},
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
     "large_vocab.clamps": {"torch"},
@@ -61,7 +62,8 @@ THIRD_PARTY = {
     "course.handouts": set(),
     "course.lift": set(),
 }
-NUMPY_ONLY = ("mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch", "mismatch.groups")
+NUMPY_ONLY = ("mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch", "mismatch.groups",
+              "teachers.cross_tokenizer")
 
 
 def _path(module: str) -> pathlib.Path:
