@@ -667,6 +667,44 @@ def _cross_tokenizer():
     _write("cross_tokenizer_table.md", "\n".join(lines) + "\n")
 
 
+# The "which switch" table (mismatch chapter): the toys' mismatches, tinylm's samplers, and the
+# batch sizes whose best estimator it gives.
+SWITCH_MISMATCHES = (0.1, 0.3, 0.6, 1.0, 1.5)
+SWITCH_SAMPLERS = ("bf16", "fp16", "int8", "int4")
+SWITCH_BATCHES = (16, 64, 1024)
+
+
+def which_switch_rows():
+    """``[(label, per-token KL, [(n, name, rel_rmse)])]``: the estimator of least error at each
+    of ``SWITCH_BATCHES``, on the independent toy at each of ``SWITCH_MISMATCHES`` (every
+    estimator of the catalogue, exact) and on tinylm's first weak student with each sampler of
+    ``SWITCH_SAMPLERS`` (the estimators of the committed record, its head-bias moments)."""
+    from opd_literate.experiment.quantized import toy_token_mismatch
+    from opd_literate.mismatch.estimators import comparison_table, least_error
+    from opd_literate.mismatch.toy import make_toy
+
+    out = []
+    for eps in SWITCH_MISMATCHES:
+        toy = make_toy(mismatch=eps)
+        out.append((f"independent toy, ε = {eps:g}", toy_token_mismatch(toy)["kl"],
+                    least_error(comparison_table(toy, N=64), SWITCH_BATCHES, N=64)))
+    record = json.loads(TINYLM_MISMATCH.read_text())
+    for sampler in SWITCH_SAMPLERS:
+        rows = record["estimators"][sampler]["tinylm"]
+        out.append((f"tinylm, `{sampler}`", record["mismatch"][sampler][0]["kl"],
+                    least_error(rows, SWITCH_BATCHES, N=record["batch_size"])))
+    return out
+
+
+def _which_switch():
+    lines = ["| mismatch | per-token KL | " + " | ".join(f"N = {n:,}" for n in SWITCH_BATCHES)
+             + " |", "| --- | ---: | " + " | ".join("---" for _ in SWITCH_BATCHES) + " |"]
+    for label, kl, best in which_switch_rows():
+        lines.append(f"| {label} | {kl:.2e} | " + " | ".join(
+            f"`{name}` ({error:.3f})" for _, name, error in best) + " |")
+    _write("which_switch_table.md", "\n".join(lines) + "\n")
+
+
 CLAMP_STUDY = DOCS / "data" / "experiment" / "clamp_study.json"
 
 
@@ -945,6 +983,7 @@ GENERATORS = (
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_groups, ("groups_table.md", "groups_by_size.md")),
     (_cross_tokenizer, ("cross_tokenizer_table.md",)),
+    (_which_switch, ("which_switch_table.md",)),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
     (_supports, ("supports_table.md", "supports_nemo_table.md", "supports_bias.svg")),
     (_tinylm_mismatch, ("tinylm_mismatch_table.md", "tinylm_estimators_bias.md",

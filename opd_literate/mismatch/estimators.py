@@ -86,6 +86,7 @@ from .._numerics import (
     VERL_COMMIT,
     check_band,
     check_finite_number,
+    check_sequence,
     exp_ratio,
 )
 from .toy import (
@@ -141,6 +142,7 @@ __all__ = [
     "mismatch_sweep",
     "length_sweep",
     "format_table",
+    "least_error",
 ]
 
 
@@ -2062,3 +2064,66 @@ def format_table(rows, N=64):
             f"{'yes' if r['unbiased'] else 'no'} |"
         )
     return "\n".join(lines)
+
+
+def _check_batch_size(name, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer batch size >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a batch size >= 1, got {value}")
+    return int(value)
+
+
+def least_error(rows, batches, N=64):
+    r"""For each batch size $n$ of ``batches``, the row of least relative RMSE, from rows that
+    give it at one batch size ``N``.
+
+    A row of [opd_literate.mismatch.estimators.comparison_table][] holds the relative bias $b$
+    and the relative RMSE $r_N$ at $N$; the relative variance of one answer is
+    $v = N (r_N^2 - b^2)$, so at any $n$ the error is exactly
+    $r_n = \sqrt{b^2 + v / n}$, and only the rows' numbers are needed (as for a committed
+    record of tinylm's moments).
+
+    Parameters
+    ----------
+    rows : sequence of dict
+        Each with ``name``, ``rel_bias`` and ``rel_rmse`` (at ``N``), finite, $r_N \ge b \ge 0$
+        up to rounding.
+    batches : sequence of int
+        Batch sizes $n \ge 1$.
+    N : int
+        The batch size of the rows' ``rel_rmse``.
+
+    Returns
+    -------
+    list of tuple
+        ``(n, name, rel_rmse)`` for each $n$, the first row of the least error on a tie.
+
+    Examples
+    --------
+    An unbiased row of relative variance 64 against one of bias 0.5 and variance 0: the biased
+    one wins while the variance term $64 / n$ is above $0.25$; at $n = 256$ they tie and the
+    first row is taken:
+
+    >>> rows = [dict(name="unbiased", rel_bias=0.0, rel_rmse=1.0),
+    ...         dict(name="biased", rel_bias=0.5, rel_rmse=0.5)]
+    >>> [(n, name, round(r, 4)) for n, name, r in least_error(rows, [64, 256, 1024])]
+    [(64, 'biased', 0.5), (256, 'unbiased', 0.5), (1024, 'unbiased', 0.25)]
+    """
+    N = _check_batch_size("N", N)
+    batches = [_check_batch_size("batches", n) for n in check_sequence("batches", batches)]
+    rows = list(check_sequence("rows", rows))
+    if not rows:
+        raise ValueError("rows must hold at least one row")
+    bias, variance = [], []
+    for row in rows:
+        b = check_finite_number(f"rel_bias of {row.get('name')!r}", row["rel_bias"], low=0.0)
+        r = check_finite_number(f"rel_rmse of {row.get('name')!r}", row["rel_rmse"], low=0.0)
+        bias.append(b)
+        variance.append(max(N * (r * r - b * b), 0.0))  # rounding may leave r a hair below b
+    out = []
+    for n in batches:
+        errors = [float(np.sqrt(b * b + v / n)) for b, v in zip(bias, variance)]
+        best = int(np.argmin(errors))
+        out.append((n, rows[best]["name"], errors[best]))
+    return out

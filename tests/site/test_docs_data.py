@@ -1265,3 +1265,28 @@ def test_the_mismatch_training_rerun_here_keeps_the_chapters_robust_claims(train
     # the sampler's log-probs in OPD's reward: -0.274 and -0.227 on the records, each more than
     # 3 standard errors (0.04) below -0.1
     assert table["opd_sampled"]["int4 none, sampler reward"]["difference"]["mean"] < -0.1
+
+
+def test_the_which_switch_sentences_hold_for_its_table():
+    """docs/mismatch.md, "Which switch to flip": its two sentences against the rows the
+    generated table is made of (docs/hooks/generate.py, which_switch_rows)."""
+    import generate  # a docs hook (tests/site/conftest.py)
+
+    page = " ".join((ROOT / "docs" / "mismatch.md").read_text().split())
+    assert "With 16 answers no estimator's error is below 0.99 on any row" in page
+    rows = generate.which_switch_rows()
+    at = {label: dict((n, (name, error)) for n, name, error in best)
+          for label, _, best in rows}
+    assert all(at[label][16][1] >= 0.99 for label in at)
+    assert ("With 1,024 answers and a per-token KL below $10^{-3}$ (`bf16`, `fp16`, `int8`) a "
+            "plain ratio wins (`seq_is` or `token_is`, relative error 0.224); at the toys' "
+            "mismatches of 1 and more, the sequence ratio truncated at 3 "
+            "(`trl_sequence_truncate`).") in page
+    for label, kl, _ in rows:
+        if label.startswith("tinylm"):
+            assert (kl < 1e-3) == any(s in label for s in ("bf16", "fp16", "int8"))
+            if kl < 1e-3:
+                name, error = at[label][1024]
+                assert name in ("seq_is", "token_is") and abs(error - 0.224) <= 5e-4, label
+        elif float(label.rsplit("= ", 1)[1]) >= 1:
+            assert at[label][1024][0] == "trl_sequence_truncate", label

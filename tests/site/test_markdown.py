@@ -81,7 +81,7 @@ def test_every_annotated_source_page_is_linked_from_a_chapter():
     pages = {page for entry in annotated for page in entry.values()}
     linked = set()
     for page in ("opd.md", "experiment.md", "mismatch.md", "mismatch_practice.md",
-                 "large_vocab.md"):
+                 "large_vocab.md", "teachers.md"):
         text = (DOCS / page).read_text()
         for line in re.findall(r"^The code of this section, annotated.*$", text, re.M):
             linked |= set(re.findall(r"\]\((source/[\w.]+\.md)\)", line))

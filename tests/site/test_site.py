@@ -310,7 +310,7 @@ _BROKEN_IMAGES = """() => Array.from(document.images)
   .filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src)"""
 
 # Pages that must show rendered math, and those that must show a display sum with limits.
-MATH_PAGES = {"opd", "mismatch", "mismatch_practice", "api/opd", "api/toy", "api/estimators"}
+MATH_PAGES = {"opd", "mismatch", "mismatch_practice", "teachers", "api/opd", "api/toy", "api/estimators"}
 SUM_PAGES = {"opd", "mismatch", "api/opd"}
 # The chapters, screenshot whole.
 CHAPTERS = {"", "opd", "mismatch", "experiment", "instructors"}
