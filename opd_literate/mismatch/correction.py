@@ -1956,9 +1956,11 @@ def geo_mean_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
     tokens of response $b$ and $\bar A_b$ the mean of its advantages,
 
     $$
-    L = \frac1B \sum_b -\bar A_b \exp\Big(\frac{1}{n_b} \sum_t m_t\Big), \qquad
-    \frac{\partial L}{\partial \log \pi_\theta(y_t)} = -\frac{\bar A_b}{B\, n_b}
+    \begin{aligned}
+    L &= \frac1B \sum_b -\bar A_b \exp\Big(\frac{1}{n_b} \sum_t m_t\Big), \\
+    \frac{\partial L}{\partial \log \pi_\theta(y_t)} &= -\frac{\bar A_b}{B\, n_b}
     \exp\Big(\frac{1}{n_b} \sum_k m_k\Big)\, \mathbb{1}[t \text{ not clipped}] :
+    \end{aligned}
     $$
 
     $B n_b$ times the gradient is the weight of [opd_literate.mismatch.estimators.gmpo][] times
@@ -2050,8 +2052,12 @@ def vespo_loss(trainer_logp, sampler_logp, advantages, mask, *, k_pos=2.0, lambd
                k_neg=3.0, lambda_neg=2.0, reduction="token-mean"):
     r"""VESPO (TRL): a detached gamma weight of the sequence ratio times the log-likelihood.
 
-    With $\log w = \mathrm{clamp}(\sum_t \mathrm{clamp}(\log \rho_t, -20, 20),
-    \log 10^{-8}, 20)$ and $(k, \lambda)$ by the sign of $A$ ($A \ge 0$: $k_+, \lambda_+$),
+    With $(k, \lambda)$ by the sign of $A$ ($A \ge 0$: $k_+, \lambda_+$) and
+
+    $$
+    \log w = \mathrm{clamp}\Big(\sum_t \mathrm{clamp}(\log \rho_t, -20, 20),\,
+    \log 10^{-8},\, 20\Big),
+    $$
 
     $$
     \varphi = \exp\big(\lambda + k \log w - \lambda w\big), \qquad

@@ -145,8 +145,13 @@ can correct the reported log-probs by a kept mass (``kept_mass=`` of :func:`engi
 
 **What each ratio is unbiased for.** Write $W$ for the sequences the engine can write. For a
 weight $w$, a baseline $\beta$ and the full-vocabulary score $s^\tau$,
-$\mathbb{E}_\mu[w\,(R - \beta)\, s^\tau] = \sum_{y \in W} \mu(y)\, w(y)\, (R(y) - \beta)\,
-s^\tau(y)$, and with $\beta = 0$:
+
+$$
+\mathbb{E}_\mu[w\,(R - \beta)\, s^\tau] = \sum_{y \in W} \mu(y)\, w(y)\, (R(y) - \beta)\,
+s^\tau(y),
+$$
+
+and with $\beta = 0$:
 
 * the exact ratio $w = \pi_\tau / \mu$ (processed, or tempered with ``kept_mass="sampler"``):
   $\sum_{y \in W} \pi_\tau R\, s^\tau = \nabla_\theta J^W_\tau$, the gradient of
@@ -154,9 +159,9 @@ s^\tau(y)$, and with $\beta = 0$:
   sequence the engine cannot write set to 0, $W$ held fixed (``true_grad - truncated_grad``).
   It is $\nabla_\theta J_\tau$ exactly when $\sum_{y \notin W} \pi_\tau R\, s^\tau = 0$, which
   the support condition ($R(y) = 0$ on every $y \notin W$) ensures;
-* $w = \pi_S / \mu$ (processed with ``kept_mass="trainer"``): $\sum_{y \in W} \pi_S R\, s^\tau
-  = \nabla_\theta \mathbb{E}_{\pi_S}[R] + \mathbb{E}_{\pi_S}[R \sum_t \nabla_\theta \log
-  \pi_\tau(S_t)]$, because $s^\tau = \nabla \log \pi_S + \sum_t \nabla \log \pi_\tau(S_t)$ on
+* $w = \pi_S / \mu$ (processed with ``kept_mass="trainer"``): the sum is
+  $\nabla_\theta \mathbb{E}_{\pi_S}[R]$ plus $\mathbb{E}_{\pi_S}[R \sum_t \nabla_\theta
+  \log \pi_\tau(S_t)]$, because $s^\tau = \nabla \log \pi_S + \sum_t \nabla \log \pi_\tau(S_t)$ on
   $W$; the row gradient of a kept mass is $\nabla \log \pi_\tau(S_t) = (\pi_{S,t} -
   \pi_{\tau,t}) / \tau$, not 0 where a token is cut. So it is unbiased for the truncated
   policy's gradient (``masked_grad``) only where that reward-weighted term vanishes, and for

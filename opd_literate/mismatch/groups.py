@@ -29,10 +29,12 @@ $\bar R_S = \frac1n \sum_{j \in S} R_j$ and the sample standard deviation $\sigm
 $n - 1$, as ``torch.std``), for a kept answer $i \in S$:
 
 $$
-A^{\mathrm{grpo}}_i = R_i - \bar R_S, \qquad
-A^{\mathrm{grpo\_std}}_i = \frac{R_i - \bar R_S}{\sigma_S + \varepsilon}, \qquad
-A^{\mathrm{rloo}}_i = R_i - \frac{1}{n - 1} \sum_{j \in S,\, j \ne i} R_j
+\begin{aligned}
+A^{\mathrm{grpo}}_i &= R_i - \bar R_S, \qquad
+A^{\mathrm{grpo\_std}}_i = \frac{R_i - \bar R_S}{\sigma_S + \varepsilon}, \\
+A^{\mathrm{rloo}}_i &= R_i - \frac{1}{n - 1} \sum_{j \in S,\, j \ne i} R_j
 = \frac{n R_i - \sum_{j \in S} R_j}{n - 1} .
+\end{aligned}
 $$
 
 A set of one answer gets the mean 0 and the standard deviation 1, as verl 0.9.1's
@@ -90,8 +92,10 @@ $$
 (the single-answer estimator with the kept answers' mean reward as its baseline), this gives
 
 $$
-\mathbb{E}[\hat g_{\mathrm{rloo\_kept}}] = C_K + (1 - p)^{G - 1}\, \bar r_K\, h_K, \qquad
-\mathbb{E}[\hat g_{\mathrm{rloo\_all}}] = C_K + (\bar r_K - \bar r)\, h_K .
+\begin{aligned}
+\mathbb{E}[\hat g_{\mathrm{rloo\_kept}}] &= C_K + (1 - p)^{G - 1}\, \bar r_K\, h_K, \\
+\mathbb{E}[\hat g_{\mathrm{rloo\_all}}] &= C_K + (\bar r_K - \bar r)\, h_K .
+\end{aligned}
 $$
 
 So each kept answer's term of the kept-only RLOO is unbiased for $C_K$ given that another
@@ -114,10 +118,12 @@ Binomial$(n, p)$, $\mathbb{E}[\frac{1}{1 + X}] = \frac{1 - (1 - p)^{n + 1}}{(n +
 \frac{1}{n + 1}$), so
 
 $$
+\begin{aligned}
 \mathbb{E}[\hat g_{\mathrm{grpo\_kept}}]
-= (1 - p)^{G - 1} g_K + \sum_{j=1}^{G-1} \binom{G - 1}{j} p^j (1 - p)^{G - 1 - j}
-\frac{j}{j + 1}\, C_K
-= (1 - p)^{G - 1} g_K + \Big(1 - \frac{1 - (1 - p)^G}{G p}\Big) C_K ,
+&= (1 - p)^{G - 1} g_K + \sum_{j=1}^{G-1} \binom{G - 1}{j} p^j (1 - p)^{G - 1 - j}
+\frac{j}{j + 1}\, C_K \\
+&= (1 - p)^{G - 1} g_K + \Big(1 - \frac{1 - (1 - p)^G}{G p}\Big) C_K ,
+\end{aligned}
 $$
 
 which approaches $C_K$ only as $1/G$: $G\, (\mathbb{E}[\hat g_{\mathrm{grpo\_kept}}] - C_K)
@@ -136,8 +142,14 @@ $\mathbb{E}_\mu[k w s \mid R = 1] - \mathbb{E}_\mu[k w s \mid R = 0]$: on such r
 standard deviation rescales the mean of ``grpo_all`` but does not turn it.
 
 **None of them is unbiased for $\nabla J$ under rejection.** $C_K$ is not $\nabla J$: with
-$w = \rho$ it is $P_\pi(k = 1) \nabla_\theta \mathbb{E}_\pi[R \mid k = 1] + (\mathbb{E}_\pi[R
-\mid k = 1] - \bar r_K) h_K$ ($k$ held fixed), the gradient for the kept answers' distribution.
+$w = \rho$ it is
+
+$$
+C_K = P_\pi(k = 1)\, \nabla_\theta \mathbb{E}_\pi[R \mid k = 1]
+      + (\mathbb{E}_\pi[R \mid k = 1] - \bar r_K)\, h_K
+$$
+
+($k$ held fixed), the gradient for the kept answers' distribution.
 Which baseline is closer to $\nabla J$ depends on the toy: on one position with
 $\pi = (0.5, 0.5)$, $\mu = (0.8, 0.2)$ and the band $\rho \le 2$, the rejected token is the one
 with reward 0, every kept answer has reward 1, and the kept-only baselines cancel almost all of

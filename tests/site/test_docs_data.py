@@ -684,8 +684,14 @@ def _tinylm_mismatch_claims(record):
     assert max(record["toy_b"][toy]["kurtosis"] for toy in ("toy", "ar_toy")) <= 3
     assert m["int4"][0]["abs_quantiles"]["0.999"] > 2 > m["int4"][0]["abs_quantiles"]["0.99"]
 
+    # The chapter's tables hold the estimators of the committed record (it predates the
+    # catalogue's newest ones); a recomputed record, with every estimator of REGISTRY, is read
+    # on those.
+    shown = {r["name"] for r in json.loads(TINYLM_MISMATCH.read_text())["estimators"]["bf16"][
+        "tinylm"]}
+
     def by_name(sampler, kind="tinylm"):
-        return {r["name"]: r for r in est[sampler][kind]}
+        return {r["name"]: r for r in est[sampler][kind] if r["name"] in shown}  # committed-exact: names, strings
 
     for sampler in order:
         assert by_name(sampler)["seq_is"]["rel_bias"] < 1e-12

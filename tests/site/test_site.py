@@ -263,8 +263,9 @@ _MATH_BOXES = """() => {
   const style = getComputedStyle(article);
   const column = article.clientWidth - parseFloat(style.paddingLeft)
                  - parseFloat(style.paddingRight);
+  // a table cell's copy of its heading is hidden until the table is stacked (tables.py)
   return Array.from(article.querySelectorAll('mjx-container'))
-    .filter(m => !m.closest('details:not([open])'))
+    .filter(m => !m.closest('details:not([open])') && !m.closest('.opd-cell-label'))
     .map(m => {
       const r = m.getBoundingClientRect();
       const tex = (m.querySelector('mjx-assistive-mml') || m).textContent.slice(0, 60);
