@@ -718,8 +718,15 @@ def _tinylm_mismatch_claims(record):
         rows["token_is"]["rel_bias"]
     biased = [r["rel_bias"] for r in rows.values() if r["rel_bias"] > 1e-12]
     assert rows["seq_tis"]["rel_bias"] == min(biased)
-    assert est["int8"]["ar_toy_spearman_rel_bias"] > 0.985
-    assert est["int8"]["toy_spearman_rel_bias"] > 0.985
+    # the rank correlation of the chapter's table: over its estimators (a recomputed record's
+    # own value is over every estimator of REGISTRY)
+    from opd_literate.experiment.quantized import rank_correlation
+
+    tiny = by_name("int8")
+    for kind in ("ar_toy", "toy"):
+        toy_rows = by_name("int8", kind)
+        assert rank_correlation([tiny[k]["rel_bias"] for k in sorted(tiny)],
+                                [toy_rows[k]["rel_bias"] for k in sorted(tiny)]) > 0.985
     assert by_name("int8")["gspo"]["rel_bias"] > 1
     assert by_name("int8", "toy")["gspo"]["rel_bias"] < 1
     assert by_name("int8", "ar_toy")["gspo"]["rel_bias"] < 1
