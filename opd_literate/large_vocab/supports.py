@@ -664,10 +664,11 @@ def _inputs(student_logits, support, mask):
     return keep, ids, valid, teacher_logp
 
 
-def _gathered(student_logits, ids, valid, teacher_logp, keep, tails=False):
-    """``(s, t, valid)`` at the slots, with the rows masked out made harmless: zero logits, the
-    teacher equal to the student on the first slot only (a divergence of 0, finite gradients).
-    With ``tails``, also ``rest`` of :func:`_sparse_divergence` from the full log-softmax."""
+def _slots(student_logits, ids, valid, teacher_logp, keep):
+    """``(log_p, s, t, valid)``: the student's full log-softmax, and the student's and the
+    teacher's log-probabilities at the slots with the rows masked out made harmless: zero
+    logits, the teacher equal to the student on the first slot only (a divergence of 0, finite
+    gradients)."""
     dtype = compute_dtype(student_logits, teacher_logp)
     z = student_logits
     if keep is not None:
@@ -680,12 +681,24 @@ def _gathered(student_logits, ids, valid, teacher_logp, keep, tails=False):
         first[..., 0] = True
         valid = torch.where(keep.unsqueeze(-1), valid, first)
         t = torch.where(keep.unsqueeze(-1), t, s.detach())
+    return log_p, s, t, valid
+
+
+def _in_support(log_p, ids, valid):
+    """``(..., V)`` bool: the tokens held by a valid slot. A count, as a duplicate slot of the
+    union is invalid (a scatter of ``valid`` could let its False overwrite the valid slot's
+    True)."""
+    count = torch.zeros_like(log_p, dtype=torch.long).scatter_add_(-1, ids, valid.long())
+    return count > 0
+
+
+def _gathered(student_logits, ids, valid, teacher_logp, keep, tails=False):
+    """``(s, t, valid)`` of :func:`_slots`; with ``tails``, also ``rest`` of
+    :func:`_sparse_divergence` from the full log-softmax."""
+    log_p, s, t, valid = _slots(student_logits, ids, valid, teacher_logp, keep)
     if not tails:
         return s, t, valid
-    # the tokens in S: a count, as a duplicate slot of the union is invalid (a scatter of
-    # ``valid`` could let its False overwrite the valid slot's True)
-    count = torch.zeros_like(log_p, dtype=torch.long).scatter_add_(-1, ids, valid.long())
-    in_S = count > 0
+    in_S = _in_support(log_p, ids, valid)
     student_tail = _masked_logsumexp(torch.where(in_S, torch.full_like(log_p, -math.inf), log_p))
     return s, t, valid, (student_tail, in_S.all(dim=-1, keepdim=True))
 
@@ -953,19 +966,8 @@ def nemo_rl_topk_kl(student_logits, support, *, kl_type="mixed",
     if not isinstance(zero_outside_topk, bool):
         raise TypeError(f"zero_outside_topk must be a bool, got "
                         f"{type(zero_outside_topk).__name__} {zero_outside_topk!r}")
-    dtype = compute_dtype(student_logits, teacher_logp)
-    z = student_logits
-    if keep is not None:
-        z = torch.where(keep.unsqueeze(-1), z, torch.zeros_like(z))
-    log_p = _log_softmax(z, dtype, "student_logits")  # (..., V)
-    s = log_p.gather(-1, ids)  # (..., K), log p_v on S
-    t = teacher_logp.detach().to(dtype)
-    if keep is not None:
-        # a masked-out row: one slot, the teacher equal to the student (a loss of 0)
-        first = torch.zeros_like(valid)
-        first[..., 0] = True
-        valid = torch.where(keep.unsqueeze(-1), valid, first)
-        t = torch.where(keep.unsqueeze(-1), t, s.detach())
+    # log p_v on S; a masked-out row has one slot, the teacher equal to the student (a loss of 0)
+    log_p, s, t, valid = _slots(student_logits, ids, valid, teacher_logp, keep)
     s = torch.where(valid, s, torch.full_like(s, -math.inf))
     t = torch.where(valid, t, torch.full_like(t, -math.inf))
     # log q~ = t - log Q (line 2011); a teacher with no mass on S has no terms (divided by 1)
@@ -981,8 +983,7 @@ def nemo_rl_topk_kl(student_logits, support, *, kl_type="mixed",
     reverse = _masked_kl(log_s, log_q)  # sum_S p (log p - log q~)
     if zero_outside_topk and kl_type != "forward":
         # the teacher's e^lambda off S: sum_{v not in S} p_v (log p_v - lambda), 0 log 0 = 0
-        count = torch.zeros_like(log_p, dtype=torch.long).scatter_add_(-1, ids, valid.long())
-        off = (count == 0) & (log_p > -math.inf)
+        off = ~_in_support(log_p, ids, valid) & (log_p > -math.inf)
         lp = torch.where(off, log_p, torch.zeros_like(log_p))
         rest = torch.where(off, lp.exp() * (lp - NEMO_RL_LOG_INFINITESIMAL),
                            torch.zeros_like(lp))
