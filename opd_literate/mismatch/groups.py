@@ -347,6 +347,15 @@ def _check_weights(toy, weights):
     return w
 
 
+def _check_group_inputs(toy, weights, G, baseline):
+    """The checks every group function starts with: ``(weights, G)`` as checked."""
+    check_toy(toy, keys=("p_sampler", "R", "score", "true_grad"))
+    w = _check_weights(toy, weights)
+    G = _check_group_size(G)
+    _check_baseline(baseline)
+    return w, G
+
+
 def _check_group_size(G):
     if isinstance(G, bool) or not isinstance(G, (int, np.integer)):
         raise TypeError(f"G must be an integer, got {G!r}")
@@ -520,10 +529,7 @@ def group_estimates(toy, weights, G, baseline, eps=VERL_EPSILON, method="multise
     >>> prob.round(12).tolist(), est[1].round(6).tolist()
     ([0.64, 0.32, 0.04], [[0.78125, -0.78125]])
     """
-    check_toy(toy, keys=("p_sampler", "R", "score", "true_grad"))
-    w = _check_weights(toy, weights)
-    G = _check_group_size(G)
-    _check_baseline(baseline)
+    w, G = _check_group_inputs(toy, weights, G, baseline)
     eps = check_finite_number("eps", eps, positive=True)
     _check_method(method)
     return _group_estimates(toy, w, G, baseline, eps, method)
@@ -574,10 +580,7 @@ def group_moments(toy, weights, G, baseline, eps=VERL_EPSILON, method="multisets
     >>> group_moments(one, rho, 4, "grpo_all")["mean"].round(12).tolist()
     [[0.1875, -0.1875]]
     """
-    check_toy(toy, keys=("p_sampler", "R", "score", "true_grad"))
-    w = _check_weights(toy, weights)
-    G = _check_group_size(G)
-    _check_baseline(baseline)
+    w, G = _check_group_inputs(toy, weights, G, baseline)
     eps = check_finite_number("eps", eps, positive=True)
     _check_method(method)
     probability, estimates = _group_estimates(toy, w, G, baseline, eps, method)
@@ -616,10 +619,7 @@ def closed_form_mean(toy, weights, G, baseline):
     >>> group_moments(one, w, 3, "rloo_kept")["mean"].round(12).tolist()
     [[0.01, -0.01]]
     """
-    check_toy(toy, keys=("p_sampler", "R", "score", "true_grad"))
-    w = _check_weights(toy, weights)
-    G = _check_group_size(G)
-    _check_baseline(baseline)
+    w, G = _check_group_inputs(toy, weights, G, baseline)
     if baseline.startswith("grpo_std"):
         raise ValueError(f"{baseline} has no closed form (the standard deviation of the group "
                          "is nonlinear in its rewards); use group_moments")
