@@ -46,6 +46,7 @@ import torch
 from opd_literate.mismatch import correction as C
 from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
+from tests.helpers.batches import as_batch, random_batch
 
 TRL_VERSION = "1.16.0"
 INF = math.inf
@@ -55,23 +56,6 @@ TOYS = {
     "ar_toy": make_ar_toy(T=3, V=4, mismatch=0.8, seed=1),  # ragged responses with padding
 }
 BASELINE = 0.5
-
-
-def as_batch(toy):
-    return (torch.from_numpy(np.array(toy["logp_train"])),
-            torch.from_numpy(np.array(toy["logp_sampler"])),
-            torch.from_numpy(response_mask(toy)))
-
-
-def _random_batch(seed, B=64, T=7, scale=0.15):
-    g = torch.Generator().manual_seed(seed)
-    trainer = torch.log(torch.rand(B, T, generator=g, dtype=torch.float64) * 0.97 + 0.02)
-    sampler = (trainer - scale * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(
-        max=-1e-3)
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
-    advantages = torch.randn(B, generator=g, dtype=torch.float64)
-    return trainer, sampler, mask, advantages
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +187,7 @@ def test_trl_takes_the_exponential_unclamped_and_the_bounds_bite(trl_grpo, trl_b
 
 
 def _opsm_batch(seed):
-    trainer, sampler, mask, advantages = _random_batch(seed, scale=0.6)
+    trainer, sampler, mask, advantages = random_batch(seed, scale=0.6)
     return trainer, sampler, mask, advantages
 
 
@@ -300,7 +284,7 @@ def test_trls_kl_term_is_not_weighted_by_the_vllm_ratio(trl_grpo, trl_blocks,
     k3 = e^{ref - log pi} - (ref - log pi) - 1 and c = 1 with use_bias_correction_kl (the
     derivative of the ratio pi / pi_old, whose value is 1 at one update), 0 without: the vLLM
     weight w_t never touches the KL term."""
-    trainer, sampler, mask, advantages = _random_batch(3, scale=0.5)
+    trainer, sampler, mask, advantages = random_batch(3, scale=0.5)
     ref = trainer - 0.3 * torch.randn(trainer.shape, generator=torch.Generator().manual_seed(9),
                                       dtype=torch.float64)
     beta = 0.25
@@ -337,7 +321,7 @@ def _seq_mask_tis_rule(trainer, sampler, mask, low, high, count_eps):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_seq_mask_tis_is_openrlhfs_and_nemo_rls_rule(framework, count_eps, low, high, scale,
                                                      seed):
-    trainer, sampler, mask, _ = _random_batch(seed, scale=scale)
+    trainer, sampler, mask, _ = random_batch(seed, scale=scale)
     theirs = _seq_mask_tis_rule(trainer, sampler, mask, low, high, count_eps)
     ours, metrics = C.seq_mask_tis_weights(trainer, sampler, mask, low=low, high=high)
     kept = theirs.sum(-1) > 0
@@ -363,7 +347,7 @@ def _binary_kl_rule(trainer, sampler, eps):
 def test_kpop_is_prime_rls_rule(seed, threshold):
     """prime-rl b9ba0608ddf1: masked where kl(p, q) > phi or kl(q, p) > phi (eps 1e-6); the
     policy term -keep A exp(log pi - log mu) has the gradient -keep A rho_t."""
-    trainer, sampler, mask, advantages = _random_batch(seed, scale=0.4)
+    trainer, sampler, mask, advantages = random_batch(seed, scale=0.4)
     forward, reverse = _binary_kl_rule(trainer, sampler, 1e-6)
     masked = (forward > threshold) | (reverse > threshold)
     keep = mask.bool() & ~masked
@@ -381,7 +365,7 @@ def test_kpop_is_prime_rls_rule(seed, threshold):
 def test_kpop_with_eps_1e_8_is_areals_rule(upper):
     """AReaL cbff54d645d2: kept where max(kl(p, q), kl(q, p)) <= upper, probabilities clamped
     to [1e-8, 1 - 1e-8]; its example config sets upper = 2.0."""
-    trainer, sampler, mask, _ = _random_batch(5, scale=2.0)
+    trainer, sampler, mask, _ = random_batch(5, scale=2.0)
     forward, reverse = _binary_kl_rule(trainer, sampler, 1e-8)
     keep = mask.bool() & (torch.maximum(forward, reverse) <= upper)
     ours, _ = C.kpop_mask(trainer, sampler, mask, upper, eps=1e-8)

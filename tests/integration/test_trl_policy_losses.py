@@ -23,6 +23,7 @@ import torch
 from opd_literate.mismatch import correction as C
 from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
+from tests.helpers.batches import random_batch
 
 TRL_VERSION = "1.16.0"
 TOYS = {
@@ -101,16 +102,6 @@ def _ours(loss_fn, trainer, sampler, mask, advantages, **options):
     return loss.item(), leaf.grad
 
 
-def _batch(seed, B=16, T=7, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    trainer = torch.log(torch.rand(B, T, generator=g, dtype=torch.float64) * 0.97 + 0.02)
-    sampler = (trainer - scale * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(
-        max=-1e-3)
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
-    return trainer, sampler, mask, torch.randn(B, generator=g, dtype=torch.float64)
-
-
 CASES = {
     "sapo": ("token", dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
              C.sapo_loss, dict(tau_pos=1.0, tau_neg=TAU_NEG_FLOAT32)),
@@ -133,7 +124,7 @@ CASES = {
 def test_trls_loss_is_ours(trl_grpo, case, seed):
     level, args, loss_fn, options = CASES[case]
     loss_type = case.split("_")[0]
-    trainer, sampler, mask, A = _batch(seed)
+    trainer, sampler, mask, A = random_batch(seed, B=16, scale=0.3)
     theirs = _trl(trl_grpo, _stub(trl_grpo, loss_type, level, **args), trainer, sampler, mask, A)
     ours = _ours(loss_fn, trainer, sampler, mask, A, **options)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
@@ -182,7 +173,7 @@ def test_trls_pipeline_folds_the_vllm_ratio_into_vespos_weight(trl_grpo, toy_nam
 def test_trls_temperature_is_float32(trl_grpo):
     """With float64 inputs TRL's SAPO gate uses tau_neg = float32(1.05): its loss differs from
     the float64 gate at 1.05 by about 1e-8 relative, and equals the gate at float32(1.05)."""
-    trainer, sampler, mask, A = _batch(0)
+    trainer, sampler, mask, A = random_batch(0, B=16, scale=0.3)
     level, args, _, _ = CASES["sapo"]
     theirs = _trl(trl_grpo, _stub(trl_grpo, "sapo", level, **args), trainer, sampler, mask, A)
     exact = _ours(C.sapo_loss, trainer, sampler, mask, A, tau_neg=1.05)

@@ -21,6 +21,7 @@ from opd_literate.mismatch import correction as C
 from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch.toy import estimator_moments, make_ar_toy, make_toy, response_mask
 from opd_literate.opd import REDUCTIONS, kl_estimator
+from tests.helpers.batches import as_batch
 
 FIXTURE = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" /
                       "verl_rollout_correction.json").read_text())
@@ -30,13 +31,6 @@ TOYS = {
     "ar_toy": make_ar_toy(T=3, V=4, mismatch=0.8, seed=1),  # ragged responses with padding
 }
 BASELINE = 0.5  # R - 0.5 = +-0.5: nonzero, and a power of two (dividing by it is exact)
-
-
-def as_batch(toy):
-    """The toy as a float64 (M, T) batch of all its responses."""
-    return (torch.from_numpy(np.array(toy["logp_train"])),
-            torch.from_numpy(np.array(toy["logp_sampler"])),
-            torch.from_numpy(response_mask(toy)))
 
 
 def advantages(toy):

@@ -27,6 +27,7 @@ from opd_literate.mismatch.toy import (
     response_mask,
     toy_from_logits,
 )
+from tests.helpers.batches import as_batch
 from tests.helpers.committed import assert_matches_committed
 
 INF = math.inf
@@ -434,13 +435,6 @@ def test_the_chapters_sentence_on_kpop():
 # ---------------------------------------------------------------------------------------------
 # The torch forms on the toys' enumerated batches
 # ---------------------------------------------------------------------------------------------
-def as_batch(toy):
-    """The toy as a float64 (M, T) batch of all its responses."""
-    return (torch.from_numpy(np.array(toy["logp_train"])),
-            torch.from_numpy(np.array(toy["logp_sampler"])),
-            torch.from_numpy(response_mask(toy)))
-
-
 def torch_weights(name, toy, p):
     batch = as_batch(toy)
     if name.startswith("trl_"):

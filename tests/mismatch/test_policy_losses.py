@@ -24,6 +24,7 @@ from opd_literate.mismatch.toy import (
     response_mask,
     toy_from_logits,
 )
+from tests.helpers.batches import as_batch
 
 DEFAULTS = {
     "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
@@ -191,12 +192,6 @@ def test_the_penalised_and_population_ones_refuse_what_they_cannot_do():
 # ---------------------------------------------------------------------------------------------
 # The torch losses on the toys' enumerated batches
 # ---------------------------------------------------------------------------------------------
-def as_batch(toy):
-    return (torch.from_numpy(np.array(toy["logp_train"])),
-            torch.from_numpy(np.array(toy["logp_sampler"])),
-            torch.from_numpy(response_mask(toy)))
-
-
 def _gradient(loss_fn, toy, baseline=BASELINE, **options):
     trainer, sampler, mask = as_batch(toy)
     leaf = trainer.clone().requires_grad_()

@@ -12,12 +12,12 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
 from opd_literate.mismatch import correction as C
 from opd_literate.mismatch import estimators as E
 from opd_literate.mismatch import groups as G
 from opd_literate.mismatch.toy import make_ar_toy, make_toy, response_mask
+from tests.helpers.batches import as_batch
 
 PAGE = pathlib.Path(__file__).parents[2] / "docs" / "integration.md"
 # The catalogue's estimators that no framework ships as an option: the unbiased sequence ratio
@@ -47,12 +47,6 @@ def test_every_torch_form_named_exists():
         assert callable(getattr({"correction": C, "groups": G}[module], name)), name
 
 
-def _batch(toy):
-    return (torch.from_numpy(np.array(toy["logp_train"])),
-            torch.from_numpy(np.array(toy["logp_sampler"])),
-            torch.from_numpy(response_mask(toy)))
-
-
 def _weights(toy, torch_weights):
     """The torch weights on the enumerated batch, against the numpy estimator's (M, T)."""
     return torch_weights.numpy() * response_mask(toy)
@@ -62,7 +56,7 @@ def _weights(toy, torch_weights):
 @pytest.mark.parametrize("mismatch", [0.3, 1.0])
 def test_the_rows_with_their_own_arguments_hold_on_the_toys(make, mismatch):
     toy = make(mismatch=mismatch)
-    batch = _batch(toy)
+    batch = as_batch(toy)
     real = response_mask(toy)
     # OpenRLHF `tis`: the token ratio clamped to its band [0.5, 5]
     openrlhf_tis, _ = C.importance_weights(*batch, "token", rollout_is_threshold=5.0,
