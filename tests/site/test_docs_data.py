@@ -736,7 +736,7 @@ def _tinylm_mismatch_claims(record):
     for sampler in order:
         assert by_name(sampler)["seq_is"]["rel_bias_all"] < 1e-10
     for sampler in ("bf16", "int8", "int4"):
-        rows = [r for r in est[sampler]["tinylm"] if r["name"] in shown]
+        rows = [r for r in est[sampler]["tinylm"] if r["name"] in shown]  # committed-exact: names, strings
         assert rank_correlation([r["rel_bias_all"] for r in rows],
                                 [r["rel_bias"] for r in rows]) > 0.9
     for r in est["fp16"]["tinylm"]:
