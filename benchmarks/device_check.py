@@ -328,6 +328,36 @@ CASES = [
                           ("dppo_tv_loss", ({}, {"clip_ratio": 0.05, "clip_ratio_c": 1.5})),
                           ("dppo_kl_loss", ({}, {"clip_ratio": 0.01, "clip_ratio_c": 1.5})),
                           ("dro_loss", ({"dro_beta": 0.1}, {"dro_beta": 2.0})))],
+    Case("correction.trl_importance_weights", _trainer_sampler,
+         lambda fn, x: {(mode, lo, hi): fn(*_trainer(x), mode,
+                                           vllm_importance_sampling_clip_min=lo,
+                                           vllm_importance_sampling_clip_max=hi)
+                        for mode in ("token_truncate", "token_mask", "sequence_truncate",
+                                     "sequence_mask")
+                        for lo, hi in ((None, 3.0), (0.5, 1.5))}),
+    Case("correction.off_policy_sequence_mask", _with_advantages,
+         lambda fn, x: {t: fn(x["trainer_logp"], x["sampler_logp"], x["advantages"], x["mask"],
+                              t) for t in (0.01, 0.1)}),
+    # seq-mask-tis' default band (0.999, 1.002) masks nearly every response here: a wide one too
+    Case("correction.seq_mask_tis_weights", _trainer_sampler,
+         lambda fn, x: {b: fn(*_trainer(x), low=b[0], high=b[1])
+                        for b in ((0.999, 1.002), (0.5, 2.0))}),
+    Case("correction.kpop_mask", _trainer_sampler,
+         lambda fn, x: {t: fn(*_trainer(x), t) for t in (0.01, 0.1)}),
+    *[Case(f"correction.{name}", _with_advantages,
+           lambda fn, x, options=options: {
+               str(o): fn(x["trainer_logp"], x["sampler_logp"], x["advantages"], x["mask"], **o)
+               for o in options},
+           ("trainer_logp",))
+      for name, options in (
+          ("sapo_loss", ({}, {"tau_pos": 0.5, "reduction": "token-mean"})),
+          ("geo_mean_loss", ({}, {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3})),
+          ("luspo_loss", ({}, {"epsilon": 0.5, "epsilon_high": 1.0})),
+          ("vespo_loss", ({}, {"reduction": "seq-mean-token-mean"})),
+          # lb and ub that make tokens eligible on these inputs, and verl's (few or none)
+          ("clip_cov_loss", ({}, {"clip_cov_ratio": 0.3, "clip_cov_lb": -1.0,
+                                  "clip_cov_ub": 1.0})),
+          ("kl_cov_loss", ({}, {"kl_cov_ratio": 0.3, "ppo_kl_coef": 1.0})))],
     Case("correction.reinforce_loss",
          lambda s, g: {**_with_advantages(s, g),
                        "weights": torch.rand(s["B"], s["T"], generator=g, dtype=torch.float64)},
