@@ -40,6 +40,9 @@ the package's own modules), so that a reader knows what a lifted module drags al
   * ``opd_literate.teachers.cross_tokenizer``: distillation across tokenizers on an enumerable
     toy: the exact string-level reverse KL and its gradient, TRL's ULD and GOLD losses and
     NeMo-RL's projection, each with its exact bias (imports: numpy).
+  * ``opd_literate.teachers.many_teachers``: several teachers on enumerable prompts: routing
+    by source, a mixture of teachers, a weighted sum of KLs, their exact gradients and the
+    bias of misrouting (imports: numpy).
 
 * ``opd_literate.experiment``: the experiment chapter.
 

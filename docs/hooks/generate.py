@@ -667,6 +667,40 @@ def _cross_tokenizer():
     _write("cross_tokenizer_table.md", "\n".join(lines) + "\n")
 
 
+# The teachers chapter's several teachers: the toys' draws (make_prompts' defaults: 3 prompts,
+# 3 teachers, T = 3, V = 3, seed 0) and the misrouting rates of the second table.
+MANY_TEACHERS_EPSILONS = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
+MANY_TEACHERS_KINDS = ("routed", "weighted_kl", "token_mixture", "sequence_mixture")
+
+
+def _many_teachers():
+    """The teachers chapter: each estimator's exact bias against each objective, on the
+    independent and the autoregressive prompts, and the routed estimate under misrouting."""
+    from opd_literate.teachers.many_teachers import bias_table, make_prompts, misrouting_curve
+
+    toys = (("independent", False), ("autoregressive", True))
+    lines = ["| toy | γ | estimator | " + " | ".join(f"vs `{k}`" for k in MANY_TEACHERS_KINDS)
+             + " |", "| --- | ---: | --- |" + " ---: |" * len(MANY_TEACHERS_KINDS)]
+    for label, autoregressive in toys:
+        rows = bias_table(make_prompts(autoregressive=autoregressive))
+        cell = {(r["gamma"], r["estimator"], r["objective"]): r["rel_bias"] for r in rows}
+        for gamma in (0.0, 1.0):
+            for estimator in MANY_TEACHERS_KINDS:
+                lines.append(f"| {label} | {gamma:g} | `{estimator}` | " + " | ".join(
+                    f"{cell[gamma, estimator, k]:.3f}" for k in MANY_TEACHERS_KINDS) + " |")
+    _write("many_teachers_bias_table.md", "\n".join(lines) + "\n")
+    columns = ("bias vs (a)", "added by misrouting", "KL at the fixed point")
+    lines = ["| ε | " + " | ".join(f"{label}: {c}" for label, _ in toys for c in columns) + " |",
+             "| ---: |" + " ---: |" * 6]
+    curves = [misrouting_curve(make_prompts(autoregressive=ar), MANY_TEACHERS_EPSILONS)
+              for _, ar in toys]
+    for i, epsilon in enumerate(MANY_TEACHERS_EPSILONS):
+        cells = [f"{c[i][key]:.3f}" for c in curves
+                 for key in ("rel_bias", "rel_misrouting", "fixed_point_kl")]
+        lines.append(f"| {epsilon:g} | " + " | ".join(cells) + " |")
+    _write("many_teachers_misrouting_table.md", "\n".join(lines) + "\n")
+
+
 # The "which switch" table (mismatch chapter): the toys' mismatches, tinylm's samplers, and the
 # batch sizes whose best estimator it gives.
 SWITCH_MISMATCHES = (0.1, 0.3, 0.6, 1.0, 1.5)
@@ -983,6 +1017,7 @@ GENERATORS = (
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_groups, ("groups_table.md", "groups_by_size.md")),
     (_cross_tokenizer, ("cross_tokenizer_table.md",)),
+    (_many_teachers, ("many_teachers_bias_table.md", "many_teachers_misrouting_table.md")),
     (_which_switch, ("which_switch_table.md",)),
     (_tinylm_clamps, ("tinylm_clamps_table.md",)),
     (_supports, ("supports_table.md", "supports_nemo_table.md", "supports_bias.svg")),

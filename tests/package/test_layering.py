@@ -34,6 +34,7 @@ THIRD_PARTY = {
     "mismatch.task_rewards": {"numpy"},
     "mismatch.groups": {"numpy"},
     "teachers.cross_tokenizer": {"numpy"},
+    "teachers.many_teachers": {"numpy"},
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
     "large_vocab.clamps": {"torch"},
@@ -63,7 +64,7 @@ THIRD_PARTY = {
     "course.lift": set(),
 }
 NUMPY_ONLY = ("mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch", "mismatch.groups",
-              "teachers.cross_tokenizer")
+              "teachers.cross_tokenizer", "teachers.many_teachers")
 
 
 def _path(module: str) -> pathlib.Path:
