@@ -251,6 +251,79 @@ def _experiment_figure(data: dict):
     return fig
 
 
+# The retokenization explorer (teachers chapter): each cross-tokenizer method's bias against how
+# often the teacher splits the student's response differently, over random draws of both models.
+RETOKENIZATION_KINDS = ("identical", "teacher_merges", "student_merges", "non_refining")
+RETOKENIZATION_GRADIENTS = ("pathwise", "total")
+RETOKENIZATION_SEEDS = tuple(range(40))
+RETOKENIZATION_SCALE = 1.5
+RETOKENIZATION_POSITIONS = tuple((kind, gradient) for kind in RETOKENIZATION_KINDS
+                                 for gradient in RETOKENIZATION_GRADIENTS)
+RETOKENIZATION_START = RETOKENIZATION_POSITIONS.index(("non_refining", "pathwise"))
+
+
+def retokenization_label(position) -> str:
+    kind, gradient = position
+    return f"{kind}, {gradient}"
+
+
+def retokenization_explorer_data() -> dict:
+    """``{(kind, gradient): {"share": [...], "rel_error": {label: [...]}}}`` over
+    ``RETOKENIZATION_SEEDS`` (``retokenization_sweep``, T = 3): the relative error of the
+    pathwise gradient (``rel_norm``) or of the gradient of the expected loss
+    (``total_rel_norm``) of each method of ``TABLE_METHODS``, exact."""
+    from opd_literate.teachers.cross_tokenizer import TABLE_METHODS, retokenization_sweep
+
+    data = {}
+    for kind in RETOKENIZATION_KINDS:
+        rows = retokenization_sweep(kind, RETOKENIZATION_SEEDS, scale=RETOKENIZATION_SCALE)
+        for gradient in RETOKENIZATION_GRADIENTS:
+            key = "rel_norm" if gradient == "pathwise" else "total_rel_norm"
+            data[kind, gradient] = {
+                "share": [r["share"] for r in rows],
+                "rel_error": {label: [r["bias"][label][key] for r in rows]
+                              for label, _, _ in TABLE_METHODS}}
+    return data
+
+
+def _retokenization_figure(data: dict):
+    """One set of points per method; the slider picks the pair of tokenizers and the gradient,
+    and restyles the points' ``x`` and ``y`` (the legend, and what the reader hid in it, stay)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    start = data[RETOKENIZATION_POSITIONS[RETOKENIZATION_START]]
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
+    methods = list(start["rel_error"])
+    for m, method in enumerate(methods):
+        fig.add_trace(go.Scatter(
+            x=start["share"], y=start["rel_error"][method], mode="markers", name=method,
+            visible=True, marker={"color": palette[m % len(palette)], "size": 7, "opacity": 0.8},
+            hovertemplate=f"{method}<br>share %{{x:.3f}}: %{{y:.3f}}<extra></extra>"))
+    steps = []
+    for position in RETOKENIZATION_POSITIONS:
+        record = data[position]
+        steps.append({"method": "restyle", "label": retokenization_label(position),
+                      "args": [{"x": [record["share"]] * len(methods),
+                                "y": [record["rel_error"][m] for m in methods]}]})
+    fig.update_layout(
+        title={"text": "Each cross-tokenizer loss's exact gradient error against how often the "
+                       "teacher tokenizes the student's response differently, over 40 random "
+                       "pairs of models", "font": {"size": 15}},
+        sliders=[{"active": RETOKENIZATION_START, "steps": steps,
+                  "currentvalue": {"prefix": "tokenizers, gradient: "}, "pad": {"t": 55}}],
+        xaxis_title="share of responses retokenized", yaxis_title="relative error of the gradient",
+        height=520, margin={"l": 10, "r": 20, "t": 60, "b": 20},
+        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom"},
+        paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
+    )
+    fig.update_xaxes(range=[-0.02, 1.0], gridcolor="rgba(0,0,0,0.12)")
+    # each position on its own scale: a few draws reach 7 where most lie below 1.5
+    fig.update_yaxes(autorange=True, rangemode="tozero", gridcolor="rgba(0,0,0,0.12)")
+    return fig
+
+
 # Below this width of its box (a phone's column is 358 px) a figure takes its narrow layout.
 NARROW_PX = 560
 
@@ -334,6 +407,8 @@ def fragments() -> dict[str, str]:
                                          "explore-experiment"),
         "explore_best.html": _html(_best_estimator_figure(best_data), "explore-best",
                                    after=best_legend(best_colours(best_data))),
+        "explore_retokenization.html": _html(
+            _retokenization_figure(retokenization_explorer_data()), "explore-retokenization"),
     }
 
 

@@ -530,12 +530,12 @@ def test_every_explorable_fits_its_figure_and_its_panels_stack_on_a_phone(full_s
                                                                           browser, width):
     page = browser.new_page(viewport={"width": width, "height": 900})
     seen = []
-    for path in ("mismatch", "experiment"):
+    for path in ("mismatch", "experiment", "teachers"):
         page.goto(f"{full_server}/{path}/", wait_until="load")
         page.wait_for_timeout(300)
         seen += page.evaluate(_EXPLORABLE_FIT)
     page.close()
-    assert len(seen) == 4, seen
+    assert len(seen) == 5, seen
     assert all(f["inside"] and not f["overlap"] for f in seen), seen
     # the two-panel bar charts: side by side at a laptop's width, stacked on a phone
     bars = [f["stacked"] for f in seen if f["stacked"] is not None]
@@ -651,11 +651,25 @@ def _experiment_numbers(position):
     return curves
 
 
+def _retokenization_numbers(position):
+    """Each method's relative gradient error over the draws, at (kind, gradient)."""
+    from opd_literate.teachers.cross_tokenizer import TABLE_METHODS, bias, make_cross_toy
+
+    kind, gradient = position
+    key = "rel_norm" if gradient == "pathwise" else "total_rel_norm"
+    toys = [make_cross_toy(kind, T=3, seed=seed, scale=explorables.RETOKENIZATION_SCALE)
+            for seed in explorables.RETOKENIZATION_SEEDS]
+    return [[bias(toy, method, **options)[key] for toy in toys]
+            for _, method, options in TABLE_METHODS]
+
+
 # (page, figure, its positions, the label of each, the library's numbers at a position)
 EXPLORABLES = [
     ("mismatch", "explore-mismatch", "MISMATCHES", lambda m: f"{m:g}", _mismatch_numbers),
     ("mismatch", "explore-threshold", "THRESHOLDS", lambda c: f"{c:g}", _threshold_numbers),
     ("experiment", "explore-experiment", None, None, _experiment_numbers),
+    ("teachers", "explore-retokenization", "RETOKENIZATION_POSITIONS",
+     explorables.retokenization_label, _retokenization_numbers),
 ]
 
 

@@ -351,3 +351,4 @@ def test_the_chapters_sentences_on_the_cross_tokenizer_losses():
     for kind in ("teacher_merges", "student_merges", "non_refining"):
         best = max((r for (k, _), r in rows.items() if k == kind), key=lambda r: r["cosine"])
         assert best["method"].startswith("projection"), kind
+
