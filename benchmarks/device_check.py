@@ -5,9 +5,10 @@ r"""The torch losses on an accelerator: values and gradients against float64, th
     python benchmarks/device_check.py --device cpu --quick # tiny sizes, seconds (the tests)
 
 **(a) The check.** Every public torch function of the loss modules ``opd_literate.opd``,
-``opd_literate.mismatch.correction``, ``opd_literate.large_vocab.chunked`` and
-``opd_literate.large_vocab.topk`` (their ``__all__``; ``CASES`` below holds one case per function,
-several options of it at once) runs on the device in float32, bfloat16 and float16. The inputs are
+``opd_literate.mismatch.correction``, ``opd_literate.large_vocab.chunked``,
+``opd_literate.large_vocab.topk`` and ``opd_literate.teachers.teacher_targets`` (their
+``__all__``; ``CASES`` below holds one case per function, several options of it at once)
+runs on the device in float32, bfloat16 and float16. The inputs are
 drawn in float64 on the CPU and rounded to the dtype; the reference is the same function on the CPU
 in float64 *on the rounded inputs*, so what is measured is the computation's own rounding on the
 device, not the rounding of the inputs. Compared: every output (tensors, and the floats of a metrics
@@ -105,7 +106,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 MODULES = {"opd": "opd", "correction": "mismatch.correction", "large_vocab": "large_vocab.chunked",
-           "topk": "large_vocab.topk"}
+           "topk": "large_vocab.topk", "teachers": "teachers.teacher_targets"}
 """The loss modules of ``opd_literate`` whose public torch functions are checked: the short name
 that labels a row, and the module's path below the package."""
 
@@ -368,6 +369,17 @@ CASES = [
     Case("correction.kl_penalty", _trainer_sampler,
          lambda fn, x: {k: fn(*_trainer(x), k) for k in ("k1", "k2", "k3", "k1+", "k3+")},
          ("trainer_logp",)),
+    # teachers
+    Case("teachers.teacher_target_logprobs",
+         lambda s, g: {"teacher_logp": torch.stack([_logp(s, g) for _ in range(3)]),
+                       # exact in every dtype: the reference sees the rounded weights in float64
+                       "weights": torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64),
+                       "routes": torch.arange(s["B"]) % 3, "mask": _mask(s, g)},
+         lambda fn, x: {kind: fn(x["teacher_logp"], x["mask"], kind,
+                                 None if kind == "routed" else x["weights"],
+                                 x["routes"] if kind == "routed" else None)
+                        for kind in ("routed", "weighted_kl", "token_mixture",
+                                     "sequence_mixture")}),
     # large_vocab
     Case("large_vocab.chunked_divergence", _with_chunk(_hidden_inputs),
          lambda fn, x: {(d, b, n): _chunked(d, beta=b, normalize=n)(fn, x)

@@ -43,6 +43,8 @@ the package's own modules), so that a reader knows what a lifted module drags al
   * ``opd_literate.teachers.many_teachers``: several teachers on enumerable prompts: routing
     by source, a mixture of teachers, a weighted sum of KLs, their exact gradients and the
     bias of misrouting (imports: numpy).
+  * ``opd_literate.teachers.teacher_targets``: the same objectives' per-token teacher targets on
+    a trainer's ``(B, T)`` batch (imports: torch).
 
 * ``opd_literate.experiment``: the experiment chapter.
 

@@ -33,7 +33,7 @@ PACKAGE = DOCS.parent / "opd_literate"
 MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
            "mismatch.correction", "mismatch.engine", "mismatch.task_rewards", "mismatch.groups",
            "large_vocab.chunked", "large_vocab.topk", "large_vocab.clamps", "large_vocab.supports",
-           "teachers.cross_tokenizer", "teachers.many_teachers",
+           "teachers.cross_tokenizer", "teachers.many_teachers", "teachers.teacher_targets",
            "experiment.tinylm", "experiment.train", "experiment.quantized",
            "experiment.mismatch_training")
 """The chapter modules, in the order of the chapters."""

@@ -35,6 +35,7 @@ THIRD_PARTY = {
     "mismatch.groups": {"numpy"},
     "teachers.cross_tokenizer": {"numpy"},
     "teachers.many_teachers": {"numpy"},
+    "teachers.teacher_targets": {"torch"},
     "large_vocab.chunked": {"torch"},
     "large_vocab.topk": {"torch"},  # its figure through _figures
     "large_vocab.clamps": {"torch"},
