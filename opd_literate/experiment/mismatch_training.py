@@ -55,37 +55,95 @@ import math
 
 import torch
 
-from .._numerics import check_finite_number, check_float_tensor, check_same_shape
-from ..mismatch.correction import PRESETS, reinforce_loss, rollout_correction
+from .._numerics import (
+    check_finite_number,
+    check_float_tensor,
+    check_same_shape,
+    compute_dtype,
+)
+from ..mismatch.correction import (
+    PRESETS,
+    kpop_mask,
+    reinforce_loss,
+    rollout_correction,
+    trl_importance_weights,
+)
 from ..opd import full_vocab_reverse_kl, reverse_kl_rewards
 from . import tinylm as lm
 from .config import DEFAULT, QUICK, ExperimentConfig
 from .ensemble import BatchedAdam
 from .quantized import SAMPLERS, ensemble_sampler
 
-__all__ = ["STUDY_METHODS", "CORRECTIONS", "Condition", "MismatchTrainingConfig",
-           "MISMATCH_DEFAULT", "MISMATCH_QUICK", "conditions", "engine_sample", "corrected_loss",
-           "train_under_mismatch", "run_mismatch_training", "mismatch_summary", "format_summary"]
+__all__ = ["STUDY_METHODS", "CORRECTIONS", "PEER_CORRECTIONS", "Condition",
+           "MismatchTrainingConfig", "MISMATCH_DEFAULT", "MISMATCH_QUICK", "conditions",
+           "engine_sample", "correction_weights", "corrected_loss", "train_under_mismatch",
+           "run_mismatch_training", "mismatch_summary", "format_summary"]
 
 STUDY_METHODS = ("rl", "opd_sampled")
 """The two methods trained under the mismatch: the experiment's RL and sampled-token OPD."""
 
+PEER_CORRECTIONS = ("trl_sequence_mask", "trl_sequence_truncate", "kpop")
+r"""The corrections of other frameworks trained, at their defaults: TRL's
+``vllm_importance_sampling_mode`` ``"sequence_mask"`` (its default) and ``"sequence_truncate"``
+([opd_literate.mismatch.correction.trl_importance_weights][], $C_{\max} = 3$), and KPop's
+rejection ([opd_literate.mismatch.correction.kpop_mask][], threshold 0.1). On the exact tinylm
+study they are the catalogue's least biased sequence weights after ``seq_is``
+(``trl_sequence_truncate``), TRL's default, and the new rejection of least error at ``int4``."""
+
 CORRECTIONS = ("decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop",
-               "decoupled_seq_is_rs", "decoupled_geo_rs")
-"""The corrections trained, by their verl preset names
-([opd_literate.mismatch.correction.PRESETS][], at verl's default thresholds): token TIS, sequence
-TIS, token masking (IcePop), sequence TIS with sequence masking, geometric rejection."""
+               "decoupled_seq_is_rs", "decoupled_geo_rs", *PEER_CORRECTIONS)
+"""The corrections trained: verl's presets by name
+([opd_literate.mismatch.correction.PRESETS][], at verl's default thresholds), token TIS, sequence
+TIS, token masking (IcePop), sequence TIS with sequence masking, geometric rejection; then
+``PEER_CORRECTIONS``."""
 
 
 def _check_correction(correction):
-    """``"none"``, or a preset of weights and rejection (not a bypass loss, not ``disabled``,
-    which is ``"none"``)."""
-    if correction == "none":
+    """``"none"``, a preset of weights and rejection (not a bypass loss, not ``disabled``,
+    which is ``"none"``), or one of ``PEER_CORRECTIONS``."""
+    if correction == "none" or correction in PEER_CORRECTIONS:
         return
     if (not isinstance(correction, str) or correction not in PRESETS
             or "bypass_mode" in PRESETS[correction] or correction == "disabled"):
-        raise ValueError(f"correction must be 'none' or a decoupled preset of PRESETS (weights "
-                         f"and rejection, no bypass loss), got {correction!r}")
+        raise ValueError(f"correction must be 'none', a decoupled preset of PRESETS (weights "
+                         f"and rejection, no bypass loss) or one of "
+                         f"{', '.join(PEER_CORRECTIONS)}, got {correction!r}")
+
+
+def correction_weights(trainer_logp, sampler_logp, mask, correction):
+    r"""The ``(weights, keep)`` of ``correction`` on ``(B, T)`` log-probabilities.
+
+    A verl preset: [opd_literate.mismatch.correction.rollout_correction][] at its arguments
+    (``"none"``: weight 1, every token kept). TRL's two sequence modes: its weights, every
+    token of the mask kept (TRL multiplies the per-token loss by them and normalises by the
+    completion mask, so a masked response still counts in the token mean). KPop: weight 1 on the
+    tokens it keeps, which alone enter the token mean (a rejection, as verl's).
+
+    Examples
+    --------
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.9]]))
+    >>> sampler = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.9]]))
+    >>> mask = torch.ones(2, 2)
+    >>> w, keep = correction_weights(trainer, sampler, mask, "trl_sequence_mask")
+    >>> w.tolist(), keep.tolist()  # ratios 2 and 9: the second response is above 3
+    ([[2.0, 2.0], [0.0, 0.0]], [[True, True], [True, True]])
+    >>> w, keep = correction_weights(trainer, sampler, mask, "kpop")
+    >>> w.tolist(), keep.tolist()  # 0.9 against 0.1 fails KPop's binary KLs; 0.5 vs 0.25 too
+    ([[1.0, 1.0], [1.0, 1.0]], [[True, False], [False, True]])
+    """
+    _check_correction(correction)
+    if correction in ("trl_sequence_mask", "trl_sequence_truncate"):
+        weights, _ = trl_importance_weights(trainer_logp, sampler_logp, mask,
+                                            correction.removeprefix("trl_"))
+        return weights, mask.bool()
+    if correction == "kpop":
+        keep, _ = kpop_mask(trainer_logp, sampler_logp, mask)
+        # the weights in the compute dtype, as the other corrections' (float32 for half inputs)
+        dtype = compute_dtype(trainer_logp, sampler_logp)
+        return torch.ones_like(trainer_logp, dtype=dtype), keep
+    options = {} if correction == "none" else PRESETS[correction]
+    weights, keep, _ = rollout_correction(trainer_logp, sampler_logp, mask, **options)
+    return weights, keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +153,8 @@ class Condition:
     sampler: str
     """A key of [opd_literate.experiment.quantized.SAMPLERS][]."""
     correction: str = "none"
-    """``"none"`` or a key of ``PRESETS`` (its ``rollout_correction`` arguments)."""
+    """``"none"``, a key of ``PRESETS`` (its ``rollout_correction`` arguments) or of
+    ``PEER_CORRECTIONS``."""
     reward_logp: str = "trainer"
     """``opd_sampled`` only: the reward's student log-probs, ``"trainer"`` or ``"sampler"``."""
 
@@ -150,7 +209,8 @@ class MismatchTrainingConfig:
                              f"({self.correction_level!r}), got {self.levels!r}")
         for name in self.corrections:
             if name == "none":
-                raise ValueError("corrections must be presets; 'none' is trained at each level")
+                raise ValueError("corrections must be presets or peer corrections; 'none' is "
+                                 "trained at each level")
             _check_correction(name)
         if len(set(self.corrections)) != len(self.corrections):
             raise ValueError(f"corrections must be distinct, got {self.corrections!r}")
@@ -285,9 +345,8 @@ def corrected_loss(trainer_logp, sampler_logp, advantages, mask, correction):
 
     ``trainer_logp``, ``sampler_logp``, ``advantages`` and ``mask`` are ``(M, B, T)``: model
     ``m``'s loss is [opd_literate.mismatch.correction.reinforce_loss][] of its ``(B, T)`` slice
-    with the weights and ``keep`` of [opd_literate.mismatch.correction.rollout_correction][]
-    at ``PRESETS[correction]`` (``"none"``: weight 1, every token kept), ``reduction=
-    "token-mean"``. Computed in one call: each model's weights divided by its kept tokens
+    with the weights and ``keep`` of ``correction_weights``, ``reduction="token-mean"``.
+    Computed in one call: each model's weights divided by its kept tokens
     (at least 1), then ``reduction="sum"``, which is the same sum.
 
     Returns
@@ -305,11 +364,9 @@ def corrected_loss(trainer_logp, sampler_logp, advantages, mask, correction):
     M, B, T = trainer_logp.shape
     flat = {"trainer": trainer_logp.reshape(M * B, T), "sampler": sampler_logp.reshape(M * B, T),
             "mask": mask.reshape(M * B, T)}
-    _check_correction(correction)
     # "none" is the preset "disabled": weight 1, every token kept (and the inputs checked)
-    options = {} if correction == "none" else PRESETS[correction]
-    weights, keep, _ = rollout_correction(flat["trainer"].detach(), flat["sampler"],
-                                          flat["mask"], **options)
+    weights, keep = correction_weights(flat["trainer"].detach(), flat["sampler"], flat["mask"],
+                                       correction)
     keep = keep.reshape(M, B, T)
     kept = keep.sum((1, 2)).clamp_min(1).to(weights.dtype)  # (M,)
     scaled = weights.reshape(M, B, T) * keep / kept[:, None, None]

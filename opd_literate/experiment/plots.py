@@ -67,41 +67,47 @@ def write_plots(results, out_dir, prefix="", format="png"):
 def write_mismatch_plot(results, path):
     """The training study under the mismatch
     ([opd_literate.experiment.mismatch_training][]), one column a method: the trainer's greedy
-    accuracy with each sampler and no correction (top), with ``int4`` and each correction
-    (middle), each the mean over seeds with its 95% bootstrap band, and the mean over seeds of
-    the per-token KL between sampler and trainer over training (bottom). SVG or PNG by the
-    suffix of ``path``; returns ``path``.
+    accuracy with each sampler and no correction (top), with ``int4`` and each of verl's presets
+    (second row), with ``int4`` and each other correction (third: the conditions whose name
+    has no ``decoupled_``, the OPD reward's bug among them), each the mean over seeds with its
+    95% bootstrap band, and the mean over seeds of the per-token KL between sampler and trainer
+    over training (bottom). SVG or PNG by the suffix of ``path``; returns ``path``.
     """
     path = pathlib.Path(path)
     if path.suffix not in (".png", ".svg"):
         raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
     methods = results["methods"]
-    fig, axes = new_figure(3, len(methods), height=10.5, sharex=True)
+    fig, axes = new_figure(4, len(methods), height=14.0, sharex=True)
     config = results["config"]
     levels = [f"{level} none" for level in config["levels"]]
     worst = f"{config['correction_level']} none"
     names = list(dict.fromkeys(n for runs in methods.values() for n in runs["conditions"]))
     # one colour a condition in every panel: the reference grey, the levels, then the rest
-    palette = ["C0", "C2", "C3", "C1", "C4", "C5", "C6", "C8", "C9", "C7"]
+    palette = ["C0", "C2", "C3", "C1", "C4", "C5", "C6", "C8", "C9", "#b8860b", "#000080",
+               "#8b0000", "C7"]
     colors = {levels[0]: "0.35"}
     for name in names:
         colors.setdefault(name, palette[(len(colors) - 1) % len(palette)])
     for column, (method, runs) in enumerate(methods.items()):
         x = [n / 1000 for n in runs["samples"]]
-        corrected = [levels[0], worst] + [n for n in runs["conditions"] if n not in levels]
-        for row, shown, where in ((0, levels, dict(loc="lower right")),
-                                  (1, corrected, dict(loc="lower right",
-                                                      bbox_to_anchor=(1.0, 0.22)))):
+        others = [n for n in runs["conditions"] if n not in levels]
+        verl = [levels[0], worst] + [n for n in others if "decoupled_" in n]
+        peers = [levels[0], worst] + [n for n in others if "decoupled_" not in n]
+        # the corrections' long names: one column, where the curves leave room
+        small = dict(loc="best", ncol=1, framealpha=0.85)
+        for row, shown, where in ((0, levels, dict(loc="lower right", ncol=2)),
+                                  (1, verl, small), (2, peers, small)):
             ax = axes[row][column]
             for name in dict.fromkeys(shown):
                 mean, low, high = _band(runs[name]["accuracy"])
                 ax.plot(x, mean, color=colors[name], label=_short(name))
                 ax.fill_between(x, low, high, color=colors[name], alpha=0.15, linewidth=0)
             ax.set_ylabel("greedy accuracy")
-            ax.legend(**where, ncol=2, handlelength=1.2, columnspacing=0.8)
+            ax.legend(**where, handlelength=1.2, columnspacing=0.8)
         axes[0][column].set_title(f"{method}, no correction")
-        axes[1][column].set_title(f"{method}, {worst.split()[0]} corrected")
-        ax = axes[2][column]
+        axes[1][column].set_title(f"{method}, {worst.split()[0]}: verl's")
+        axes[2][column].set_title(f"{method}, {worst.split()[0]}: others'")
+        ax = axes[3][column]
         for name in [*levels[1:], *[n for n in runs["conditions"] if "geo_rs" in n]]:
             curves = [seed[1:] for seed in runs[name]["mismatch_kl"]]  # None at step 0
             ax.plot(x[1:], [sum(c) / len(c) for c in zip(*curves)], color=colors[name],

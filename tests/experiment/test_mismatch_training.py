@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from opd_literate.experiment import mismatch_training as MT
 from opd_literate.experiment import tinylm as lm
 from opd_literate.experiment.quantized import SAMPLERS, ensemble_sampler, sampler_copy
-from opd_literate.mismatch.correction import reinforce_loss, rollout_correction
+from opd_literate.mismatch.correction import (
+    kpop_mask,
+    reinforce_loss,
+    rollout_correction,
+    trl_importance_weights,
+)
 from opd_literate.opd import reverse_kl_rewards
 from tests.experiment._tiny import TINY
 
@@ -131,6 +136,13 @@ def _per_model(trainer, sampler, advantages, mask, correction, used=None):
     for m in range(trainer.shape[0]):
         if correction == "none":
             weights, keep = mask[m], mask[m].bool()
+        elif correction.startswith("trl_"):  # TRL: the mask's tokens all count in the mean
+            mode = correction.removeprefix("trl_")
+            weights, keep = trl_importance_weights(trainer[m].detach(), sampler[m], mask[m],
+                                                   mode)[0], mask[m].bool()
+        elif correction == "kpop":  # a rejection: the kept tokens alone count
+            keep = kpop_mask(trainer[m].detach(), sampler[m], mask[m])[0]
+            weights = keep.to(trainer.dtype)
         else:
             options = MT.PRESETS[correction]
             weights, keep, _ = rollout_correction(trainer[m].detach(), sampler[m], mask[m],
@@ -156,7 +168,8 @@ def test_the_corrected_loss_is_each_models_own_reinforce_loss(correction):
     assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-12, rel=1e-12)
     assert torch.allclose(grad, expected_grad, atol=1e-12, rtol=1e-12)
     assert torch.equal(keep, torch.stack(used)) and not (keep & (mask == 0)).any()
-    if correction in ("decoupled_geo_rs", "decoupled_token_icepop", "decoupled_seq_is_rs"):
+    if correction in ("decoupled_geo_rs", "decoupled_token_icepop", "decoupled_seq_is_rs",
+                      "kpop"):
         assert keep.sum() < mask.sum()  # each sets some tokens' weight to 0 here
     else:
         assert torch.equal(keep, mask.bool())
@@ -240,12 +253,12 @@ def test_the_configuration_names_bad_settings():
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(MT.MISMATCH_DEFAULT, **change)
     for bad in ("token_tis", "bypass_pg_is", "disabled"):
-        with pytest.raises(ValueError, match="correction must be 'none' or a decoupled preset"):
+        with pytest.raises(ValueError, match="correction must be 'none', a decoupled preset"):
             MT.corrected_loss(*_batch(), bad)
     with pytest.raises(TypeError, match="experiment must be an ExperimentConfig, got NoneType"):
         MT.MismatchTrainingConfig(experiment=None)
     for fields, message in ((("int3",), "sampler must be a key of SAMPLERS"),
-                            (("int4", "tis"), "correction must be 'none' or a decoupled preset"),
+                            (("int4", "tis"), "correction must be 'none', a decoupled preset"),
                             (("int4", "none", "smapler"), "reward_logp must be 'trainer' or")):
         with pytest.raises(ValueError, match=message):
             MT.Condition(*fields)
@@ -275,9 +288,10 @@ def test_the_configuration_names_bad_settings():
 def test_the_conditions_are_the_levels_then_the_corrections_then_the_reward_bug():
     names = [c.name for c in MT.conditions(MT.MISMATCH_DEFAULT, "opd_sampled")]
     assert names[:4] == ["fp32 none", "bf16 none", "int8 none", "int4 none"]
-    assert names[4:9] == [f"int4 {c}" for c in MT.CORRECTIONS]
-    assert names[9:] == ["int4 none, sampler reward"]
-    assert [c.name for c in MT.conditions(MT.MISMATCH_DEFAULT, "rl")] == names[:9]
+    n = 4 + len(MT.CORRECTIONS)
+    assert names[4:n] == [f"int4 {c}" for c in MT.CORRECTIONS]
+    assert names[n:] == ["int4 none, sampler reward"]
+    assert [c.name for c in MT.conditions(MT.MISMATCH_DEFAULT, "rl")] == names[:n]
 
 
 @pytest.fixture(scope="module")

@@ -341,7 +341,7 @@ _NAMES = "fp32, bf16, fp16, int8, int4"
     (lambda: MT.MismatchTrainingConfig(levels=("fp32", "int3")), ValueError,
      f"levels and correction_level must be keys of SAMPLERS ({_NAMES}), got 'int3'"),
     (lambda: MT.MismatchTrainingConfig(corrections=("none",)), ValueError,
-     "corrections must be presets; 'none' is trained at each level"),
+     "corrections must be presets or peer corrections; 'none' is trained at each level"),
     (lambda: MT.MismatchTrainingConfig(lr=0.0), ValueError,
      "lr must be a positive finite float, got 0.0"),
     (lambda: MT.MismatchTrainingConfig(lr=math.inf), ValueError,

@@ -12,6 +12,7 @@ defaults changed) or when a sentence of the docs no longer matches the numbers.
 """
 
 import json
+import math
 import pathlib
 import re
 
@@ -684,14 +685,9 @@ def _tinylm_mismatch_claims(record):
     assert max(record["toy_b"][toy]["kurtosis"] for toy in ("toy", "ar_toy")) <= 3
     assert m["int4"][0]["abs_quantiles"]["0.999"] > 2 > m["int4"][0]["abs_quantiles"]["0.99"]
 
-    # The chapter's tables hold the estimators of the committed record (it predates the
-    # catalogue's newest ones); a recomputed record, with every estimator of REGISTRY, is read
-    # on those.
-    shown = {r["name"] for r in json.loads(TINYLM_MISMATCH.read_text())["estimators"]["bf16"][
-        "tinylm"]}
-
+    # every record holds every estimator of the catalogue (test_committed_tinylm_mismatch_...)
     def by_name(sampler, kind="tinylm"):
-        return {r["name"]: r for r in est[sampler][kind] if r["name"] in shown}  # committed-exact: names, strings
+        return {r["name"]: r for r in est[sampler][kind]}
 
     for sampler in order:
         assert by_name(sampler)["seq_is"]["rel_bias"] < 1e-12
@@ -702,7 +698,7 @@ def _tinylm_mismatch_claims(record):
     for sampler in ("bf16", "int8"):
         rows = by_name(sampler)
         assert abs(rows["seq_is"]["rel_rmse"] / rows["naive"]["rel_rmse"] - 1) < 0.01
-        bands = ("geo_rs", "geo_rs_token_tis", "gspo")
+        bands = ("geo_rs", "geo_rs_token_tis", "seq_mask_tis", "gspo")
         assert all(0.89 < r["rel_rmse"] < 0.91 for name, r in rows.items() if name not in bands)
     assert 0.6 < by_name("bf16")["geo_rs"]["seq_frac"] < 0.7
     assert all(by_name(s)["geo_rs"]["seq_frac"] > 0.95 for s in ("int8", "int4"))
@@ -716,17 +712,18 @@ def _tinylm_mismatch_claims(record):
     assert rows["cispo"]["rel_bias"] == rows["token_is"]["rel_bias"] > rows["naive"]["rel_bias"]
     assert max(rows["token_tis"]["rel_bias"], rows["token_clamp"]["rel_bias"]) < \
         rows["token_is"]["rel_bias"]
-    biased = [r["rel_bias"] for r in rows.values() if r["rel_bias"] > 1e-12]
-    assert rows["seq_tis"]["rel_bias"] == min(biased)
+    biased = sorted(r["rel_bias"] for r in rows.values() if r["rel_bias"] > 1e-12)
+    # the sequence ratio truncated at 3, then at 2
+    assert [rows["trl_sequence_truncate"]["rel_bias"], rows["seq_tis"]["rel_bias"]] == biased[:2]
     # the rank correlation of the chapter's table: over its estimators (a recomputed record's
     # own value is over every estimator of REGISTRY)
     from opd_literate.experiment.quantized import rank_correlation
 
     tiny = by_name("int8")
-    for kind in ("ar_toy", "toy"):
+    for kind in ("ar_toy", "toy"):  # "(rank correlation 0.95)"
         toy_rows = by_name("int8", kind)
-        assert rank_correlation([tiny[k]["rel_bias"] for k in sorted(tiny)],
-                                [toy_rows[k]["rel_bias"] for k in sorted(tiny)]) > 0.985
+        assert round(rank_correlation([tiny[k]["rel_bias"] for k in sorted(tiny)],
+                                      [toy_rows[k]["rel_bias"] for k in sorted(tiny)]), 2) == 0.95
     assert by_name("int8")["gspo"]["rel_bias"] > 1
     assert by_name("int8", "toy")["gspo"]["rel_bias"] < 1
     assert by_name("int8", "ar_toy")["gspo"]["rel_bias"] < 1
@@ -735,18 +732,19 @@ def _tinylm_mismatch_claims(record):
 
     for sampler in order:
         assert by_name(sampler)["seq_is"]["rel_bias_all"] < 1e-10
-    for sampler in ("bf16", "int8", "int4"):
-        rows = [r for r in est[sampler]["tinylm"] if r["name"] in shown]  # committed-exact: names, strings
-        assert rank_correlation([r["rel_bias_all"] for r in rows],
-                                [r["rel_bias"] for r in rows]) > 0.9
+    for sampler, stated in (("bf16", 0.89), ("int8", 1.00), ("int4", 0.95)):
+        rows = est[sampler]["tinylm"]
+        assert round(rank_correlation([r["rel_bias_all"] for r in rows],
+                                      [r["rel_bias"] for r in rows]), 2) == stated, sampler
     for r in est["fp16"]["tinylm"]:
         if r["name"] in FP16_EXACT:
             assert r["rel_bias_all"] < 1e-10
     # the others at fp16: their spread across machines, _tinylm_fp16_rel_bias_all below
     rows = by_name("int4")
     assert rows["token_is"]["rel_bias_all"] > rows["naive"]["rel_bias_all"]
-    biased = [r["rel_bias_all"] for r in rows.values() if r["rel_bias_all"] > 1e-10]
-    assert rows["seq_tis"]["rel_bias_all"] == min(biased)
+    biased = sorted(r["rel_bias_all"] for r in rows.values() if r["rel_bias_all"] > 1e-10)
+    assert [rows["trl_sequence_truncate"]["rel_bias_all"],
+            rows["seq_tis"]["rel_bias_all"]] == biased[:2]
     assert by_name("int8")["gspo"]["rel_bias_all"] < 1 < by_name("int8")["gspo"]["rel_bias"]
     for sampler in ("bf16", "fp16", "int8", "int4"):  # OPD
         recipe = {(r["logp"], r["weight"]): r["rel_bias"] for r in opd[sampler]}
@@ -795,15 +793,16 @@ def test_every_tinylm_mismatch_rerun_backs_the_chapter(name):
 
 
 def test_the_tinylm_fp16_sentence_states_the_machines_spread():
-    """"At `fp16` ... on each of the two records ... within a factor of 1.3 of each other, and
-    between 0.00080 and 0.00104 over both. At the first student's per-token KL, below 1e-6,
-    ... an estimator's value moves by up to 14% between them": each end of the range is one
+    """"At `fp16` ... on each of the two records ... within a factor of 2.9 of each other, and
+    between 0.00047 and 0.00168 over both. At the first student's per-token KL, below 1e-6,
+    ... an estimator's value moves by up to 31% between them": each end of the range is one
     record's value (a range wider than the records would hide a change)."""
     page = " ".join(MISMATCH_PRACTICE.read_text().split())
     records = _tinylm_records()
     assert len(records) == 2 and "on each of the two records named at the end" in page
     values = [_tinylm_fp16_rel_bias_all(record) for _, record in records]
-    assert all(max(v.values()) < 1.3 * min(v.values()) for v in values)
+    assert all(max(v.values()) < 2.9 * min(v.values()) for v in values)
+    assert "they lie within a factor of 2.9 of each other" in page
     low, high = re.search(FP16_RANGE, page).groups()
     everything = [x for v in values for x in v.values()]
     digits = len(low) - 2
@@ -844,7 +843,9 @@ def test_committed_tinylm_mismatch_uses_the_current_defaults_and_backs_the_chapt
     int8 = {r["name"]: r["rel_bias_all"] for r in est["int8"]["tinylm"]}
     assert (f"`token_is` stays above `naive` ({int4['token_is']:.3f} against "
             f"{int4['naive']:.3f})") in text
-    assert f"least biased of the biased estimators ({int4['seq_tis']:.3f})" in text
+    assert (f"(`trl_sequence_truncate`, {int4['trl_sequence_truncate']:.3f}) is the least "
+            f"biased of the biased estimators, then the one truncated at 2 (`seq_tis`, "
+            f"{int4['seq_tis']:.3f})") in text
     assert f"over every parameter its relative bias is {int8['gspo']:.3f}, below 1" in text
     assert f"(over every parameter, {int8['gspo']:.3f})" in text
 
@@ -887,21 +888,20 @@ def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
     _tinylm_mismatch_claims(record)
     # fp16: the engine's arithmetic does not depend on the CPU (rounded_half_forward), but the
     # students' weights do, and at fp16's KL (below 1e-6) the bias is set by the rounding
-    # pattern of those weights: between the two committed records (torch's AVX2 and baseline
-    # kernels) an estimator's value moved by up to 14%, and they span 0.00080 to 0.00104. A run
-    # on a 2-core AVX-512 machine reported 0.00065 (with torch's own fp16 kernels, before the
-    # rounded engine), 19% below that range. A factor of 2 beyond the records' range either way
-    # takes all of these in, and still fails if fp16's bias changed its size by more (an
-    # operation left unrounded, or rounded to bfloat16, whose biases here are 3 to 7 times
-    # fp16's, all above the band).
+    # pattern of those weights: between the two committed records (torch's AVX-512 and baseline
+    # kernels) an estimator's value moved by up to 31%, and they span 0.00047 to 0.00168; an
+    # earlier record of the first 18 estimators on an AVX2 machine spanned 0.00080 to 0.00104,
+    # inside. A factor of 1.5 beyond the records' range either way takes all of these in, and
+    # still fails if fp16's bias changed its size by more: an operation rounded to bfloat16
+    # instead, whose biases here are 5 times fp16's or more (0.00336 and up), lies above it.
     page = " ".join(MISMATCH_PRACTICE.read_text().split())
     low, high = (float(x) for x in re.search(FP16_RANGE, page).groups())
     values = _tinylm_fp16_rel_bias_all(record)
-    assert all(low / 2 <= v <= 2 * high for v in values.values()), values
+    assert all(low / 1.5 <= v <= 1.5 * high for v in values.values()), values
     committed = json.loads(TINYLM_MISMATCH.read_text())
     # Not rounding: the students are trained here in float32, and int4's grid turns a last-bit
     # difference of a weight into a step of the sampler. The rerun with torch's baseline kernels
-    # moved it by 5e-6 of itself; 0.2 is the test's sanity bound for CPUs not measured (naive's
+    # moved it by 7e-6 of itself; 0.2 is the test's sanity bound for CPUs not measured (naive's
     # int4 bias, 0.37, within 0.07), not a measured spread.
     assert_matches_committed(record["estimators"]["int4"]["tinylm"][0]["rel_bias"],
                              committed["estimators"]["int4"]["tinylm"][0]["rel_bias"], rtol=0.2,
@@ -945,8 +945,12 @@ def _span(values, digits=3):
 
 
 def _corrections(rows, geo=True):
-    """The correction conditions of a table (``int4 decoupled_*``), geometric rejection or not."""
-    return [n for n in rows if "decoupled" in n and (geo or "geo_rs" not in n)]
+    """The correction conditions of a table (``int4`` and a correction of the study),
+    geometric rejection or not."""
+    from opd_literate.experiment.mismatch_training import CORRECTIONS
+
+    return [n for n in rows if n.startswith("int4 ") and n.split(" ", 1)[1] in CORRECTIONS
+            and (geo or "geo_rs" not in n)]
 
 
 def _mismatch_training_claims(record, exact=None, table=None):
@@ -970,27 +974,37 @@ def _mismatch_training_claims(record, exact=None, table=None):
         for level in ("bf16", "int8", "int4"):
             curve = np.mean([seed[1:] for seed in runs[f"{level} none"]["mismatch_kl"]], axis=0)
             assert curve.max() / curve.min() < 1.5
-    # bf16 and int8: every paired interval contains 0 (the bound on the means: the spread test)
-    for rows in (rl, opd):
-        for level in ("bf16", "int8"):
-            assert _contains_0(rows[f"{level} none"]["difference"])
+    # bf16 and int8: OPD's paired intervals contain 0 (RL's, kernel by kernel: the spread test)
+    for level in ("bf16", "int8"):
+        assert _contains_0(opd[f"{level} none"]["difference"])
     # int4: a KL of about 0.1, more than 1,000 times bf16's; RL's loss measurable, OPD's smaller
     for rows in (rl, opd):
         kl = mean(rows, "int4 none", "mismatch_kl")
         assert 0.05 < kl < 0.15 and kl > 1000 * mean(rows, "bf16 none", "mismatch_kl")
     assert rl["int4 none"]["difference"]["high"] < 0
     assert rl["int4 none"]["difference"]["mean"] < opd["int4 none"]["difference"]["mean"] < 0
-    # against the uncorrected int4 run: RL's token and sequence TIS higher on average, the
-    # sequence TIS's interval containing 0; OPD's two each containing 0, and each within its
-    # interval of the on-policy run, below it on average
+    assert _contains_0(opd["int4 none"]["difference"])
+    # against the uncorrected int4 run: RL's token TIS higher on average, its sequence TIS
+    # measurably; OPD's two each containing 0, and each within its interval of the on-policy run
     against = {(m, n): rows[n]["against_uncorrected"] for m, rows in (("rl", rl), ("opd", opd))
                for n in _corrections(rl)}
     for name in ("int4 decoupled_token_is", "int4 decoupled_seq_is"):
         assert against[("rl", name)]["mean"] > 0
         assert _contains_0(against[("opd", name)])
-        difference = opd[name]["difference"]
-        assert difference["mean"] < 0 and _contains_0(difference)
-    assert _contains_0(against[("rl", "int4 decoupled_seq_is")])
+        assert _contains_0(opd[name]["difference"])
+    assert against[("rl", "int4 decoupled_seq_is")]["low"] > 0
+    # TRL's sequence corrections: RL's higher on average, each interval containing 0, each
+    # below verl's sequence TIS; OPD's lower on average
+    for name in ("int4 trl_sequence_mask", "int4 trl_sequence_truncate"):
+        assert against[("rl", name)]["mean"] > 0 and _contains_0(against[("rl", name)])
+        for m in ("rl", "opd"):
+            assert against[(m, name)]["mean"] < against[(m, "int4 decoupled_seq_is")]["mean"]
+        assert against[("opd", name)]["mean"] < 0
+    # KPop: every interval below 0, the largest loss of a correction after geometric rejection
+    for m, rows in (("rl", rl), ("opd", opd)):
+        assert against[(m, "int4 kpop")]["high"] < 0
+        others = [mean(rows, n) for n in _corrections(rows, geo=False) if n != "int4 kpop"]
+        assert mean(rows, "int4 kpop") < min(others)
     # IcePop and sequence rejection: no interval above 0
     for m in ("rl", "opd"):
         for name in ("int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"):
@@ -1012,12 +1026,13 @@ def _mismatch_training_claims(record, exact=None, table=None):
         none = mean(rows, "int4 none", "final_sampler_accuracy")
         assert all(mean(rows, n, "final_sampler_accuracy") < none for n in _corrections(rows))
         assert all(rows[n]["sampler_against_uncorrected"]["mean"] < 0 for n in _corrections(rows))
+        # the one exception, RL's KPop with the baseline kernels: the spread test
         assert all(mean(rows, n) > mean(rows, n, "final_sampler_accuracy")
-                   for n in _corrections(rows, geo=False))
-        for name in ("int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"):
+                   for n in _corrections(rows, geo=False) if n != "int4 kpop")
+        for name in ("int4 decoupled_token_icepop", "int4 kpop"):
             assert rows[name]["sampler_against_uncorrected"]["high"] < 0
-    assert rl["int4 decoupled_seq_is"]["sampler_against_uncorrected"]["high"] < 0
-    assert _contains_0(opd["int4 decoupled_seq_is"]["sampler_against_uncorrected"])
+        assert _contains_0(rows["int4 decoupled_seq_is"]["sampler_against_uncorrected"])
+    assert rl["int4 decoupled_seq_is_rs"]["sampler_against_uncorrected"]["high"] < 0
     if exact is not None:
         for rows in (rl, opd):
             for level in ("bf16", "int8", "int4"):
@@ -1043,12 +1058,12 @@ def test_the_training_reruns_are_there_and_describe_their_machine():
                     "torch_cpu_capability", "torch", "numpy", "python", "commands", "seconds"):
             assert key in machine, (machine.get("label"), key)
         assert machine["cpus"] == 2 and machine["cpu_model"] == "AMD EPYC"
-        assert "avx2" in machine["simd_flags"] and machine["avx512"] is False
+        assert "avx512f" in machine["simd_flags"] and machine["avx512"] is True
         assert f"torch {machine['torch'].split('+')[0]} and numpy {machine['numpy']}" in page
         assert set(machine["commands"]) == {"mismatch_training", "tinylm_mismatch"}
-    assert "a 2-core AMD EPYC (a KVM guest) with AVX2 and no AVX-512" in page
+    assert "a 2-core AMD EPYC (a KVM guest) with AVX-512, torch" in page
     assert machines[0]["ATEN_CPU_CAPABILITY"] is None
-    assert machines[0]["torch_cpu_capability"] == "AVX2" and "repeated" in machines[0]
+    assert machines[0]["torch_cpu_capability"] == "AVX512" and "repeated" in machines[0]
     for name, machine in zip(MISMATCH_RERUN_NAMES, machines[1:]):
         assert machine["ATEN_CPU_CAPABILITY"] == "default" == machine[
             "torch_cpu_capability"].lower()
@@ -1088,7 +1103,7 @@ def test_the_training_sentences_state_the_machines_spread(training_records):
     text = " ".join(MISMATCH_PAGE.read_text().split())
     assert len(training_records) == 2 and "Each statement below holds on both records" in text
     by_kernels = {r["machine"]["torch_cpu_capability"]: r["table"] for r in training_records}
-    assert set(by_kernels) == {"AVX2", "DEFAULT"}
+    assert set(by_kernels) == {"AVX512", "DEFAULT"}
 
     def says(phrase):
         assert phrase in text, phrase
@@ -1105,15 +1120,24 @@ def test_the_training_sentences_state_the_machines_spread(training_records):
     # bf16 and int8 against fp32
     levels = ("bf16 none", "int8 none")
     paired = {m: [s for n in levels for s in stats(m, n)] for m, _ in methods}
-    largest = max(abs(s["mean"]) for m, _ in methods for s in paired[m])
-    says(f"the mean final accuracy is within {np.ceil(largest * 1000) / 1000:.3f} of the "
+    # accuracies are float32 fractions of the test prompts: 0.006 is 0.0060000062 there
+    largest = max(abs(s["mean"]) for s in paired["opd_sampled"])
+    assert largest <= round(largest, 3) + 1e-6
+    says(f"With OPD the mean final accuracy is within {round(largest, 3):.3f} of the "
          "on-policy run's, and every paired interval contains 0")
-    low, high = min(s["low"] for s in paired["rl"]), max(s["high"] for s in paired["rl"])
-    says(f"RL's intervals reach from ${low:.3f}$ to ${high:.3f}$, so neither a loss of up to "
-         f"{round(-100 * low)} points nor a gain of up to {round(100 * high)} is excluded")
     low, high = (min(s["low"] for s in paired["opd_sampled"]),
                  max(s["high"] for s in paired["opd_sampled"]))
-    says(f"OPD's lie within ${low:.3f}$ and ${high:.3f}$")
+    says(f"they lie within ${low:.3f}$ and ${high:.3f}$")
+    rl_means = [s["mean"] for s in paired["rl"]]
+    says(f"With RL the means range from ${min(rl_means):.3f}$ to ${max(rl_means):.3f}$ and the "
+         f"intervals from ${min(s['low'] for s in paired['rl']):.3f}$ to "
+         f"${max(s['high'] for s in paired['rl']):.3f}$; one of the four lies below 0 (`bf16` "
+         "with the AVX-512 kernels), and with the baseline kernels the same condition ends "
+         f"{by_kernels['DEFAULT']['rl']['bf16 none']['difference']['mean']:.3f} above")
+    below = {(k, n) for k, t in by_kernels.items() for n in levels
+             if t["rl"][n]["difference"]["high"] < 0}
+    assert below == {("AVX512", "bf16 none")}
+    assert not any(t["rl"][n]["difference"]["low"] > 0 for t in tables for n in levels)
     seeds = len(paired["rl"][0]["per_seed"])
     sd = {m: max(np.std(s["per_seed"], ddof=1) for s in paired[m]) for m, _ in methods}
     se = {m: sd[m] / np.sqrt(seeds) for m in sd}
@@ -1125,33 +1149,51 @@ def test_the_training_sentences_state_the_machines_spread(training_records):
             for r in training_records]
     apart = max(float(np.abs(f - fp32[0]).max()) for f in fp32[1:])
     int4 = means("rl", "int4 none", "final_accuracy")
-    # "about as much": no seed's bf16 or int8 difference from fp32 exceeds the kernels' own
-    assert max(abs(x) for s in paired["rl"] for x in s["per_seed"]) <= apart
-    says(f"the same `fp32` run ends up to {apart:.3f} apart seed by seed with the two kernel sets, "
-         f"and the uncorrected `int4` run {max(int4) - min(int4):.3f} apart on average")
+    seed_by_seed = max(abs(x) for s in paired["rl"] for x in s["per_seed"])
+    assert seed_by_seed < 1.5 * apart  # "about as much"
+    says(f"the same `fp32` run ends up to {apart:.3f} apart seed by seed with the two kernel sets "
+         f"(the `bf16` and `int8` runs up to {seed_by_seed:.3f} from their `fp32` run), and the "
+         f"uncorrected `int4` run {max(int4) - min(int4):.3f} apart on average")
     # int4
     rl_loss, opd_loss = ([-x for x in means(m, "int4 none")] for m in ("rl", "opd_sampled"))
     says(f"RL ends {_span(rl_loss)} below the on-policy run, depending on the kernels, with each "
-         f"interval below 0; sampled-token OPD ends {_span(opd_loss)} below, its interval below 0 "
-         "with one kernel set and containing 0 with the other")
-    assert by_kernels["AVX2"]["opd_sampled"]["int4 none"]["difference"]["high"] < 0
-    assert _contains_0(by_kernels["DEFAULT"]["opd_sampled"]["int4 none"]["difference"])
+         f"interval below 0; sampled-token OPD ends {_span(opd_loss)} below, each interval "
+         "containing 0")
     ratio = [a / b for a, b in zip(rl_loss, opd_loss)]
     says(f"OPD loses {int(min(ratio))} to {int(max(ratio))} times less")
     # the corrections against the uncorrected int4 run
     token, sequence = "int4 decoupled_token_is", "int4 decoupled_seq_is"
     says(f"RL's token TIS ends {_span(means('rl', token, 'against_uncorrected'))} higher, its "
-         "interval above 0 with the AVX2 kernels and containing 0 with the baseline ones")
-    assert by_kernels["AVX2"]["rl"][token]["against_uncorrected"]["low"] > 0
+         "interval above 0 with the AVX-512 kernels and containing 0 with the baseline ones")
+    assert by_kernels["AVX512"]["rl"][token]["against_uncorrected"]["low"] > 0
     assert _contains_0(by_kernels["DEFAULT"]["rl"][token]["against_uncorrected"])
-    says(f"RL's sequence TIS ends {_span(means('rl', sequence, 'against_uncorrected'))} higher")
+    says(f"RL's sequence TIS ends {_span(means('rl', sequence, 'against_uncorrected'))} higher, "
+         "each interval above 0")
     gains = means("opd_sampled", token, "against_uncorrected")
     assert min(gains) < 0 < max(gains)
     says(f"OPD's token TIS ends between {-min(gains):.3f} lower and {max(gains):.3f} higher, its "
          f"sequence TIS {_span(means('opd_sampled', sequence, 'against_uncorrected'))} higher")
-    below = [-x for n in (token, sequence) for x in means("opd_sampled", n)]
-    says(f"With OPD, token and sequence TIS end {_span(below)} below the on-policy run, and each "
-         "interval against it contains 0")
+    moved = [x for n in (token, sequence) for x in means("opd_sampled", n)]
+    assert min(moved) < 0 < max(moved)
+    says(f"With OPD, token and sequence TIS end between {-min(moved):.3f} below and "
+         f"{max(moved):.3f} above the on-policy run, and each interval against it contains 0")
+    # TRL's sequence corrections
+    trl_mask, trl_truncate = "int4 trl_sequence_mask", "int4 trl_sequence_truncate"
+    says(f"RL's `trl_sequence_mask` ends {_span(means('rl', trl_mask, 'against_uncorrected'))} "
+         f"higher and `trl_sequence_truncate` "
+         f"{_span(means('rl', trl_truncate, 'against_uncorrected'))} higher, each interval "
+         "containing 0, and each below `decoupled_seq_is` with both kernel sets")
+    lower = [-x for n in (trl_mask, trl_truncate)
+             for x in means("opd_sampled", n, "against_uncorrected")]
+    says(f"with OPD they end {_span(lower)} lower, one interval below 0 (the mask, with the "
+         "baseline kernels)")
+    assert {(k, n) for k, t in by_kernels.items() for n in (trl_mask, trl_truncate)
+            if t["opd_sampled"][n]["against_uncorrected"]["high"] < 0} == {("DEFAULT", trl_mask)}
+    exact = json.loads(TINYLM_MISMATCH.read_text())
+    bias_all = {r["name"]: r["rel_bias_all"] for r in exact["estimators"]["int4"]["tinylm"]}
+    says(f"({bias_all['trl_sequence_truncate']:.3f} against {bias_all['seq_tis']:.3f} over every "
+         "parameter at `int4`)")
+    assert 1 / 3.5 < bias_all["trl_sequence_truncate"] / bias_all["seq_tis"] < 1 / 3 + 0.01
     # IcePop and sequence rejection
     icepop, rejection = "int4 decoupled_token_icepop", "int4 decoupled_seq_is_rs"
     for name, words in ((icepop, "IcePop's band sets the weight of"),
@@ -1162,19 +1204,29 @@ def test_the_training_sentences_state_the_machines_spread(training_records):
              for x in means(m, n, "against_uncorrected")]
     assert min(moved) < 0 < max(moved)
     says(f"their mean final accuracy is from {-min(moved):.3f} lower to {max(moved):.3f} higher, "
-         "and no paired interval lies above 0: with the AVX2 kernels each contains 0, with the "
-         "baseline kernels three of the four lie below 0 (RL's sequence rejection, and both with "
-         "OPD)")
-    for kernels, expected in (("AVX2", set()), ("DEFAULT", {("rl", rejection), (
-            "opd_sampled", icepop), ("opd_sampled", rejection)})):
+         "and no paired interval lies above 0: with the AVX-512 kernels one lies below 0 (IcePop "
+         "with OPD), with the baseline kernels two (RL's sequence rejection, and IcePop with OPD)")
+    for kernels, expected in (("AVX512", {("opd_sampled", icepop)}),
+                              ("DEFAULT", {("rl", rejection), ("opd_sampled", icepop)})):
         table = by_kernels[kernels]
+        assert not any(table[m][n]["against_uncorrected"]["low"] > 0
+                       for m, _ in methods for n in (icepop, rejection))
         assert {(m, n) for m, _ in methods for n in (icepop, rejection)
                 if table[m][n]["against_uncorrected"]["high"] < 0} == expected, kernels
+    # KPop
+    kpop = "int4 kpop"
+    dropped = [100 * (1 - x) for m, _ in methods for x in means(m, kpop, "kept_fraction")]
+    lost = [-x for m, _ in methods for x in means(m, kpop, "against_uncorrected")]
+    says(f"It drops {round(min(dropped))} to {round(max(dropped))}% of the tokens and ends "
+         f"{_span(lost)} below the uncorrected `int4` run, each interval below 0")
     # geometric rejection
     geo = "int4 decoupled_geo_rs"
     kept = {m: [100 * x for x in means(m, geo, "kept_fraction")] for m, _ in methods}
     says(f"gives a weight to {_span(kept['rl'], 1)}% of RL's tokens and "
          f"{_span(kept['opd_sampled'], 1)}% of OPD's")
+    assert all(r["table"][m][geo]["final_accuracy"]["mean"] == min(
+        row["final_accuracy"]["mean"] for row in r["table"][m].values())
+        for r in training_records for m, _ in methods)
     starts = {round(float(np.mean([seed[0] for seed in runs["fp32 none"]["accuracy"]])), 3)
               for r in training_records for runs in r["record"]["methods"].values()}
     assert len(starts) == 1  # the same students on every machine
@@ -1203,12 +1255,28 @@ def test_the_training_sentences_state_the_machines_spread(training_records):
     says(f"RL's corrected `int4` models end between {min(corrected['rl']):.3f} and "
          f"{max(corrected['rl']):.3f} (geometric rejection aside), OPD's between "
          f"{min(corrected['opd_sampled']):.3f} and {max(corrected['opd_sampled']):.3f}")
-    says("for token TIS, with both methods, with the baseline kernels only; OPD's sequence "
-         "TIS's intervals contain 0 with both")
-    for kernels, measurable in (("AVX2", False), ("DEFAULT", True)):
-        for m, _ in methods:
-            stat = by_kernels[kernels][m][token]["sampler_against_uncorrected"]
-            assert (stat["high"] < 0) is measurable, (kernels, m)
+    below = {k: {(m, n) for m, _ in methods for n in _corrections(t[m], geo=False)
+                 if t[m][n]["sampler_against_uncorrected"]["high"] < 0}
+             for k, t in by_kernels.items()}
+    both = {(m, n) for m, _ in methods for n in (icepop, kpop)} | {("rl", rejection)}
+    default_only = {(m, n) for m, _ in methods for n in (token, trl_truncate)} | {("rl", trl_mask)}
+    assert below["AVX512"] & below["DEFAULT"] == both
+    assert below["DEFAULT"] - below["AVX512"] == default_only
+    assert below["AVX512"] - below["DEFAULT"] == {("opd_sampled", rejection)}
+    assert not any((m, sequence) in below[k] for k in below for m, _ in methods)
+    says("measurable (an interval below 0) with both kernel sets for IcePop and KPop with both "
+         "methods and for RL's sequence rejection; with the baseline kernels only, for token TIS "
+         "and `trl_sequence_truncate` with both methods and for RL's `trl_sequence_mask`; with the "
+         "AVX-512 kernels only, for OPD's sequence rejection. The sequence TIS's intervals contain "
+         "0 with both methods and both kernel sets")
+    # the float32 weights above their int4 model, but for geometric rejection and RL's KPop
+    # with the baseline kernels
+    exceptions = {(k, m, n) for k, t in by_kernels.items() for m, _ in methods
+                  for n in _corrections(t[m], geo=False)
+                  if t[m][n]["final_accuracy"]["mean"]
+                  <= t[m][n]["final_sampler_accuracy"]["mean"]}
+    assert exceptions == {("DEFAULT", "rl", kpop)}
+    says("for each correction but geometric rejection (and RL's KPop with the baseline kernels)")
     says("`bf16` runs torch's own `bfloat16` CPU kernels, at every step of training")
     says(f"it took {round(training_records[0]['record']['run']['wall_seconds'])} s")
 
@@ -1234,9 +1302,24 @@ def test_the_training_sections_setup_is_the_studys():
                                          rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
              "decoupled_geo_rs": dict(rollout_rs="seq_mean_k1",
                                       rollout_rs_threshold="0.999_1.001")}
-    assert list(shown) == list(MISMATCH_DEFAULT.corrections)
+    from opd_literate.experiment.mismatch_training import PEER_CORRECTIONS
+
+    assert list(shown) + list(PEER_CORRECTIONS) == list(MISMATCH_DEFAULT.corrections)
     for name, options in shown.items():
         assert PRESETS[name] == options and f"| `{name}` |" in page
+    # the three of other frameworks, at their defaults: TRL's bound 3, KPop's threshold 0.1
+    import inspect
+
+    from opd_literate.mismatch.correction import kpop_mask, trl_importance_weights
+
+    trl = inspect.signature(trl_importance_weights).parameters
+    assert (trl["vllm_importance_sampling_mode"].default, trl[
+        "vllm_importance_sampling_clip_max"].default) == ("sequence_mask", 3.0)
+    assert inspect.signature(kpop_mask).parameters["kpop_threshold"].default == 0.1
+    for row in ("| `trl_sequence_mask` (TRL's default) | $\\rho$ if $\\rho \\le 3$, else 0 | none |",
+                "| `trl_sequence_truncate` | $\\min(\\rho, 3)$ | none |",
+                "| `kpop` | 1 | a token whose two binary KLs"):
+        assert row in page, row
 
 
 @pytest.mark.slow
@@ -1244,7 +1327,7 @@ def test_the_mismatch_training_rerun_here_keeps_the_chapters_robust_claims(train
     """The default study recomputed on this machine (three minutes with the teacher cached, on 2
     cores): its trajectories differ from the records' wherever its kernels round differently,
     so only the claims that the records leave room for are checked, each bound from their
-    measured spread (the records: torch's AVX2 and baseline kernels on a 2-core AMD EPYC)."""
+    measured spread (the records: torch's AVX-512 and baseline kernels on a 2-core AMD EPYC)."""
     from opd_literate.experiment.mismatch_training import mismatch_summary, run_mismatch_training
 
     record = run_mismatch_training(progress=False, workers=2)
@@ -1255,32 +1338,32 @@ def test_the_mismatch_training_rerun_here_keeps_the_chapters_robust_claims(train
         recorded = [r["table"][method] for r in training_records]
         # bf16 and int8 against fp32: no effect that the seeds can tell. Under no effect, the
         # mean of the seeds' paired differences has the standard error sd / sqrt(seeds); sd is
-        # the largest measured on the records (0.087 for RL, 0.022 for OPD). Four standard
-        # errors (0.156 and 0.039): an sd estimated from five seeds can be 1.5 times too small,
-        # which still leaves 2.7 standard errors. A run on a 2-core AVX-512 machine reported a
-        # mean 0.065 from fp32 for one of these: 1.7 of RL's standard errors; were it OPD's, 6.6
-        # of OPD's, and this fails, as it should (the records' seeds do not explain it).
+        # the largest measured on the records (0.149 for RL, 0.022 for OPD). Four standard
+        # errors (0.266 and 0.039): an sd estimated from five seeds can be 1.5 times too small,
+        # which still leaves 2.7 standard errors. The records' largest mean, RL's 0.065 at bf16,
+        # is 1 of RL's standard errors; were it OPD's, 6.6 of OPD's, and this would fail, as it
+        # should (the records' seeds do not explain it).
         sd = max(np.std(t[f"{level} none"]["difference"]["per_seed"], ddof=1)
                  for t in recorded for level in ("bf16", "int8"))
         for level in ("bf16", "int8"):
             assert abs(rows[f"{level} none"]["difference"]["mean"]) <= 4 * sd / np.sqrt(seeds), (
                 method, level, rows[f"{level} none"]["difference"])
         # int4's per-token KL is set by the quantization grid at the states visited: on the
-        # records it moved by 4% at most between the kernels (0.094 to 0.103), and it is 1,300
-        # to 1,900 times bf16's and 337 to 445 times int8's; a factor 100 over int8 leaves 3.4
+        # records it moved by 3% at most between the kernels (0.096 to 0.100), and it is 1,360
+        # to 1,820 times bf16's and 337 to 433 times int8's; a factor 100 over int8 leaves 3.4
         kl = rows["int4 none"]["mismatch_kl"]["mean"]
         assert kl > 100 * rows["int8 none"]["mismatch_kl"]["mean"]
         assert min(t["int4 none"]["mismatch_kl"]["mean"] for t in recorded) / 1.5 < kl < 1.5 * max(
             t["int4 none"]["mismatch_kl"]["mean"] for t in recorded)
-        # geometric rejection: the records end at 0.013 to 0.063 from 0.708, weighting 1.1% to
-        # 2.2% of the tokens: a collapse, far from these bounds
+        # geometric rejection: the records end at 0.023 to 0.064 from 0.708, weighting 1.1% to
+        # 2.7% of the tokens: a collapse, far from these bounds
         assert rows["int4 decoupled_geo_rs"]["final_accuracy"]["mean"] < 0.3
         assert rows["int4 decoupled_geo_rs"]["kept_fraction"]["mean"] < 0.1
         # sequence rejection's band: 68% to 72% of the tokens kept on the records
         assert 0.5 < rows["int4 decoupled_seq_is_rs"]["kept_fraction"]["mean"] < 0.9
-    # RL's loss at int4: on the records its mean is 3.7 and 7 standard errors below 0
+    # RL's loss at int4: on the records its mean is 7 and 2.1 standard errors below 0
     assert table["rl"]["int4 none"]["difference"]["mean"] < 0
-    # the sampler's log-probs in OPD's reward: -0.274 and -0.227 on the records, each more than
+    # the sampler's log-probs in OPD's reward: -0.230 and -0.268 on the records, each more than
     # 3 standard errors (0.04) below -0.1
     assert table["opd_sampled"]["int4 none, sampler reward"]["difference"]["mean"] < -0.1
 
@@ -1296,15 +1379,31 @@ def test_the_which_switch_sentences_hold_for_its_table():
     at = {label: dict((n, (name, error)) for n, name, error in best)
           for label, _, best in rows}
     assert all(at[label][16][1] >= 0.99 for label in at)
-    assert ("With 1,024 answers and a per-token KL below $10^{-3}$ (`bf16`, `fp16`, `int8`) a "
-            "plain ratio wins (`seq_is` or `token_is`, relative error 0.224); at the toys' "
-            "mismatches of 1 and more, the sequence ratio truncated at 3 "
-            "(`trl_sequence_truncate`).") in page
+    assert ("With 1,024 answers and a per-token KL below $10^{-3}$ (`bf16`, `fp16`, `int8`) "
+            "the error is mostly variance: every estimator but the four sequence bands lies "
+            "within 0.03 of the winner, which changes from row to row (`seq_is`, `vespo`, "
+            "`sapo`, each at a relative error of 0.224). At the toys' mismatches of 1 and more, and at tinylm's `int4`, the sequence "
+            "ratio truncated at 3 wins (`trl_sequence_truncate`).") in page
+    record = json.loads(TINYLM_MISMATCH.read_text())
+    winners = []
     for label, kl, _ in rows:
         if label.startswith("tinylm"):
             assert (kl < 1e-3) == any(s in label for s in ("bf16", "fp16", "int8"))
             if kl < 1e-3:
                 name, error = at[label][1024]
-                assert name in ("seq_is", "token_is") and abs(error - 0.224) <= 5e-4, label
+                winners.append(name)
+                assert abs(error - 0.224) <= 5e-4, label
+                # "within 0.03 of the winner", but the four sequence bands (least_error's
+                # r_n = sqrt(b^2 + N (r_N^2 - b^2) / n) at n = 1024)
+                sampler, N = label.split("`")[1], record["batch_size"]
+                bands = ("geo_rs", "geo_rs_token_tis", "seq_mask_tis", "gspo")
+                errors = [math.sqrt(r["rel_bias"] ** 2
+                                    + N * (r["rel_rmse"] ** 2 - r["rel_bias"] ** 2) / 1024)
+                          for r in record["estimators"][sampler]["tinylm"]
+                          if r["name"] not in bands]
+                assert max(errors) - error < 0.03, (label, max(errors), error)
+            else:
+                assert at[label][1024][0] == "trl_sequence_truncate", label
         elif float(label.rsplit("= ", 1)[1]) >= 1:
             assert at[label][1024][0] == "trl_sequence_truncate", label
+    assert winners == ["seq_is", "vespo", "sapo"]  # bf16, fp16, int8, as the page lists them
