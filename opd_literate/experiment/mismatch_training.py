@@ -16,7 +16,8 @@ teacher-forced ones by float32 rounding only, the on-policy reference).
 
 **The loss of one model**, with $w_t$ and the kept tokens $K$ from
 [opd_literate.mismatch.correction.rollout_correction][] at one of verl's presets
-(``PRESETS``), and $A_t$ the advantage of token $t$,
+(``PRESETS``), or from one of ``PEER_CORRECTIONS`` (``correction_weights``), and $A_t$ the
+advantage of token $t$,
 
 $$
 L = -\frac{1}{|K|} \sum_{(b, t) \in K} \mathrm{sg}(w_{b,t})\, A_{b,t}\,
