@@ -46,8 +46,11 @@ $\tilde{\mathcal{M}} = \mathbb{E}_\rho[\mathrm{KL}(\pi_x \,\|\, \tilde q_x)]$.
 \mathrm{KL}(\pi_x \,\|\, q_{k,x})\big]$. As $\sum_k w_k \log q_k(y)$ is a sum over tokens,
 
 $$
-\sum_k w_k\, \mathrm{KL}(\pi \,\|\, q_k) = \mathrm{KL}(\pi \,\|\, G) - \log Z, \qquad
-G(y) = \frac{1}{Z} \prod_k q_k(y)^{w_k}, \quad Z = \sum_y \prod_k q_k(y)^{w_k} \le 1,
+\sum_k w_k\, \mathrm{KL}(\pi \,\|\, q_k) = \mathrm{KL}(\pi \,\|\, G) - \log Z,
+$$
+
+$$
+G(y) = \frac{1}{Z} \prod_k q_k(y)^{w_k}, \qquad Z = \sum_y \prod_k q_k(y)^{w_k} \le 1,
 $$
 
 so its minimiser over all distributions of responses is the normalised geometric mean $G$, a
@@ -67,7 +70,10 @@ $p_k(y) = w_k q_k(y) / \bar q(y)$, one has $\log \bar q(y) - \sum_k w_k \log q_k
 
 $$
 \mathcal{S} - \bar{\mathcal{M}} = \mathbb{E}_\rho\, \mathbb{E}_{y \sim \pi_x}
-\big[\mathrm{KL}(w \,\|\, p(y))\big] \ge 0, \qquad
+\big[\mathrm{KL}(w \,\|\, p(y))\big] \ge 0,
+$$
+
+$$
 \nabla \mathcal{S} - \nabla \bar{\mathcal{M}}
 = \mathbb{E}_\rho\, \mathbb{E}_{\pi_x}\big[\mathrm{KL}(w \,\|\, p(y))\, \nabla \log \pi_x(y)\big]
 $$

@@ -651,16 +651,21 @@ def _experiment_numbers(position):
     return curves
 
 
-def _retokenization_numbers(position):
-    """Each method's relative gradient error over the draws, at (kind, gradient)."""
+@functools.lru_cache(maxsize=None)
+def _retokenization_biases(kind):
+    """``bias`` of each method of TABLE_METHODS on each draw of ``kind`` (both gradients)."""
     from opd_literate.teachers.cross_tokenizer import TABLE_METHODS, bias, make_cross_toy
 
-    kind, gradient = position
-    key = "rel_norm" if gradient == "pathwise" else "total_rel_norm"
     toys = [make_cross_toy(kind, T=3, seed=seed, scale=explorables.RETOKENIZATION_SCALE)
             for seed in explorables.RETOKENIZATION_SEEDS]
-    return [[bias(toy, method, **options)[key] for toy in toys]
-            for _, method, options in TABLE_METHODS]
+    return [[bias(toy, method, **options) for toy in toys] for _, method, options in TABLE_METHODS]
+
+
+def _retokenization_numbers(position):
+    """Each method's relative gradient error over the draws, at (kind, gradient)."""
+    kind, gradient = position
+    key = "rel_norm" if gradient == "pathwise" else "total_rel_norm"
+    return [[b[key] for b in method] for method in _retokenization_biases(kind)]
 
 
 # (page, figure, its positions, the label of each, the library's numbers at a position)
