@@ -257,14 +257,9 @@ RETOKENIZATION_KINDS = ("identical", "teacher_merges", "student_merges", "non_re
 RETOKENIZATION_GRADIENTS = ("pathwise", "total")
 RETOKENIZATION_SEEDS = tuple(range(40))
 RETOKENIZATION_SCALE = 1.5
-RETOKENIZATION_POSITIONS = tuple((kind, gradient) for kind in RETOKENIZATION_KINDS
-                                 for gradient in RETOKENIZATION_GRADIENTS)
-RETOKENIZATION_START = RETOKENIZATION_POSITIONS.index(("non_refining", "pathwise"))
-
-
-def retokenization_label(position) -> str:
-    kind, gradient = position
-    return f"{kind}, {gradient}"
+# one figure a gradient, one slider position a pair of tokenizers (eight positions' labels
+# would not fit the rail: plotly would show every other one)
+RETOKENIZATION_START = RETOKENIZATION_KINDS.index("non_refining")
 
 
 def retokenization_explorer_data() -> dict:
@@ -286,13 +281,14 @@ def retokenization_explorer_data() -> dict:
     return data
 
 
-def _retokenization_figure(data: dict):
-    """One set of points per method; the slider picks the pair of tokenizers and the gradient,
-    and restyles the points' ``x`` and ``y`` (the legend, and what the reader hid in it, stay)."""
+def _retokenization_figure(data: dict, gradient: str):
+    """One set of points per method, for the ``gradient`` of ``RETOKENIZATION_GRADIENTS``; the
+    slider picks the pair of tokenizers and restyles the points' ``x`` and ``y`` (the legend,
+    and what the reader hid in it, stay)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    start = data[RETOKENIZATION_POSITIONS[RETOKENIZATION_START]]
+    start = data[RETOKENIZATION_KINDS[RETOKENIZATION_START], gradient]
     palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
     methods = list(start["rel_error"])
     for m, method in enumerate(methods):
@@ -301,18 +297,20 @@ def _retokenization_figure(data: dict):
             visible=True, marker={"color": palette[m % len(palette)], "size": 7, "opacity": 0.8},
             hovertemplate=f"{method}<br>share %{{x:.3f}}: %{{y:.3f}}<extra></extra>"))
     steps = []
-    for position in RETOKENIZATION_POSITIONS:
-        record = data[position]
-        steps.append({"method": "restyle", "label": retokenization_label(position),
+    for kind in RETOKENIZATION_KINDS:
+        record = data[kind, gradient]
+        steps.append({"method": "restyle", "label": kind,
                       "args": [{"x": [record["share"]] * len(methods),
                                 "y": [record["rel_error"][m] for m in methods]}]})
+    what = {"pathwise": "pathwise gradient (what a trainer gets)",
+            "total": "gradient of its expected loss"}[gradient]
     fig.update_layout(
-        title={"text": "Each cross-tokenizer loss's exact gradient error against how often the "
-                       "teacher tokenizes the student's response differently, over 40 random "
-                       "pairs of models", "font": {"size": 15}},
+        title={"text": f"Each cross-tokenizer loss's exact error in the {what}, against how "
+                       "often the teacher tokenizes the student's response differently, over 40 "
+                       "random pairs of models", "font": {"size": 15}},
         sliders=[{"active": RETOKENIZATION_START, "steps": steps,
-                  "currentvalue": {"prefix": "tokenizers, gradient: "}, "pad": {"t": 55}}],
-        xaxis_title="share of responses retokenized", yaxis_title="relative error of the gradient",
+                  "currentvalue": {"prefix": "tokenizers: "}, "pad": {"t": 55}}],
+        xaxis_title="share of responses retokenized", yaxis_title="relative error",
         height=520, margin={"l": 10, "r": 20, "t": 60, "b": 20},
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom"},
         paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
@@ -400,6 +398,7 @@ def fragments() -> dict[str, str]:
         threshold_explorer_data(), THRESHOLD_NAMES, THRESHOLD_START, "threshold C = ",
         f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}")
     best_data = best_estimator_data()
+    retokenization = retokenization_explorer_data()
     return {
         "explore_mismatch.html": _html(mismatch, "explore-mismatch", _bars_narrow(mismatch)),
         "explore_threshold.html": _html(threshold, "explore-threshold", _bars_narrow(threshold)),
@@ -407,8 +406,9 @@ def fragments() -> dict[str, str]:
                                          "explore-experiment"),
         "explore_best.html": _html(_best_estimator_figure(best_data), "explore-best",
                                    after=best_legend(best_colours(best_data))),
-        "explore_retokenization.html": _html(
-            _retokenization_figure(retokenization_explorer_data()), "explore-retokenization"),
+        **{f"explore_retokenization_{gradient}.html": _html(
+            _retokenization_figure(retokenization, gradient),
+            f"explore-retokenization-{gradient}") for gradient in RETOKENIZATION_GRADIENTS},
     }
 
 

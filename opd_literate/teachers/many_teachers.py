@@ -15,8 +15,8 @@ prompt with its own student parameters $\theta_x$ (or one shared student, below)
 $q_{k,x}(y)$ of the same form, and a **source** $r(x) \in \{0, \dots, K - 1\}$ per prompt that
 names the teacher meant for it. All three objectives are expectations over $\rho$ of a
 per-prompt reverse KL, and for any teacher sequence distribution $q$ that does not depend on
-$\theta$ (normalised or not), $\nabla_\theta \mathbb{E}_\pi[\log \pi(y) - \log q(y)] =
-\mathbb{E}_\pi[(\log \pi(y) - \log q(y))\, \nabla \log \pi(y)]$ because
+$\theta$ (normalised or not), $\nabla_\theta \mathbb{E}_\pi[\log \pi(y) - \log q(y)]$ is
+$\mathbb{E}_\pi[(\log \pi(y) - \log q(y))\, \nabla \log \pi(y)]$ because
 $\mathbb{E}_\pi[\nabla \log \pi] = 0$: each exact gradient below is that sum over the enumerated
 responses.
 
@@ -65,8 +65,8 @@ Z_t(y_{<t})]$: the second term rewards reaching prefixes where the teachers agre
 minimiser is not the per-state geometric mean.
 
 **(b) against (c).** With the posterior over teachers given the whole response,
-$p_k(y) = w_k q_k(y) / \bar q(y)$, one has $\log \bar q(y) - \sum_k w_k \log q_k(y) =
-\sum_k w_k \log (w_k / p_k(y))$, so
+$p_k(y) = w_k q_k(y) / \bar q(y)$, the difference $\log \bar q(y) - \sum_k w_k \log q_k(y)$
+is $\sum_k w_k \log (w_k / p_k(y))$, so
 
 $$
 \mathcal{S} - \bar{\mathcal{M}} = \mathbb{E}_\rho\, \mathbb{E}_{y \sim \pi_x}
@@ -420,8 +420,9 @@ def objective(prompts, kind, weights=None):
     --------
     A uniform student, teachers $(0.8, 0.2)$ and $(0.2, 0.8)$ with weights $(0.5, 0.5)$: the
     mixture is uniform, so its KL is 0, while the weighted sum is $\mathrm{KL}(u \,\|\, (0.8,
-    0.2)) = \tfrac12 \log \tfrac{0.5}{0.8} + \tfrac12 \log \tfrac{0.5}{0.2} = \log 1.25$; the
-    uniform student is the minimiser of both (the geometric mean of the teachers is uniform):
+    0.2))$, that is $\tfrac12 \log \tfrac{0.5}{0.8} + \tfrac12 \log \tfrac{0.5}{0.2} = \log
+    1.25$; the uniform student is the minimiser of both (the geometric mean of the teachers
+    is uniform):
 
     >>> prompts = prompts_from_logits(np.log([[[0.5, 0.5]]]),
     ...                               np.log([[[[0.8, 0.2]], [[0.2, 0.8]]]]), [1.0], [0])

@@ -535,7 +535,7 @@ def test_every_explorable_fits_its_figure_and_its_panels_stack_on_a_phone(full_s
         page.wait_for_timeout(300)
         seen += page.evaluate(_EXPLORABLE_FIT)
     page.close()
-    assert len(seen) == 5, seen
+    assert len(seen) == 6, seen
     assert all(f["inside"] and not f["overlap"] for f in seen), seen
     # the two-panel bar charts: side by side at a laptop's width, stacked on a phone
     bars = [f["stacked"] for f in seen if f["stacked"] is not None]
@@ -661,11 +661,10 @@ def _retokenization_biases(kind):
     return [[bias(toy, method, **options) for toy in toys] for _, method, options in TABLE_METHODS]
 
 
-def _retokenization_numbers(position):
-    """Each method's relative gradient error over the draws, at (kind, gradient)."""
-    kind, gradient = position
+def _retokenization_numbers(gradient):
+    """Each method's relative error of ``gradient`` over the draws, for a pair of tokenizers."""
     key = "rel_norm" if gradient == "pathwise" else "total_rel_norm"
-    return [[b[key] for b in method] for method in _retokenization_biases(kind)]
+    return lambda kind: [[b[key] for b in method] for method in _retokenization_biases(kind)]
 
 
 # (page, figure, its positions, the label of each, the library's numbers at a position)
@@ -673,8 +672,8 @@ EXPLORABLES = [
     ("mismatch", "explore-mismatch", "MISMATCHES", lambda m: f"{m:g}", _mismatch_numbers),
     ("mismatch", "explore-threshold", "THRESHOLDS", lambda c: f"{c:g}", _threshold_numbers),
     ("experiment", "explore-experiment", None, None, _experiment_numbers),
-    ("teachers", "explore-retokenization", "RETOKENIZATION_POSITIONS",
-     explorables.retokenization_label, _retokenization_numbers),
+    *[("teachers", f"explore-retokenization-{gradient}", "RETOKENIZATION_KINDS", str,
+       _retokenization_numbers(gradient)) for gradient in explorables.RETOKENIZATION_GRADIENTS],
 ]
 
 
