@@ -135,6 +135,10 @@ REFUSALS = [
      TypeError, "teacher_logits must have a floating dtype, got torch.int64"),
     (lambda: support_bias(CHOICES[0], 1, torch.zeros(1, 4), torch.zeros(1, 1, 4)), ValueError,
      "teacher_logits must have 2 dimensions, got shape (1, 1, 4) (3 dimensions)"),
+    # _check_choice 9, 13 (low=0.0 dropped: a negative beta reached the loss, whose message
+    # names beta, not choice.beta)
+    (lambda: support_bias(Choice("x", "y", "union", -0.5, "tail"), 1, torch.zeros(1, 4),
+                          torch.zeros(1, 4)), ValueError, "choice.beta must be >= 0.0, got -0.5"),
     # support_study 8 (a float V), 14 (a bool positions), 29 (a bool k)
     (lambda: sp.support_study(V=4.0), ValueError, "V must be an int >= 2, got 4.0"),
     (lambda: sp.support_study(V=8, positions=True), ValueError,
@@ -165,9 +169,9 @@ def test_the_mass_message_names_the_first_position_above_one():
 
 
 def test_the_smallest_vocabulary_and_a_single_position_are_accepted():
-    # support_study 10, 11 (V <= 2, V < 3) and 16, 17 (positions <= 1, < 2)
-    data = sp.support_study(V=2, positions=1, ks=[1], choices=CHOICES[:1])
-    assert (data["V"], data["positions"], [r["k"] for r in data["rows"]]) == (2, 1, [1])
+    # support_study 10, 11 (V <= 2, V < 3), 16, 17 (positions <= 1, < 2) and 34 (k < V)
+    data = sp.support_study(V=2, positions=1, ks=[1, 2], choices=CHOICES[:1])
+    assert (data["V"], data["positions"], [r["k"] for r in data["rows"]]) == (2, 1, [1, 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,7 +626,7 @@ _TABLE_ROWS = [
      "clamped": None},
     {"label": "clamped", "framework": "verl", "k": 1, "rel_bias": -0.75, "rel_grad_error": 1.5,
      "clamped": 0.25},
-    {"label": "clamped", "framework": "verl", "k": 8, "rel_bias": 0.0, "rel_grad_error": 0.5,
+    {"label": "clamped", "framework": "verl", "k": 8, "rel_bias": -0.0, "rel_grad_error": 0.5,
      "clamped": 0.0},
     {"label": "bound", "framework": "none", "k": 1, "rel_bias": 2.0, "rel_grad_error": None,
      "clamped": None},
@@ -634,7 +638,8 @@ _TABLE_ROWS = [
 
 
 def test_the_table_line_by_line():
-    # format_support_table 19, 21, 22, 23 (the separator), 39 (the framework), 67 (the cell)
+    # format_support_table 19, 21, 22, 23 (the separator), 39 (the framework), 67 (the cell),
+    # 60 (- 0.0: a bias of -0.0 printed "-0.000")
     table = sp.format_support_table({"ks": [1, 8], "rows": _TABLE_ROWS}, ks=(1, 8))
     assert table.splitlines() == [
         "| choice | used by | k = 1 | k = 8 |",
