@@ -722,23 +722,25 @@ def _figure_data():
     return {"V": 64, "positions": 3, "ks": _KS, "rows": rows}
 
 
-@pytest.fixture(scope="module")
-def figure(tmp_path_factory):
-    """The figure of the hand-made data, kept open (plt.close captured), drawn once with Agg."""
+def test_the_figure_holds_its_data_styles_and_layout(tmp_path, monkeypatch):
+    """One test draws the figure (about a second) and reads it: mutmut runs the tests that
+    call plot_support_bias, so the checks sit in the test that draws it."""
     import matplotlib.pyplot as plt
 
     data = _figure_data()
     captured = []
-    close = plt.close
-    plt.close = captured.append
-    try:
-        path = sp.plot_support_bias(tmp_path_factory.mktemp("fig") / "s.svg", data)
-    finally:
-        plt.close = close
+    monkeypatch.setattr(plt, "close", captured.append)
+    sp.plot_support_bias(tmp_path / "s.svg", data)
+    monkeypatch.undo()
     (fig,) = captured
     fig.canvas.draw()
-    yield fig, data, path
-    plt.close(fig)
+    try:
+        _check_size_and_shared_axis(fig)
+        _check_lines(fig, data)
+        _check_axes(fig)
+        _check_legends_and_layout(fig)
+    finally:
+        plt.close(fig)
 
 
 def test_the_default_data_is_the_study(tmp_path, monkeypatch):
@@ -756,19 +758,17 @@ def test_the_default_data_is_the_study(tmp_path, monkeypatch):
     plt.close(fig)
 
 
-def test_the_figures_size_and_shared_axis(figure):
+def _check_size_and_shared_axis(fig):
     # plot_support_bias 26, 30, 34 (the height), 27, 31, 35 (the k axis not shared)
-    fig, _, _ = figure
     assert tuple(fig.get_size_inches()) == (7.0, 9.0)
     value, gradient, clamped = fig.axes
     shared = value.get_shared_x_axes()
     assert shared.joined(value, gradient) and shared.joined(value, clamped)
 
 
-def test_the_lines_styles_and_data(figure):
+def _check_lines(fig, data):
     from matplotlib.colors import to_rgba
 
-    fig, data, _ = figure
     value, gradient, clamped = fig.axes
     choices = {c.label: c for c in CHOICES}
     for axis, key in ((value, "rel_bias"), (gradient, "rel_grad_error"), (clamped, "clamped")):
@@ -806,8 +806,7 @@ def test_the_lines_styles_and_data(figure):
     assert to_rgba(zero.get_color()) == to_rgba("black") and zero.get_linewidth() == 0.6
 
 
-def test_the_axes_scales_limits_and_grids(figure):
-    fig, _, _ = figure
+def _check_axes(fig):
     value, gradient, clamped = fig.axes
     # 225, 226, 230, 231: symlog linear in [-1, 1], its linear part two decades wide
     scale = value.yaxis.get_transform()
@@ -828,8 +827,7 @@ def _extent(artist, fig):
         fig.transFigure.inverted())
 
 
-def test_the_legends_and_the_layout(figure):
-    fig, _, _ = figure
+def _check_legends_and_layout(fig):
     value, gradient, clamped = fig.axes
     # 275 (loc="best"): the third panel's legend in its upper right corner (its data fill the
     # top right, so "best" would put it elsewhere); the corner's pad is 0.4 font sizes
