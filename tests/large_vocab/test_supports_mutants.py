@@ -504,9 +504,10 @@ def test_a_bfloat16_report_is_summed_in_float32():
 
 
 def test_a_mass_exactly_at_the_tolerance_is_accepted():
-    # _check_support 201 (>= in the index the message names): position 0's mass is exactly
-    # 1 + tolerance in float32 (found by walking one log-probability ulp by ulp, with the same
-    # logsumexp on the same (2, 2) tensor as the check), position 1's is refused
+    # _check_support 196 (>= in the test), 201 (>= in the index the message names): position
+    # 0's mass is exactly 1 + tolerance in float32 (found by walking one log-probability ulp by
+    # ulp, with the same logsumexp on the same (2, 2) tensor as the check); it is accepted, and
+    # with position 1's mass 1.5 the message names position 1
     edge = torch.tensor(1 + math.sqrt(EPS32) + 8 * EPS32, dtype=F32)
     half = torch.tensor(math.log(edge.item() / 2), dtype=F32)
     over = torch.log(torch.tensor([0.75, 0.75]))
@@ -521,7 +522,11 @@ def test_a_mass_exactly_at_the_tolerance_is_accepted():
             found = logp
             break
     assert found is not None
-    support = Support(torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2, dtype=torch.bool), found)
+    ids, valid = torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2, dtype=torch.bool)
+    below = torch.stack([found[0], torch.log(torch.tensor([0.25, 0.25]))])
+    assert torch.logsumexp(below, dim=-1, keepdim=True)[0, 0].exp() == edge
+    support_divergence(torch.zeros(2, 4), Support(ids, valid, below), beta=0.5)
+    support = Support(ids, valid, found)
     with pytest.raises(ValueError, match=r"sum to 1\.5 > 1 in probability at position \(1,\)$"):
         support_divergence(torch.zeros(2, 4), support, beta=0.5)
 
@@ -723,8 +728,8 @@ def _figure_data():
 
 
 def test_the_figure_holds_its_data_styles_and_layout(tmp_path, monkeypatch):
-    """One test draws the figure (about a second) and reads it: mutmut runs the tests that
-    call plot_support_bias, so the checks sit in the test that draws it."""
+    # one test draws the figure (about a second) and reads it: mutmut runs only the tests that
+    # call plot_support_bias, so a module fixture would leave the other tests out
     import matplotlib.pyplot as plt
 
     data = _figure_data()
