@@ -135,6 +135,17 @@ def check_mask(mask, like_name: str, like_shape: tuple[int, ...]) -> torch.Tenso
     return mask != 0
 
 
+def check_positive_int(name: str, value) -> int:
+    """Return ``value`` as an int, or raise unless it is an integer >= 1 (a bool is refused)."""
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
 def check_finite_number(name: str, value, low: float | None = None, high: float | None = None,
                         allow_inf: bool = False, positive: bool = False) -> float:
     """Return ``value`` as a float, or raise if it is not a real number in ``[low, high]``.

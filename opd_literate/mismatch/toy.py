@@ -71,7 +71,7 @@ import math
 
 import numpy as np
 
-from .._numerics import check_finite_number
+from .._numerics import check_finite_number, check_positive_int
 
 __all__ = [
     "MAX_TOY_BYTES",
@@ -198,7 +198,7 @@ def make_toy(T=6, V=4, mismatch=0.3, seed=0):
     >>> round(float(J - (1 - (1 - pi0[0]) * (1 - pi0[1]))), 12)
     0.0
     """
-    T, V = _check_size("T", T), _check_size("V", V)
+    T, V = check_positive_int("T", T), check_positive_int("V", V)
     mismatch = _check_mismatch(mismatch)
     _check_toy_size(T, V, "make_toy")
 
@@ -312,14 +312,6 @@ def _check_mismatch(mismatch):
             "compute its probabilities"
         )
     return mismatch
-
-
-def _check_size(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
 
 
 # What opd_mismatch.add_teacher adds to a toy.
@@ -508,7 +500,7 @@ def ar_num_responses(T, V, eos=True):
     >>> ar_num_responses(2, 2), ar_num_responses(5, 3), ar_num_responses(5, 3, eos=False)
     (3, 63, 243)
     """
-    T, V = _check_size("T", T), _check_size("V", V)
+    T, V = check_positive_int("T", T), check_positive_int("V", V)
     if not eos:
         return V**T
     return sum((V - 1) ** k for k in range(T + 1))
@@ -620,7 +612,7 @@ def make_ar_toy(T=5, V=3, mismatch=0.3, seed=0, eos=True):
     >>> toy["prev"].tolist(), float(np.abs(toy["score"][2, 1]).max())
     ([[0, 1], [0, 1], [0, 2]], 0.0)
     """
-    T, V = _check_size("T", T), _check_size("V", V)
+    T, V = check_positive_int("T", T), check_positive_int("V", V)
     mismatch = _check_mismatch(mismatch)
     eos = _check_eos(eos, V)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:

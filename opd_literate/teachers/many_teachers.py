@@ -154,7 +154,12 @@ import math
 
 import numpy as np
 
-from .._numerics import check_finite_number, check_real_array, check_sequence
+from .._numerics import (
+    check_finite_number,
+    check_positive_int,
+    check_real_array,
+    check_sequence,
+)
 from ..mismatch.opd_mismatch import opd_estimate
 from ..mismatch.toy import ar_toy_from_logits, log_softmax, response_mask, toy_from_logits
 
@@ -203,12 +208,12 @@ def make_prompts(P=3, K=3, T=3, V=3, *, autoregressive=False, eos=True, seed=0,
     >>> prompts["toys"][0]["logp_teachers"].shape  # (K, M, T)
     (2, 4, 2)
     """
-    P, K = _check_count("P", P), _check_count("K", K)
+    P, K = check_positive_int("P", P), check_positive_int("K", K)
     if not isinstance(autoregressive, bool):
         raise TypeError(f"autoregressive must be True or False, got {autoregressive!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    T, V = _check_count("T", T), _check_count("V", V)
+    T, V = check_positive_int("T", T), check_positive_int("V", V)
     scale = check_finite_number("teacher_scale", teacher_scale, low=0.0)
     shape = (T, V + 1, V) if autoregressive else (T, V)
     rng = np.random.default_rng(seed)
@@ -671,14 +676,6 @@ def _relative(error, target):
 def _eos(prompts):
     toy = prompts["toys"][0]
     return toy.get("eos") is not None
-
-
-def _check_count(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
 
 
 def _check_kind(kind):
