@@ -8,14 +8,9 @@ import re
 import explorables  # a docs hook (tests/site/conftest.py)
 import numpy as np
 
+from opd_literate.experiment.quantized import rank_correlation
 from opd_literate.teachers import cross_tokenizer as xt
 from tests.helpers.committed import assert_matches_committed
-
-
-def _rank_correlation(a, b):
-    """Spearman's: the Pearson correlation of the ranks (the draws have no ties)."""
-    ranks = [np.argsort(np.argsort(np.asarray(v))) for v in (a, b)]
-    return float(np.corrcoef(*ranks)[0, 1])
 
 
 def test_the_chapters_sentences_on_the_bias_against_the_retokenized_share():
@@ -50,7 +45,7 @@ def test_the_chapters_sentences_on_the_bias_against_the_retokenized_share():
     stated = numbers(r"has a rank correlation with the share of N, N and N on `teacher_merges`, "
                      r"`student_merges` and `non_refining`, and its median, N, N and N, is the "
                      r"least of the five losses on each pair")
-    total = [_rank_correlation(shares(k), errors(k, projection, "total_rel_norm")) for k in kinds]
+    total = [rank_correlation(shares(k), errors(k, projection, "total_rel_norm")) for k in kinds]
     medians = [float(np.median(errors(k, projection, "total_rel_norm"))) for k in kinds]
     assert_matches_committed(total + medians, stated, rtol=0, atol=5e-4, why=why)
     for kind in kinds:
@@ -59,7 +54,7 @@ def test_the_chapters_sentences_on_the_bias_against_the_retokenized_share():
     low, high, c_low, c_high = numbers(r"its median error is between N and N on the three pairs, "
                                        r"whatever the share \(rank correlations from N to N\)")
     uld_medians = [float(np.median(errors(k, uld, "total_rel_norm"))) for k in kinds]
-    uld_total = [_rank_correlation(shares(k), errors(k, uld, "total_rel_norm")) for k in kinds]
+    uld_total = [rank_correlation(shares(k), errors(k, uld, "total_rel_norm")) for k in kinds]
     assert_matches_committed([min(uld_medians), max(uld_medians), min(uld_total),
                               max(uld_total)], [low, high, c_low, c_high], rtol=0, atol=5e-4,
                              why=why)
@@ -68,7 +63,7 @@ def test_the_chapters_sentences_on_the_bias_against_the_retokenized_share():
         r"with no trend in the share \(rank correlations from N to N\), as on `identical`, where "
         r"it is N:")
     path = [float(np.median(errors(k, projection, "rel_norm"))) for k in kinds]
-    path_rank = [_rank_correlation(shares(k), errors(k, projection, "rel_norm")) for k in kinds]
+    path_rank = [rank_correlation(shares(k), errors(k, projection, "rel_norm")) for k in kinds]
     identical = float(np.median(errors("identical", projection, "rel_norm")))
     assert_matches_committed([min(path), max(path), min(path_rank), max(path_rank), identical],
                              [low, high, c_low, c_high, same], rtol=0, atol=5e-4, why=why)
