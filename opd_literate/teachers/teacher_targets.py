@@ -134,9 +134,7 @@ def teacher_target_logprobs(teacher_logp, mask, kind, weights=None, routes=None)
     w = _check_weights(weights, K, B, dtype, device).T[:, :, None]  # (K, B, 1)
     if kind == "weighted_kl":
         return (w * log_q).sum(0)  # a zero weight times a finite log q: 0
-    # log w is -inf for a weight 0: that teacher drops out of the log-sum-exp
-    log_w = torch.where(w > 0, w.clamp_min(torch.finfo(dtype).tiny).log(),
-                        torch.full_like(w, -torch.inf))
+    log_w = w.log()  # -inf for a weight 0: that teacher drops out of the log-sum-exp
     if kind == "token_mixture":
         target = torch.logsumexp(log_w + log_q, dim=0)
     else:
