@@ -2268,7 +2268,10 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
     ``"k2+"`` is ``"k2"``) computes these since commit ``7e80ab0`` (PR #6058, April 2026): before
     it, e.g. at b178a3c, verl passed the suffixed name on and every ``"+"`` name raised
     ``NotImplementedError``. verl's k3 clamps $-d$ to $\pm 20$ and the value to $\pm 10$; this
-    one is [opd_literate.opd.kl_estimator][]'s, unclamped.
+    one is [opd_literate.opd.kl_estimator][]'s, unclamped, so it refuses (``ValueError``) a
+    k3 whose value $e^{-d} - 1 + d$ overflows the compute dtype, or, when ``trainer_logp``
+    requires a gradient, whose gradient $1 - e^{-d}$ overflows ``trainer_logp``'s own dtype
+    (autograd returns it there: $e^{11.1}$ in float16, $e^{88.7}$ in bfloat16 and float32).
 
     Returns
     -------
@@ -2298,15 +2301,22 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
         # straight through: the value of k, the gradient of k2
         value = k2 - k2.detach() + value.detach()
     _check_kl_fits(value, trainer, ref, mask, kind)
+    if kind == "k3" and trainer_logp.requires_grad and torch.is_grad_enabled():
+        # autograd hands d k3 / d trainer_logp = 1 - e^{-d} back in trainer_logp's own dtype,
+        # which can be narrower than the compute dtype (a bf16 trainer beside a float64 ref)
+        grad = 1 - torch.exp(ref - trainer.detach())
+        limit = torch.finfo(trainer_logp.dtype).max
+        _check_kl_fits(grad, trainer, ref, mask & ~(grad.abs() <= limit), kind,
+                       f"in its gradient, returned as {trainer_logp.dtype}")
     return select(mask, value)
 
 
-def _check_kl_fits(value, trainer, ref, mask, kind):
+def _check_kl_fits(value, trainer, ref, mask, kind, what=None):
     """Refuse a KL estimate that overflows its dtype (k3's e^{-d} beyond e^88 in float32)."""
-    bad = mask & ~torch.isfinite(value.detach())
+    bad = mask & ~torch.isfinite(value.detach()) if what is None else mask
     if bool(bad.any()):
         b, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"kl_penalty {kind!r} overflows {value.dtype} at position ({b}, {t}): "
+            f"kl_penalty {kind!r} overflows {what or value.dtype} at position ({b}, {t}): "
             f"d = trainer_logp - ref_logp = {(trainer[b, t] - ref[b, t]).item()!r}; "
             "use float64 inputs, or k1 or k2 (which grow like d and d^2, not e^{-d})")

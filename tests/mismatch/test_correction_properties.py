@@ -377,9 +377,12 @@ def test_kl_penalty(case, kind, shift, data):
     case = dict(case, sampler=case["sampler"] + shift)
     trainer, ref, mask = case["trainer"], case["sampler"], case["mask"]
     dtype = compute_dtype(trainer.dtype, ref.dtype)
-    # k3's value e^{-d} - 1 + d overflows where -d > log(max): refused, never inf
+    # k3's value e^{-d} - 1 + d overflows where -d > log(max): refused, never inf; its gradient
+    # 1 - e^{-d} comes back in the trainer's dtype, which may be narrower (fp16 beside float64)
     d = (trainer.double() - ref.double())[case["bool_mask"]]
     log_max = math.log(torch.finfo(dtype).max)
+    if kind == "k3":
+        log_max = min(log_max, math.log(torch.finfo(trainer.dtype).max))
     overflow = kind.startswith("k3") and d.numel() > 0 and -d.min().item() > log_max + 1
     fits = not kind.startswith("k3") or d.numel() == 0 or -d.min().item() < log_max - 1
     try:
@@ -979,6 +982,30 @@ def test_k3_just_inside_float32_is_finite_and_beyond_is_refused():
         C.kl_penalty(torch.zeros(1, 2), torch.tensor([[0.0, 100.0]]), torch.ones(1, 2), "k3")
     assert "kl_penalty 'k3' overflows" in str(err.value)
     assert "d = trainer_logp - ref_logp = -100.0; use float64 inputs" in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_k3_gradient_overflowing_the_trainers_dtype_is_refused(dtype):
+    # found by the 'ci' profile: d = -100 fits float64's value, but the gradient 1 - e^{100}
+    # autograd returns in the trainer's dtype was -inf
+    trainer = torch.tensor([[-0.0003]], dtype=dtype)
+    ref = torch.tensor([[100.0]], dtype=torch.float64)
+    mask = torch.ones(1, 1)
+    t = trainer.double().item()  # -0.0003 as the dtype rounds it
+    k = C.kl_penalty(trainer, ref, mask, "k3")  # no gradient asked: the float64 value is finite
+    assert k.dtype == torch.float64
+    assert k.item() == pytest.approx(math.exp(100 - t) - 1 + t - 100, rel=1e-12)
+    with pytest.raises(ValueError, match=rf"overflows in its gradient, returned as {dtype}"):
+        C.kl_penalty(trainer.clone().requires_grad_(), ref, mask, "k3")
+    # k3+ takes k2's gradient d, which fits
+    x = trainer.clone().requires_grad_()
+    C.kl_penalty(x, ref, mask, "k3+").sum().backward()
+    assert torch.isfinite(x.grad).all()
+    # d = -10: e^{10} fits every dtype's gradient (float16's max is e^{11.09})
+    x = trainer.clone().requires_grad_()
+    C.kl_penalty(x, ref - 90, mask, "k3").sum().backward()
+    # the float64 gradient rounded once to the trainer's dtype (within its half ulp)
+    assert x.grad.item() == pytest.approx(1 - math.exp(10 - t), rel=torch.finfo(dtype).eps)
 
 
 # ---------------------------------------------------------------------------------------------
