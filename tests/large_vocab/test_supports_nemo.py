@@ -342,6 +342,8 @@ def test_bad_tensors_are_refused_by_name():
      "choice.kl_type must be one of ('forward', 'reverse', 'mixed'), got 'jsd'"),
     (NemoChoice("x", "y", "mixed", 2.0), ValueError,
      "choice.mixed_kl_weight must be <= 1.0, got 2.0"),
+    (NemoChoice("x", "y", "mixed", -0.5), ValueError,
+     "choice.mixed_kl_weight must be >= 0.0, got -0.5"),
     (NemoChoice("x", "y", "mixed", math.nan), ValueError,
      "choice.mixed_kl_weight must be a finite number, got nan"),
     (NemoChoice("x", "y", "mixed", zero_outside_topk=0), TypeError,
