@@ -1042,12 +1042,9 @@ def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES)
     its exact relative bias against the three gradients it could be meant to estimate.
 
     For each ``(label, options)`` of ``choices``, ``engine_toy(toy, temperature=..., top_p=...,
-    **options)`` and the mean of ``seq_is`` on it, against $
-abla J_	au$ (``true_grad``),
-    $
-abla J_	au^W$, the objective with the reward of every sequence the engine cannot write
-    set to 0 (``true_grad - truncated_grad``), and $
-abla \mathbb{E}_{\pi_S}[R]$, the gradient
+    **options)`` and the mean of ``seq_is`` on it, against $\nabla J_\tau$ (``true_grad``),
+    $\nabla J_\tau^W$, the objective with the reward of every sequence the engine cannot write
+    set to 0 (``true_grad - truncated_grad``), and $\nabla \mathbb{E}_{\pi_S}[R]$, the gradient
     of the policy as the engine runs it (``masked_grad``): each the norm of the difference over
     the norm of the target.
 
@@ -1058,8 +1055,7 @@ abla \mathbb{E}_{\pi_S}[R]$, the gradient
 
     Examples
     --------
-    The processed log-probs give the exact ratio, unbiased for $
-abla J_	au^W$; with the
+    The processed log-probs give the exact ratio, unbiased for $\nabla J_\tau^W$; with the
     engine's mask replayed the trainer's policy is the engine's, unbiased for its gradient:
 
     >>> rows = kept_mass_table(make_toy(T=2, V=3))
