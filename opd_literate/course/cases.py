@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from .labs import LABS
 
-__all__ = ["Tensor", "Toy", "Call", "Raised", "Case", "Output", "TORCH_DTYPES", "CASES", "cases_of"]
+__all__ = ["Tensor", "Array", "Toy", "Call", "Raised", "Case", "Output", "TORCH_DTYPES", "CASES",
+           "cases_of"]
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
@@ -42,6 +43,14 @@ class Tensor:
     values: np.ndarray
     dtype: str = "float64"
     requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class Array:
+    """An input that the runner builds as a numpy array (a fresh copy for every call), of the
+    dtype of ``values`` (float64, float32, int64 or bool)."""
+
+    values: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -700,7 +709,166 @@ def _opd_hidden():
     ]
 
 
+# --------------------------------------------------------------------------- the engine lab
+ENGINE_TESTS = "tests/test_lab_engine.py::"
+ENGINE_BOUNDARY = [0.5, 0.3, 0.15, 0.05]
+
+
+def _engine_rows(seed, rows=40, V=6):
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.ones(V), size=rows)
+    return probs, np.argsort(-probs, axis=-1, kind="stable")
+
+
+def _framework_cut(sums, top_p, sampler):
+    """The top-p cut as the framework's torch code writes it, on its float32 statistic."""
+    s = torch.from_numpy(np.asarray(sums, dtype=np.float32))  # CPU by design: numpy's
+    if sampler == "sglang":
+        return (~(s > s.new_tensor(top_p))).numpy()
+    if sampler == "vllm":
+        cut = s <= 1 - s.new_tensor(top_p)
+    else:
+        cut = s <= (1 - top_p)
+    cut[..., -1] = False
+    return (~cut).numpy()
+
+
+def _engine_cases():
+    from ..mismatch.engine import NUCLEUS_TOLERANCE
+
+    n = ENGINE_TESTS
+    cases = []
+
+    probs = np.array([[0.15, 0.5, 0.05, 0.3]])
+    order = np.array([[1, 3, 0, 2]])
+
+    def by_hand(out):
+        np.testing.assert_allclose(out["above"].values, [[0.0, 0.5, 0.8, 0.95]], rtol=1e-15,
+                                   atol=1e-16)
+
+    cases.append(Case(n + "test_mass_above_by_hand", 1, {
+        "above": Call("_mass_above", (Array(probs), Array(order)))}, by_hand))
+
+    rows, ranking = _engine_rows(0)
+    expected = np.zeros_like(rows)
+    for row in range(len(rows)):
+        for rank in range(rows.shape[1]):
+            expected[row, rank] = sum(rows[row, ranking[row, r]] for r in range(rank))
+
+    def ranked_before(out):
+        np.testing.assert_allclose(out["above"].values, expected, rtol=1e-12, atol=1e-15)
+
+    cases.append(Case(n + "test_mass_above_sums_what_is_ranked_before", 1, {
+        "above": Call("_mass_above", (Array(rows), Array(ranking)))}, ranked_before))
+
+    above = np.array([[0.0, 0.5, 0.8, 0.95]])
+    for top_p, count in [(0.8, 2), (0.81, 3), (0.5, 1), (0.500000001, 2), (0.01, 1)]:
+        def boundary(out, count=count):
+            kept = [rank < count for rank in range(4)]
+            assert out["rows"].values.tolist() == [kept]
+            assert out["columns"].values.tolist() == [[k] for k in kept]
+
+        cases.append(Case(n + f"test_cut_exact_at_the_boundary[{top_p}-{count}]", 1, {
+            "rows": Call("_cut_exact", (Array(above), top_p)),
+            "columns": Call("_cut_exact", (Array(above.T.copy()), top_p), {"axis": 0})},
+            boundary))
+
+    rows, ranking = _engine_rows(1)
+    ranked = np.take_along_axis(rows, ranking, axis=-1)
+    mass_above = np.cumsum(ranked, axis=-1) - ranked
+    nucleus_levels = (0.3, 0.6, 0.9, 0.99)
+
+    def smallest_set(out, ranked=ranked):
+        for top_p in nucleus_levels:
+            kept = out[str(top_p)].values
+            for row, ranked_row in enumerate(ranked):
+                count = 1 + int((np.cumsum(ranked_row) < top_p - NUCLEUS_TOLERANCE).sum())
+                assert kept[row].tolist() == [r < count for r in range(len(ranked_row))], (
+                    row, top_p)
+
+    cases.append(Case(n + "test_cut_exact_keeps_the_smallest_top_set_that_reaches_top_p", 1,
+                      {str(p): Call("_cut_exact", (Array(mass_above), p))
+                       for p in nucleus_levels},
+                      smallest_set))
+
+    p32 = np.array(ENGINE_BOUNDARY, dtype=np.float32)
+    for sampler, count in [("vllm", 3), ("transformers", 2), ("sglang", 2)]:
+        in_order = p32[::-1].copy() if sampler != "sglang" else p32
+        sums = np.cumsum(in_order, dtype=float).astype(np.float32)
+        if sampler == "sglang":
+            sums = sums - in_order
+
+        def framework_boundary(out, sums=sums, sampler=sampler, count=count):
+            kept = out["kept"]
+            assert kept.dtype == "bool" and int(kept.values.sum()) == count
+            assert kept.values.tolist() == _framework_cut(sums, 0.8, sampler).tolist()
+
+        cases.append(Case(n + f"test_cut_framework_at_the_boundary_by_hand[{sampler}-{count}]",
+                          2, {"kept": Call("_cut_framework", (Array(sums), 0.8, sampler))},
+                          framework_boundary))
+
+    rows, _ = _engine_rows(2, rows=200, V=5)
+    cut_levels = (0.2, 0.5, 0.75, 0.9, 0.95)
+    for sampler in ("vllm", "transformers", "sglang"):
+        r32 = rows.astype(np.float32)
+        framework_order = np.argsort(-r32 if sampler == "sglang" else r32, axis=-1,
+                                     kind="stable")
+        in_order = np.take_along_axis(r32, framework_order, axis=-1)
+        # CPU by design: the judge's own float32 sums, as torch's CPU kernel adds them
+        sums = torch.cumsum(torch.from_numpy(in_order), dim=-1).numpy()
+        if sampler == "sglang":
+            sums = sums - in_order
+
+        def float32_arithmetic(out, sums=sums, sampler=sampler):
+            for top_p in cut_levels:
+                expected = _framework_cut(sums, top_p, sampler)
+                assert np.array_equal(out[f"{top_p}"].values, expected), top_p
+                assert np.array_equal(out[f"{top_p}.T"].values, expected.T), top_p
+
+        calls = {}
+        for top_p in cut_levels:
+            calls[f"{top_p}"] = Call("_cut_framework", (Array(sums), top_p, sampler))
+            calls[f"{top_p}.T"] = Call("_cut_framework", (Array(sums.T.copy()), top_p, sampler),
+                                       {"axis": 0})
+        cases.append(Case(n + f"test_cut_framework_is_the_frameworks_float32_arithmetic"
+                          f"[{sampler}]", 2, calls, float32_arithmetic))
+
+    logits = np.array([[2.0, 0.5, -1.0, 0.0], [0.3, 0.3, 0.3, 0.3]])
+    kept = np.array([[True, False, True, False], [False, True, True, True]])
+    p = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+
+    def kept_mass(out):
+        np.testing.assert_allclose(out["log_kept"].values,
+                                   [math.log(p[0, 0] + p[0, 2]), math.log(0.75)], rtol=1e-12)
+
+    cases.append(Case(n + "test_log_kept_mass", 3, {
+        "log_kept": Call("_log_kept", (Array(logits), Array(kept)))}, kept_mass))
+
+    every = np.random.default_rng(3).normal(size=(5, 7)) * 4
+
+    def every_token(out):
+        np.testing.assert_allclose(out["log_kept"].values, 0.0, atol=1e-15)
+
+    cases.append(Case(n + "test_log_kept_mass_of_every_token_is_zero", 3, {
+        "log_kept": Call("_log_kept", (Array(every), Array(np.ones(every.shape, dtype=bool))))},
+        every_token))
+
+    tiny = np.array([[0.0, -800.0, -801.0]])
+    tiny_kept = np.array([[False, True, True]])
+
+    def no_underflow(out):
+        expected = -800.0 + math.log1p(math.exp(-1.0))
+        np.testing.assert_allclose(out["small"].values, [expected], rtol=1e-14)
+        np.testing.assert_allclose(out["large"].values, [expected], rtol=1e-12)
+
+    cases.append(Case(n + "test_log_kept_mass_does_not_underflow", 3, {
+        "small": Call("_log_kept", (Array(tiny), Array(tiny_kept))),
+        "large": Call("_log_kept", (Array(tiny + 1000.0), Array(tiny_kept)))}, no_underflow))
+    return cases
+
+
 CASES = {
+    "tests/mismatch/test_lab_engine.py": _engine_cases,
     "tests/opd/test_lab_opd.py": lambda: (_opd_task1() + _opd_task2() + _opd_task3()
                                           + _opd_identities()),
     "tests/mismatch/test_lab_estimators.py": _mismatch_cases,

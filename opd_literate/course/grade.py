@@ -255,7 +255,7 @@ def _environment() -> dict:
 def _encode(lab_cases, module_of: dict) -> tuple[dict, dict]:
     """The calls of every case as JSON (``{task: {key: call}}``, keys ``"<case>:<call>"``), the
     toys they use, and the input arrays, ``{name: ndarray}``: what the runner receives."""
-    from .cases import Tensor, Toy
+    from .cases import Array, Tensor, Toy
 
     arrays, toys, toy_names = {}, {}, {}
 
@@ -264,6 +264,10 @@ def _encode(lab_cases, module_of: dict) -> tuple[dict, dict]:
             name = f"input{len(arrays)}"
             arrays[name] = value.values
             return {"tensor": name, "dtype": value.dtype, "requires_grad": value.requires_grad}
+        if isinstance(value, Array):
+            name = f"input{len(arrays)}"
+            arrays[name] = value.values
+            return {"array": name}
         if isinstance(value, Toy):
             if id(value.toy) not in toy_names:
                 name = toy_names[id(value.toy)] = f"toy{len(toys)}"

@@ -93,7 +93,7 @@ def _remove(out_dir: pathlib.Path, files: dict) -> None:
 
 def write_lab(lab_name: str, out_dir, force: bool = False,
               format: str = "files") -> list[pathlib.Path]:
-    """Write the lab folder(s) for ``lab_name`` ("opd", "mismatch" or "all") under ``out_dir``.
+    """Write the lab folder(s) for ``lab_name`` (a name of ``LABS``, or "all") under ``out_dir``.
 
     ``all`` writes one sub-folder per lab. ``out_dir`` gets a
     [MARKER][opd_literate.course.labs.MARKER] file listing every file written, with its SHA-256.

@@ -93,6 +93,17 @@ LABS = {
                 "the trainer, and check their exact bias on the enumerable toy.",
         points={n: 1 for n in range(1, 9)},
     ),
+    "engine": Lab(
+        name="engine",
+        title="The mismatch in practice: an inference engine's top-p and kept mass",
+        student_modules=("engine",),
+        given_modules=("toy", "_numerics"),
+        tests=("tests/mismatch/test_lab_engine.py",),
+        summary="Implement the exact nucleus (Task 1), the top-p cut of vLLM, transformers and "
+                "SGLang as each computes it in float32 (Task 2), and the log of the kept mass "
+                "that truncation-aware importance sampling needs (Task 3).",
+        points={1: 3, 2: 4, 3: 3},
+    ),
 }
 
 

@@ -189,7 +189,6 @@ import math
 import numpy as np
 
 from .._numerics import check_finite_number
-from .estimators import seq_is, token_ratios  # noqa: F401 (the examples use them)
 from .toy import (  # noqa: F401 (the examples use make_toy)
     ar_toy_from_logits,
     check_toy,
@@ -435,15 +434,25 @@ def _scatter(kept_ranked, order):
 
 
 def _mass_above(probs, order):
-    """The exact rule's statistic: the mass ranked above each token, in the ranked order."""
+    """The exact rule's statistic: the mass ranked above each token, in the ranked order.
+
+    ``probs`` ``(..., V)`` and ``order`` (the ranking, ``argsort`` of each row, most likely
+    first) give ``above`` ``(..., V)``: ``above[..., r]`` is the sum of the probabilities ranked
+    before rank ``r`` (0 for the first)."""
+    ### BEGIN SOLUTION Task 1: the probabilities in ranked order, their running sum less each one
     ranked = np.take_along_axis(probs, order, axis=-1)
     return np.cumsum(ranked, axis=-1) - ranked
+    ### END SOLUTION
 
 
 def _cut_exact(above, top_p, axis=-1):
+    """The exact nucleus in ranked order: True where the mass ranked above is less than
+    ``top_p`` by more than ``NUCLEUS_TOLERANCE``, and at rank 0 along ``axis`` always."""
+    ### BEGIN SOLUTION Task 1: above < top_p - NUCLEUS_TOLERANCE; rank 0 (along axis) stays: _set
     kept_ranked = above < top_p - NUCLEUS_TOLERANCE
     _set(kept_ranked, axis, 0)  # the first token always stays
     return kept_ranked
+    ### END SOLUTION
 
 
 def _set(array, axis, i):
@@ -471,6 +480,11 @@ def _framework_sums(probs, order, sampler):
 
 
 def _cut_framework(sums, top_p, sampler, axis=-1):
+    """A framework's top-p cut in its ranked order (True: kept), from its float32 statistic
+    ``sums`` (:func:`_framework_sums`): SGLang's mass above against ``float32(top_p)``; vLLM's
+    and transformers' cumulative sum from below against their ``1 - p``, the last rank (the
+    largest logit) kept along ``axis``."""
+    ### BEGIN SOLUTION Task 2: cut sums > p (sglang) or sums <= 1 - p, each in its float32
     if sampler == "sglang":
         # probs_sort[(probs_sum - probs_sort) > top_ps] = 0, top_ps a float32 tensor
         return ~(sums > _FLOAT32(top_p))
@@ -480,6 +494,7 @@ def _cut_framework(sums, top_p, sampler, axis=-1):
     kept_ranked = ~(sums <= cut)
     _set(kept_ranked, axis, -1)  # "at least one": the largest logit stays
     return kept_ranked
+    ### END SOLUTION
 
 
 def _top_p_float32(probs, order, top_p, sampler):
@@ -806,6 +821,7 @@ def _trainer(log_pi, temperature, target, writable):
 
 def _log_kept(logits, kept):
     """log of the softmax(logits) mass on the kept tokens, one value a row of the last axis."""
+    ### BEGIN SOLUTION Task 3: logsumexp over kept less logsumexp over all, each from its max
     # Each logsumexp from its own largest term, so neither sum underflows (the trainer's most
     # likely token may be one the engine cut).
     on_kept = np.where(kept, logits, -np.inf)
@@ -813,6 +829,7 @@ def _log_kept(logits, kept):
     top = logits.max(axis=-1, keepdims=True)
     lse_kept = top_kept[..., 0] + np.log(np.exp(on_kept - top_kept).sum(axis=-1))
     return lse_kept - top[..., 0] - np.log(np.exp(logits - top).sum(axis=-1))
+    ### END SOLUTION
 
 
 def _per_token(table, target, real):
@@ -890,6 +907,7 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     the token of probability 0.2. The sequence ratio of what is left is the kept mass 0.8, and
     its estimate misses the cut token's share of the gradient:
 
+    >>> from opd_literate.mismatch.estimators import seq_is, token_ratios
     >>> logits = np.log([[0.5, 0.3, 0.2]])
     >>> engine = engine_toy(toy_from_logits(logits, logits), top_p=0.7)
     >>> engine["Y"].tolist(), engine["p_sampler"].round(12).tolist()
@@ -1062,6 +1080,9 @@ def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES)
     >>> round(rows[0]["rel_bias_writable"], 12), round(rows[2]["rel_bias_masked"], 12)
     (0.0, 0.0)
     """
+    # imported here: the engine lab's folder holds this module without the estimators lab's
+    from .estimators import seq_is
+
     rows = []
     for label, options in choices:
         engine = engine_toy(toy, temperature=temperature, top_p=top_p, **options)

@@ -27,7 +27,8 @@ from opd_literate.course.handouts import write_lab
 from opd_literate.course.labs import LABS, tasks_of
 from opd_literate.course.markers import strip_solutions
 
-PACKAGE_OF = {"opd": "opd_literate", "mismatch": "opd_literate.mismatch"}
+PACKAGE_OF = {"opd": "opd_literate", "mismatch": "opd_literate.mismatch",
+              "engine": "opd_literate.mismatch"}
 
 
 def student_module(lab, keep=(), replace=None):
@@ -116,7 +117,8 @@ def test_every_lab_test_has_its_case_for_each_of_its_tasks():
             collected |= _lab_test_ids(labs.REPO / test)
     cases = {(case.name, case.task) for lab in LABS for case in cases_of(lab)}
     assert cases == collected
-    assert len(cases) == 32 + 27  # (10 + 12 + 10) OPD, 27 mismatch (one case per test each)
+    # (10 + 12 + 10) OPD, 27 mismatch, (8 + 6 + 3) engine: one case per test each
+    assert len(cases) == 32 + 27 + 17
 
 
 def test_a_test_file_without_cases_is_refused():
@@ -177,6 +179,15 @@ WRONG = {  # (lab, task, the line, its wrong version): each is a plausible mista
                    "kl_per_position = _kl_from_log_probs(log_q, log_p)"),
     "truncated at twice the cap": ("mismatch", 4, "weights = np.minimum(token_ratios(toy), cap)",
                                    "weights = np.minimum(token_ratios(toy), 2 * cap)"),
+    "the token's own mass counted above it": ("engine", 1,
+                                              "return np.cumsum(ranked, axis=-1) - ranked",
+                                              "return np.cumsum(ranked, axis=-1)"),
+    "1 - p in float64": ("engine", 2, 'cut = _FLOAT32(1.0) - _FLOAT32(top_p) if sampler == "vllm" '
+                         "else _FLOAT32(1.0 - top_p)", "cut = 1.0 - top_p"),
+    "the kept sum shifted by the largest of all": (
+        "engine", 3,
+        "lse_kept = top_kept[..., 0] + np.log(np.exp(on_kept - top_kept).sum(axis=-1))",
+        "lse_kept = top[..., 0] + np.log(np.exp(on_kept - top).sum(axis=-1))"),
 }
 
 

@@ -113,6 +113,28 @@ def test_the_students_path_ends_at_the_first_chapters_graded_lab():
                              rf"\[`{function}`\]", exercises), (number, function)
 
 
+@pytest.mark.parametrize("chapter, lab", [("opd.md", "opd"), ("mismatch.md", "mismatch"),
+                                          ("mismatch_practice.md", "engine")])
+def test_each_chapters_exercises_are_its_lab(chapter, lab):
+    """A chapter's Exercises name its lab's command and every task with its points and
+    functions, as the handout's README does."""
+    exercises = (ROOT / "docs" / chapter).read_text().split("\n## Exercises\n", 1)[1]
+    exercises = exercises.split("\n## ", 1)[0]
+    assert f"python -m opd_literate.course labs/ --lab {lab}" in exercises
+    points = lab_points(LABS[lab])
+    functions = {}
+    for number, function, _ in tasks_of(LABS[lab]):
+        functions.setdefault(number, []).append(function)
+    public = {n: [f for f in names if not f.startswith("_")] or names
+              for n, names in functions.items()}
+    assert sorted(public) == sorted(points)
+    for number, names in public.items():
+        item = re.search(rf"\*\*Task {number}\*\* \({points[number]:g} points?\), (.*)",
+                         exercises)
+        assert item, (chapter, number)
+        assert all(f"`{name}`" in item.group(1) for name in names), (chapter, number, names)
+
+
 @pytest.mark.parametrize("command", [
     'pip install -c requirements/dev.txt torch==2.13.0 -e ".[dev]"', "python -m pytest"])
 def test_the_install_steps_are_the_readmes(command):
