@@ -1379,6 +1379,19 @@ def test_the_which_switch_sentences_hold_for_its_table():
     at = {label: dict((n, (name, error)) for n, name, error in best)
           for label, _, best in rows}
     assert all(at[label][16][1] >= 0.99 for label in at)
+    assert ("so at that batch size no correction beats not stepping. On seven rows the winner is "
+            "a sequence rejection (`geo_rs` or `k3_seq_rs`) at an error of 1.000 to 1.019, a "
+            "step of nearly 0; on tinylm's `bf16` and `fp16` rows every estimator errs by more "
+            "than 1.3 (the winners, `geo_rs_token_tis` and `gspo`, by 1.318 and 1.662).") in page
+    rejections = [at[label][16][1] for label in at
+                  if at[label][16][0] in ("geo_rs", "k3_seq_rs")]
+    assert len(rejections) == 7
+    assert f"{min(rejections):.3f}" == "1.000" and f"{max(rejections):.3f}" == "1.019"
+    others = {label.split("`")[1]: at[label][16] for label in at
+              if at[label][16][0] not in ("geo_rs", "k3_seq_rs")}
+    assert {k: (name, f"{error:.3f}") for k, (name, error) in others.items()} == {
+        "bf16": ("geo_rs_token_tis", "1.318"), "fp16": ("gspo", "1.662")}
+    assert all(error > 1.3 for _, error in others.values())  # the winner's: every one's above
     assert ("With 1,024 answers and a per-token KL below $10^{-3}$ (`bf16`, `fp16`, `int8`) "
             "the error is mostly variance: every estimator but the four sequence bands lies "
             "within 0.03 of the winner, which changes from row to row (`seq_is`, `vespo`, "
@@ -1407,3 +1420,22 @@ def test_the_which_switch_sentences_hold_for_its_table():
         elif float(label.rsplit("= ", 1)[1]) >= 1:
             assert at[label][1024][0] == "trl_sequence_truncate", label
     assert winners == ["seq_is", "vespo", "sapo"]  # bf16, fp16, int8, as the page lists them
+
+
+def test_the_other_frameworks_switches_are_the_tables_last_rows():
+    """docs/mismatch.md, "The other frameworks' switches": the comparison tables list the
+    catalogue in its order, and the peers' switches and policy losses are its last twelve."""
+    from opd_literate.mismatch.estimators import REGISTRY, comparison_table, format_table
+    from opd_literate.mismatch.toy import make_toy
+
+    page = " ".join((ROOT / "docs" / "mismatch.md").read_text().split())
+    assert ("read from the two tables (their last twelve rows, from `trl_token_truncate` "
+            "down):") in page
+    names = list(REGISTRY)
+    assert names[-12:][0] == "trl_token_truncate"
+    assert set(names[-12:]) == {"trl_token_truncate", "trl_token_mask", "trl_sequence_truncate",
+                                "trl_sequence_mask", "off_policy_mask", "seq_mask_tis", "kpop",
+                                "sapo", "gmpo", "clip_cov", "luspo", "vespo"}
+    # the tables as the docs hook writes them (docs/hooks/generate.py, _estimators)
+    table = format_table(comparison_table(make_toy(), N=64), N=64)
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == names
