@@ -76,7 +76,7 @@ import itertools
 
 import numpy as np
 
-from .._numerics import check_finite_number
+from .._numerics import check_finite_number, check_real_array
 
 __all__ = [
     "ALPHABET",
@@ -153,6 +153,28 @@ def _check_text(text):
     return text
 
 
+def _check_ids(ids, K, name="ids"):
+    """``ids`` as a tuple of text-token ids in ``0 .. K - 1``: a negative id would read
+    numpy's last row, an id of ``K`` or more another row's ``<eos>`` or none."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__} "
+                        f"{ids!r}")
+    ids = tuple(ids)
+    for i in ids:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"{name} must hold integer token ids, got {type(i).__name__} {i!r}")
+        if not 0 <= i < K:
+            raise ValueError(f"{name} must hold text-token ids in 0 .. {K - 1} (the <eos> id "
+                             f"{K} is implied), got {int(i)} in {ids!r}")
+    return tuple(int(i) for i in ids)
+
+
+def _check_flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def canonical_tokenize(text, vocab):
     r"""The tokenizer's tokenization of ``text``: greedy longest match from the left.
 
@@ -199,6 +221,10 @@ def tokenizations(text, vocab, max_tokens=None):
     [(0, 2)]
     """
     text, vocab = _check_text(text), _check_vocab(vocab)
+    if max_tokens is not None and (isinstance(max_tokens, (bool, np.bool_))
+                                   or not isinstance(max_tokens, (int, np.integer))
+                                   or max_tokens < 0):
+        raise ValueError(f"max_tokens must be None or an integer >= 0, got {max_tokens!r}")
     found = []
 
     def extend(i, ids):
@@ -224,6 +250,8 @@ def token_offsets(ids, vocab):
     >>> token_offsets((0, 2), ("a", "b", "ab"))
     [(0, 1), (1, 3)]
     """
+    vocab = _check_vocab(vocab)
+    ids = _check_ids(ids, len(vocab))
     spans, start = [], 0
     for i in ids:
         spans.append((start, start + len(vocab[i])))
@@ -252,6 +280,9 @@ def make_model(vocab, T, seed=0, scale=1.0):
     ((3, 3), 2, 2)
     """
     vocab = _check_vocab(vocab)
+    scale = check_finite_number("scale", scale, low=0.0)
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     theta = np.random.default_rng(seed).normal(0.0, scale, size=(len(vocab) + 1,) * 2)
     return model_from_logits(vocab, theta, T)
 
@@ -296,7 +327,7 @@ def conditionals(model, ids):
     >>> conditionals(m, (0,)).round(4).tolist()  # after one token the end is forced
     [[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]]
     """
-    ids = tuple(int(i) for i in ids)
+    ids = _check_ids(ids, model["eos"])
     if len(ids) > model["T"]:
         raise ValueError(f"ids has {len(ids)} tokens, more than the model's T = {model['T']}")
     probs = np.exp(_log_softmax(model["theta"][_rows(ids)]))  # (n + 1, K + 1)
@@ -330,7 +361,7 @@ def string_prob(model, text, canonical=False):
     >>> round(string_prob(m, "ab") * 64, 12), round(string_prob(m, "ab", canonical=True) * 64, 12)
     (5.0, 4.0)
     """
-    if canonical:
+    if _check_flag("canonical", canonical):
         paths = [canonical_tokenize(text, model["vocab"])]
         if len(paths[0]) > model["T"]:
             return 0.0
@@ -497,6 +528,11 @@ def align_groups(s_offsets, t_offsets):
     >>> align_groups([(0, 1), (1, 2), (2, 3)], [(0, 2), (2, 3)])
     ([[0, 1], [2]], [[0], [1]])
     """
+    _check_spans("s_offsets", s_offsets)
+    _check_spans("t_offsets", t_offsets)
+    if s_offsets and t_offsets and s_offsets[-1][1] != t_offsets[-1][1]:
+        raise ValueError(f"s_offsets and t_offsets must cover one text, got ends "
+                         f"{s_offsets[-1][1]} and {t_offsets[-1][1]}")
     s_groups, t_groups = [], []
     s = t = s_start = t_start = 0
     while s < len(s_offsets) and t < len(t_offsets):
@@ -514,6 +550,19 @@ def align_groups(s_offsets, t_offsets):
         s_groups.append(list(range(s_start, len(s_offsets))))
         t_groups.append(list(range(t_start, len(t_offsets))))
     return s_groups, t_groups
+
+
+def _check_spans(name, spans):
+    """Token spans ``(start, end)`` that tile a text from 0, each non-empty."""
+    end = 0
+    for k, span in enumerate(spans):
+        if (not isinstance(span, (tuple, list)) or len(span) != 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in span)):
+            raise TypeError(f"{name}[{k}] must be a (start, end) pair of integers, got {span!r}")
+        if span[0] != end or span[1] <= span[0]:
+            raise ValueError(f"{name} must be non-empty spans that tile the text from 0, got "
+                             f"{span!r} at {k} after the end {end}")
+        end = span[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,6 +679,7 @@ def uld_losses(toy, merge="observed", extended=True, hybrid=False, beta=0.5,
     _check_toy(toy)
     beta, matched_weight, unmatched_weight = _check_uld_options(merge, beta, matched_weight,
                                                                 unmatched_weight)
+    extended, hybrid = _check_flag("extended", extended), _check_flag("hybrid", hybrid)
     student, teacher = toy["student"], toy["teacher"]
     s_match, t_match = _matched_ids(student["vocab"], teacher["vocab"])
     Vs, Vt = student["eos"] + 1, teacher["eos"] + 1
@@ -862,6 +912,30 @@ def _theta_grad(toy, m, grad):
     return out
 
 
+def _check_losses(toy, losses):
+    """``(loss (M,), [grad (n_m + 1, K + 1)])`` of a per-sequence loss on ``toy``: one finite
+    loss and one finite gradient of the shape of ``toy["cond"][m]`` for every sequence."""
+    if not isinstance(losses, dict) or not {"loss", "grad"} <= set(losses):
+        raise TypeError("losses must be a dict with 'loss' and 'grad', as uld_losses, "
+                        "projection_losses and token_kl_losses return")
+    M = len(toy["sequences"])
+    loss = check_real_array("losses['loss']", losses["loss"], 1)
+    if loss.shape != (M,):
+        raise ValueError(f"losses['loss'] must have shape ({M},), one per sequence, got "
+                         f"{loss.shape}")
+    grads = losses["grad"]
+    if isinstance(grads, np.ndarray) or not hasattr(grads, "__len__") or len(grads) != M:
+        raise ValueError(f"losses['grad'] must be a list of {M} gradients, one per sequence")
+    checked = []
+    for m, (g, cond) in enumerate(zip(grads, toy["cond"])):
+        g = check_real_array(f"losses['grad'][{m}]", g, 2)
+        if g.shape != cond.shape:
+            raise ValueError(f"losses['grad'][{m}] must have the shape of the sequence's "
+                             f"conditionals, {cond.shape}, got {g.shape}")
+        checked.append(g)
+    return loss, checked
+
+
 def expected_gradient(toy, losses):
     r"""On-policy expectations of a per-sequence loss: its value $\sum_\tau p_S(\tau)
     \ell(\tau)$, its pathwise gradient $\sum_\tau p_S(\tau) \nabla \ell(\tau)$ (what a trainer
@@ -878,12 +952,8 @@ def expected_gradient(toy, losses):
     True
     """
     _check_toy(toy)
-    loss = np.asarray(losses["loss"], dtype=float)
-    if loss.shape != toy["p"].shape or len(losses["grad"]) != len(loss):
-        raise ValueError(f"losses must hold one loss and one gradient per sequence "
-                         f"({len(toy['p'])}), got {loss.shape}")
-    pathwise = sum(p * _theta_grad(toy, m, g)
-                   for m, (p, g) in enumerate(zip(toy["p"], losses["grad"])))
+    loss, grads = _check_losses(toy, losses)
+    pathwise = sum(p * _theta_grad(toy, m, g) for m, (p, g) in enumerate(zip(toy["p"], grads)))
     total = pathwise + np.einsum("m,m,mrv->rv", toy["p"], loss, toy["score"])
     return dict(value=float(toy["p"] @ loss), pathwise=pathwise, total=total)
 
@@ -1106,10 +1176,11 @@ def logit_grads(toy, losses):
     (3, 3, 3)
     """
     _check_toy(toy)
+    _, grads = _check_losses(toy, losses)
     M = len(toy["sequences"])
     L = max(len(t) for t in toy["sequences"]) + 2
     out = np.zeros((M, L, toy["student"]["eos"] + 1))
-    for m, (cond, g) in enumerate(zip(toy["cond"], losses["grad"])):
+    for m, (cond, g) in enumerate(zip(toy["cond"], grads)):
         # d mean / d z_k = pi_k * (g_k - <g_k, pi_k>) / M
         out[m, :len(cond)] = cond * (g - (g * cond).sum(axis=1, keepdims=True)) / M
     return out

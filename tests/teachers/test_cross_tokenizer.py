@@ -273,6 +273,8 @@ def test_properties_on_random_logits(kind, s, t, T):
 # ---------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------
+_TOY = xt.make_cross_toy("teacher_merges", T=2)
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: xt.make_cross_toy("bpe"), ValueError, "kind must be one of"),
     (lambda: xt.canonical_tokenize("abc", ("a", "b")), ValueError, "text must be a string"),
@@ -295,6 +297,35 @@ def test_properties_on_random_logits(kind, s, t, T):
     (lambda: xt.token_kl_losses(xt.make_cross_toy("teacher_merges", T=1)), ValueError,
      "identical tokenizers"),
     (lambda: xt.string_kl({"p": 1}), TypeError, "make_cross_toy"),
+    # a negative id read numpy's last row (the <eos> column) and gave a log-prob
+    (lambda: xt.sequence_logprob(_TOY["student"], (-1,)), ValueError,
+     r"ids must hold text-token ids in 0 \.\. 1 \(the <eos> id 2 is implied\), got -1"),
+    (lambda: xt.conditionals(_TOY["student"], (7,)), ValueError, "got 7 in"),
+    (lambda: xt.conditionals(_TOY["student"], (True,)), TypeError, "integer token ids"),
+    (lambda: xt.token_offsets((5,), ("a", "b")), ValueError, "got 5 in"),
+    (lambda: xt.token_offsets("ab", ("a", "b")), TypeError, "sequence of token ids"),
+    (lambda: xt.tokenizations("ab", ("a", "b"), max_tokens=-1), ValueError,
+     "max_tokens must be None or an integer >= 0, got -1"),
+    (lambda: xt.align_groups([(0, 1)], [(0, 2)]), ValueError, "cover one text, got ends 1 and 2"),
+    (lambda: xt.align_groups([(0, 1), (2, 3)], [(0, 3)]), ValueError, "tile the text from 0"),
+    (lambda: xt.align_groups([(0, 1.0)], [(0, 1)]), TypeError, "pair of integers"),
+    (lambda: xt.make_model(("a", "b"), T=2, scale=-1.0), ValueError, "scale must be >= 0.0"),
+    (lambda: xt.make_model(("a", "b"), T=2, seed=-1), ValueError, "seed must be an integer >= 0"),
+    (lambda: xt.uld_losses(_TOY, extended="no"), TypeError, "extended must be True or False"),
+    (lambda: xt.uld_losses(_TOY, hybrid="yes"), TypeError, "hybrid must be True or False"),
+    (lambda: xt.string_prob(_TOY["student"], "ab", canonical="x"), TypeError,
+     "canonical must be True or False"),
+    # wrong-shape gradients broadcast into the sum, a short list was cut by zip
+    (lambda: xt.expected_gradient(_TOY, dict(loss=np.zeros(len(_TOY["p"])),
+                                             grad=[np.zeros((1, 1))] * len(_TOY["p"]))),
+     ValueError, r"losses\['grad'\]\[0\] must have the shape of the sequence's conditionals"),
+    (lambda: xt.expected_gradient(_TOY, dict(loss=np.full(len(_TOY["p"]), np.nan),
+                                             grad=xt.uld_losses(_TOY)["grad"])),
+     ValueError, r"losses\['loss'\] must be finite, got nan"),
+    (lambda: xt.logit_grads(_TOY, {"grad": [np.zeros((1, 1))]}), TypeError,
+     "must be a dict with 'loss' and 'grad'"),
+    (lambda: xt.logit_grads(_TOY, dict(loss=np.zeros(len(_TOY["p"])), grad=[np.zeros((1, 1))])),
+     ValueError, r"must be a list of \d+ gradients"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
