@@ -145,6 +145,15 @@ def _parse(module: str) -> _Module:
         text = "\n".join(lines[start - 1:end])
         for name in names:
             definitions[name] = _Definition(module, name, node, text, start)
+    # A relative import inside a function (kept out of the module's top so that a lab folder
+    # without that module still imports this one) names the package's definition as a
+    # top-level one would: the snippet inlines it.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node not in body:
+            inner = {}
+            _record_import(node, inner, module)
+            for name, kind in inner.items():
+                imports.setdefault(name, kind)
     return _Module(module, future, definitions, imports, all_names)
 
 
@@ -212,6 +221,8 @@ def _names_used(nodes) -> list[str]:
             elif isinstance(node, ast.arg):
                 bound.add(node.arg)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    continue  # a package definition: free, resolved through _parse's imports
                 bound.update(a.asname or a.name.split(".")[0] for a in node.names)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 if node is not root:
@@ -266,6 +277,9 @@ def _inner_imports(definition: _Definition) -> frozenset:
     for node in ast.walk(definition.node):
         if node is definition.node or not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        if isinstance(node, ast.ImportFrom) and node.level and not any(a.asname
+                                                                         for a in node.names):
+            continue  # a definition of the package, inlined like a top-level import's
         if isinstance(node, ast.ImportFrom) and (node.level or any(a.asname for a in node.names)):
             raise CopyError(f"{PACKAGE}.{definition.module}.{definition.name}: cannot hoist "
                             f"the import {ast.unparse(node)!r}")

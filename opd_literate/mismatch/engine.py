@@ -905,16 +905,22 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
 
     One position of three tokens, trainer and sampler equal ($\epsilon = 0$): top-p = 0.7 cuts
     the token of probability 0.2. The sequence ratio of what is left is the kept mass 0.8, and
-    its estimate misses the cut token's share of the gradient:
+    its estimate misses the cut token's share of the gradient. The token ratios
+    $\pi(y_t) / \mu(y_t)$, and the mean of the sequence-ratio estimate
+    $\sum_y \mu(y)\, \rho(y)\, R(y)\, s_t(y)$ (the catalogue's ``seq_is``), from the arrays:
 
-    >>> from opd_literate.mismatch.estimators import seq_is, token_ratios
+    >>> def token_ratios(e):
+    ...     return np.exp(e["logp_train"] - e["logp_sampler"])
+    >>> def seq_is_mean(e):
+    ...     rho = token_ratios(e).prod(axis=1)
+    ...     return np.einsum("m,m,m,mtv->tv", e["p_sampler"], rho, e["R"], e["score"])
     >>> logits = np.log([[0.5, 0.3, 0.2]])
     >>> engine = engine_toy(toy_from_logits(logits, logits), top_p=0.7)
     >>> engine["Y"].tolist(), engine["p_sampler"].round(12).tolist()
     ([[0], [1]], [0.625, 0.375])
     >>> token_ratios(engine).round(12).tolist()
     [[0.8], [0.8]]
-    >>> mean = np.einsum("m,mtv->tv", engine["p_sampler"], seq_is(engine))
+    >>> mean = seq_is_mean(engine)
     >>> bool(np.allclose(mean, engine["true_grad"] - engine["truncated_grad"], atol=1e-15))
     True
     >>> round(engine["truncated_mass"], 12)
@@ -937,8 +943,7 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
 
     >>> for k in (None, "trainer"):
     ...     e = engine_toy(same, top_p=0.7, kept_mass=k)
-    ...     mean = np.einsum("m,mtv->tv", e["p_sampler"], seq_is(e))
-    ...     print(k, (mean / e["true_grad"]).round(12).tolist())
+    ...     print(k, (seq_is_mean(e) / e["true_grad"]).round(12).tolist())
     None [[1.0, 1.0, 1.0]]
     trainer [[1.25, 1.25, 1.25]]
     """

@@ -314,6 +314,18 @@ def test_imports_inside_helpers_are_hoisted(module):
     assert "\nimport torch\n" in code and "    import torch" not in code
 
 
+def test_a_relative_import_inside_a_function_is_inlined():
+    """``engine.kept_mass_table`` imports ``seq_is`` inside its body (the engine lab's folder
+    holds no estimators.py): its snippet carries ``seq_is``'s definition and no import of it."""
+    source = lift._module_path("mismatch.engine").read_text()
+    assert "    from .estimators import seq_is\n" in source
+    assert "\nfrom .estimators import" not in source
+    code = snippet("mismatch.engine.kept_mass_table")
+    assert "\ndef seq_is(" in code and "import seq_is" not in code
+    tree = ast.parse(code)
+    assert [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level] == []
+
+
 def _lab_functions():
     """The public functions that hold a lab task, as ``(module, function)``."""
     from opd_literate.course.labs import LABS, source_of
