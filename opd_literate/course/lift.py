@@ -53,7 +53,8 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 COPY_READY_MODULES = ("opd", "mismatch.toy", "mismatch.estimators", "mismatch.opd_mismatch",
                       "mismatch.correction", "mismatch.engine", "mismatch.task_rewards",
                       "large_vocab.chunked", "large_vocab.topk", "large_vocab.clamps",
-                      "large_vocab.supports")
+                      "large_vocab.supports", "teachers.cross_tokenizer", "teachers.many_teachers",
+                      "teachers.teacher_targets")
 """The modules whose every public function has its snippet on its API page (and is tested)."""
 
 # Heads what only the docstring's examples use: a reader can cut the snippet here.

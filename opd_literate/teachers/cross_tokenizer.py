@@ -554,15 +554,16 @@ def align_groups(s_offsets, t_offsets):
 
 def _check_spans(name, spans):
     """Token spans ``(start, end)`` that tile a text from 0, each non-empty."""
-    end = 0
     for k, span in enumerate(spans):
-        if (not isinstance(span, (tuple, list)) or len(span) != 2
-                or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in span)):
+        pair = isinstance(span, (tuple, list)) and len(span) == 2
+        if not pair or [isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                        for x in span] != [True, True]:
             raise TypeError(f"{name}[{k}] must be a (start, end) pair of integers, got {span!r}")
-        if span[0] != end or span[1] <= span[0]:
+    starts = [0] + [span[1] for span in spans[:-1]]  # each span starts where the last ended
+    for k, (span, start) in enumerate(zip(spans, starts)):
+        if span[0] != start or span[1] <= span[0]:
             raise ValueError(f"{name} must be non-empty spans that tile the text from 0, got "
-                             f"{span!r} at {k} after the end {end}")
-        end = span[1]
+                             f"{span!r} at {k} after the end {start}")
 
 
 # ---------------------------------------------------------------------------------------------

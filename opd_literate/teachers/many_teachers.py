@@ -686,7 +686,7 @@ def _check_kind(kind):
 
 def _check_prompts(prompts):
     keys = ("toys", "phi", "prompt_probs", "routes", "P", "K", "shared_student")
-    if not isinstance(prompts, dict) or any(k not in prompts for k in keys):
+    if not isinstance(prompts, dict) or not set(keys) <= set(prompts):
         raise TypeError("prompts must be the dict of make_prompts or prompts_from_logits, got "
                         f"{type(prompts).__name__}")
 
