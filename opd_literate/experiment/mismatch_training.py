@@ -87,9 +87,11 @@ PEER_CORRECTIONS = ("trl_sequence_mask", "trl_sequence_truncate", "kpop")
 r"""The corrections of other frameworks trained, at their defaults: TRL's
 ``vllm_importance_sampling_mode`` ``"sequence_mask"`` (its default) and ``"sequence_truncate"``
 ([opd_literate.mismatch.correction.trl_importance_weights][], $C_{\max} = 3$), and KPop's
-rejection ([opd_literate.mismatch.correction.kpop_mask][], threshold 0.1). On the exact tinylm
-study they are the catalogue's least biased sequence weights after ``seq_is``
-(``trl_sequence_truncate``), TRL's default, and the new rejection of least error at ``int4``."""
+rejection ([opd_literate.mismatch.correction.kpop_mask][], threshold 0.1) with weight 1 on the
+tokens it keeps, as verl's rejection presets weight theirs. That is KPop's mask alone:
+prime-rl's loss, and the catalogue's ``kpop``, also weight each kept token by $\rho_t$. On the
+exact tinylm study the first two are the catalogue's least biased sequence weights after
+``seq_is`` (``trl_sequence_truncate``) and TRL's default."""
 
 CORRECTIONS = ("decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop",
                "decoupled_seq_is_rs", "decoupled_geo_rs", *PEER_CORRECTIONS)
