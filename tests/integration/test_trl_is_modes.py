@@ -34,6 +34,7 @@ cited, each as a short function written for this test, and compared with
 import dataclasses
 import inspect
 import math
+import pathlib
 import re
 import textwrap
 import types
@@ -50,6 +51,7 @@ from tests.helpers.batches import as_batch, random_batch
 
 TRL_VERSION = "1.16.0"
 INF = math.inf
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TOYS = {
     "toy": make_toy(T=3, V=3, mismatch=0.6, seed=1),
@@ -298,6 +300,31 @@ def test_trls_kl_term_is_not_weighted_by_the_vllm_ratio(trl_grpo, trl_blocks,
     expected = (-w * advantages[:, None] + beta * kl_grad) * mask / N
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
     assert float((w - 1).abs().max()) > 0.1  # the weights are not 1, and not on the KL term
+
+
+@pytest.mark.trl
+def test_the_integration_pages_lines_of_trl_are_the_installed_ones(trl_grpo):
+    """docs/integration.md cites TRL 1.16.0 by file and line for use_bias_correction_kl: the
+    help that calls it unbiased, the KL weight, and the vLLM weight on the policy term only."""
+    from trl.trainer import grpo_config
+
+    page = " ".join((ROOT / "docs" / "integration.md").read_text().split())
+    assert ("(`trl/trainer/grpo_config.py`, lines 351 to 357) says the weighted KL term gives "
+            "\"the unbiased reverse-KL gradient\"") in page
+    assert ("(`trl/trainer/grpo_trainer.py`, lines 3104 and 3105), while the vLLM importance "
+            "weight multiplies only the policy term (line 3147) and the KL term is added after it "
+            "(line 3150)") in page
+    config = inspect.getsource(grpo_config).split("\n")
+    trainer = inspect.getsource(trl_grpo).split("\n")
+    help_text = " ".join(line.strip() for line in config[350:357])
+    assert help_text.startswith("use_bias_correction_kl (`bool`, *optional*, defaults to `True`):")
+    assert "so that the KL gradient becomes the unbiased reverse-KL gradient" in help_text
+    assert trainer[3103].strip() == "if self.args.use_bias_correction_kl:"
+    assert trainer[3104].strip() == "per_token_kl = per_token_kl * coef_1"
+    assert (trainer[3146].strip()
+            == 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]')
+    assert trainer[3148].strip() == "if self.beta != 0.0:"
+    assert trainer[3149].strip() == "per_token_loss = per_token_loss + self.beta * per_token_kl"
 
 
 # ---------------------------------------------------------------------------------------------
