@@ -224,10 +224,33 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+# The theme sets no web font (the site works offline): its text is the system's Helvetica,
+# which fontconfig maps to a font of Helvetica's metrics where one is installed (Liberation Sans,
+# which Debian's chromium recommends) and else to a wider one (DejaVu Sans). The widths and
+# heights the layout tests measure are those of Helvetica's metrics.
+HELVETICA_METRICS = ("Liberation Sans", "Arimo", "Nimbus Sans", "Nimbus Sans L", "Helvetica",
+                     "Arial", "TeX Gyre Heros")
+
+
+def helvetica_font():
+    """The family fontconfig gives for Helvetica, or None where ``fc-match`` is missing."""
+    try:
+        found = subprocess.run(["fc-match", "-f", "%{family}", "Helvetica"], capture_output=True,
+                               text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return found.stdout.split(",")[0].strip() if found.returncode == 0 else None
+
+
 @pytest.fixture(scope="module")
 def browser():
     if not pathlib.Path(CHROMIUM).exists():
         _skip_or_fail(f"chromium not found at {CHROMIUM} (apt-get install chromium)")
+    family = helvetica_font()
+    if family not in HELVETICA_METRICS:
+        _skip_or_fail(f"Helvetica is drawn in {family!r} here, not a font of its metrics (one of "
+                      f"{', '.join(HELVETICA_METRICS)}): the layout tests measure text in them "
+                      "(apt-get install fonts-liberation)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
