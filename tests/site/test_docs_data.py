@@ -671,8 +671,12 @@ MISMATCH_RERUNS = ROOT / "docs/data/mismatch_experiment/reruns"
 MISMATCH_RERUN_NAMES = sorted(path.parent.name for path in MISMATCH_RERUNS.glob("*/machine.json"))
 
 
-def _tinylm_mismatch_claims(record):
-    """The sentences of the mismatch chapter's section "The mismatch on a trained model"."""
+def _tinylm_mismatch_claims(record, spread=0.0):
+    """The sentences of the mismatch chapter's section "The mismatch on a trained model".
+
+    ``spread``: how far a rank correlation the page states to two decimals may lie from it
+    beyond that rounding (0 for the committed records it is read from; a record recomputed on
+    another CPU, whose students' weights differ in their last bits, moves it)."""
     m, est, opd = record["mismatch"], record["estimators"], record["opd"]
     order = ["fp32", "fp16", "bf16", "int8", "int4"]
     for student in range(len(record["seeds"])):  # every student ranks the samplers alike
@@ -722,8 +726,9 @@ def _tinylm_mismatch_claims(record):
     tiny = by_name("int8")
     for kind in ("ar_toy", "toy"):  # "(rank correlation 0.95)"
         toy_rows = by_name("int8", kind)
-        assert round(rank_correlation([tiny[k]["rel_bias"] for k in sorted(tiny)],
-                                      [toy_rows[k]["rel_bias"] for k in sorted(tiny)]), 2) == 0.95
+        value = rank_correlation([tiny[k]["rel_bias"] for k in sorted(tiny)],
+                                 [toy_rows[k]["rel_bias"] for k in sorted(tiny)])
+        assert abs(value - 0.95) <= 0.005 + spread, (kind, value)
     assert by_name("int8")["gspo"]["rel_bias"] > 1
     assert by_name("int8", "toy")["gspo"]["rel_bias"] < 1
     assert by_name("int8", "ar_toy")["gspo"]["rel_bias"] < 1
@@ -734,8 +739,8 @@ def _tinylm_mismatch_claims(record):
         assert by_name(sampler)["seq_is"]["rel_bias_all"] < 1e-10
     for sampler, stated in (("bf16", 0.89), ("int8", 1.00), ("int4", 0.95)):
         rows = est[sampler]["tinylm"]
-        assert round(rank_correlation([r["rel_bias_all"] for r in rows],
-                                      [r["rel_bias"] for r in rows]), 2) == stated, sampler
+        value = rank_correlation([r["rel_bias_all"] for r in rows], [r["rel_bias"] for r in rows])
+        assert abs(value - stated) <= 0.005 + spread, (sampler, value)
     for r in est["fp16"]["tinylm"]:
         if r["name"] in FP16_EXACT:
             assert r["rel_bias_all"] < 1e-10
@@ -885,7 +890,11 @@ def test_the_tinylm_mismatch_recomputed_here_backs_the_chapter_too():
     from opd_literate.experiment.quantized import mismatch_study_record
 
     record = mismatch_study_record(DEFAULT_CONFIG)
-    _tinylm_mismatch_claims(record)
+    # The rank correlations move with the students' weights: bf16's is 0.8907 in both committed
+    # records (an AMD EPYC with AVX-512, torch's AVX-512 and baseline kernels) and 0.9049
+    # recomputed on an Intel Xeon (AVX-512); 0.05 is the sanity bound for CPUs not measured, not
+    # a measured spread.
+    _tinylm_mismatch_claims(record, spread=0.05)
     # fp16: the engine's arithmetic does not depend on the CPU (rounded_half_forward), but the
     # students' weights do, and at fp16's KL (below 1e-6) the bias is set by the rounding
     # pattern of those weights: between the two committed records (torch's AVX-512 and baseline
