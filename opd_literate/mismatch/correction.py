@@ -127,6 +127,7 @@ from .._numerics import (
     select,
 )
 from ..opd import kl_estimator
+from .groups import BASELINES, VERL_EPSILON
 
 __all__ = [
     "VERL_COMMIT",
@@ -164,6 +165,7 @@ __all__ = [
     "clip_cov_loss",
     "kl_cov_loss",
     "kl_penalty",
+    "group_advantages",
 ]
 
 SAFETY_BOUND = 20.0
@@ -2320,3 +2322,93 @@ def _check_kl_fits(value, trainer, ref, mask, kind, what=None):
             f"kl_penalty {kind!r} overflows {what or value.dtype} at position ({b}, {t}): "
             f"d = trainer_logp - ref_logp = {(trainer[b, t] - ref[b, t]).item()!r}; "
             "use float64 inputs, or k1 or k2 (which grow like d and d^2, not e^{-d})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Group baselines under a rejection
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards, kept, baseline, eps=VERL_EPSILON):
+    r"""The torch form of [opd_literate.mismatch.groups.group_advantages][]: the advantages of
+    groups of answers, where a rejection keeps some of them, 0 for the rejected ones.
+
+    With $S$ the answers the statistics run over (every answer of the group for the ``_all``
+    choices, the kept ones for ``_kept``) and $n = |S|$: ``grpo`` $A_i = R_i - ar R_S$,
+    ``grpo_std`` $A_i = (R_i - ar R_S) / (\sigma_S + arepsilon)$ with the sample standard
+    deviation (divisor $n - 1$, as ``torch.std``), ``rloo`` $A_i = (n R_i - \sum_S R) / (n - 1)$,
+    the reward less the mean of the others; a set of one answer has mean 0 and deviation 1,
+    as verl's one-answer prompt. verl's ``compute_grpo_outcome_advantage`` and
+    ``compute_rloo_outcome_advantage`` compute the ``_all`` choices
+    ([opd_literate.mismatch.groups.VERL_CHOICES][]: its rejection masks the loss, not the
+    group's statistics); [opd_literate.mismatch.groups][] gives each choice's exact bias.
+
+    Parameters
+    ----------
+    rewards : torch.Tensor
+        ``(..., G)`` floating, finite; the last dimension is the group. Half precision is
+        computed in float32.
+    kept : torch.Tensor
+        ``(..., G)`` bool, the shape of ``rewards``: True where the rejection keeps the answer.
+    baseline : str
+        One of [opd_literate.mismatch.groups.BASELINES][].
+    eps : float
+        $arepsilon > 0$ of the ``grpo_std`` choices (verl's ``epsilon``, 1e-6).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(..., G)`` in the compute dtype, on the device of ``rewards``, detached; 0 where
+        ``kept`` is False.
+
+    Examples
+    --------
+    Rewards $(1, 0, 1, 0)$, the last answer rejected. RLOO over all four gives answer 1 the
+    baseline $(0 + 1 + 0) / 3$; over the three kept, $(0 + 1) / 2$:
+
+    >>> r = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    >>> kept = torch.tensor([True, True, True, False])
+    >>> group_advantages(r, kept, "rloo_all").round(decimals=4).tolist()
+    [0.6667, -0.6667, 0.6667, 0.0]
+    >>> group_advantages(r, kept, "rloo_kept").round(decimals=4).tolist()
+    [0.5, -1.0, 0.5, 0.0]
+    >>> group_advantages(r, kept, "grpo_std_all").round(decimals=4).tolist()  # 0.5 / sqrt(1/3)
+    [0.866, -0.866, 0.866, 0.0]
+    """
+    check_float_tensor("rewards", rewards, None)
+    if rewards.ndim < 1 or rewards.shape[-1] < 1:
+        raise ValueError(f"rewards must have shape (..., G) with G >= 1, got "
+                         f"{tuple(rewards.shape)}")
+    if not isinstance(kept, torch.Tensor) or kept.dtype != torch.bool:
+        raise TypeError(f"kept must be a bool torch.Tensor, got "
+                        f"{getattr(kept, 'dtype', type(kept).__name__)}")
+    check_same_shape("rewards", rewards, "kept", kept)
+    if kept.device != rewards.device:
+        raise ValueError(f"kept must be on the device of rewards ({rewards.device}), got "
+                         f"{kept.device}")
+    if not isinstance(baseline, str) or baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+    eps = check_finite_number("eps", eps, positive=True)
+    r = rewards.detach().to(compute_dtype(rewards))
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("rewards must be finite, got a NaN or inf")
+    family, over = baseline.rsplit("_", 1)  # "grpo" | "grpo_std" | "rloo", "all" | "kept"
+    member = kept if over == "kept" else torch.ones_like(kept)  # the set S of the statistics
+    n = member.sum(dim=-1, keepdim=True).to(r.dtype)  # |S|, (..., 1)
+    total = torch.where(member, r, torch.zeros_like(r)).sum(dim=-1, keepdim=True)
+    alone = n <= 1  # verl's one-answer prompt: mean 0, std 1
+    many = torch.clamp(n, min=2)  # a divisor that is never 0 or 1 where it is used
+    if family == "rloo":
+        # R_i - mean of the others in S = (n R_i - sum_S R) / (n - 1)
+        advantage = torch.where(alone, r, (n * r - total) / (many - 1))
+    else:
+        mean = torch.where(alone, torch.zeros_like(total), total / many)
+        advantage = r - mean
+        if family == "grpo_std":
+            deviation = torch.where(member, (r - mean) ** 2, torch.zeros_like(r))
+            std = torch.where(alone, torch.ones_like(n),
+                              torch.sqrt(deviation.sum(dim=-1, keepdim=True) / (many - 1)))
+            advantage = advantage / (std + eps)
+    advantage = select(kept, advantage)  # a rejected answer trains nothing
+    if not bool(torch.isfinite(advantage).all()):
+        raise ValueError(f"the advantages overflow {r.dtype}: rewards up to "
+                         f"{float(r.abs().max()):.3g} are too large for the group's sums")
+    return advantage

@@ -278,7 +278,12 @@ def group_advantages(rewards, kept, baseline, eps=VERL_EPSILON):
         raise ValueError(f"kept must have the shape of rewards {r.shape}, got {k.shape}")
     _check_baseline(baseline)
     eps = check_finite_number("eps", eps, positive=True)
-    return _advantages(r, k, baseline, eps)
+    with np.errstate(over="ignore", invalid="ignore"):
+        advantages = _advantages(r, k, baseline, eps)
+    if not np.isfinite(advantages).all():
+        raise ValueError(f"the advantages overflow float64: rewards up to "
+                         f"{float(np.abs(r).max()):.3g} are too large for the group's sums")
+    return advantages
 
 
 def _advantages(r, k, baseline, eps):

@@ -34,6 +34,7 @@ except ImportError as error:  # the fast tier, or a machine without the verl env
                 allow_module_level=True)
 
 from opd_literate._numerics import VERL_VERSION
+from opd_literate.mismatch import correction as C
 from opd_literate.mismatch.groups import VERL_CHOICES, VERL_EPSILON, group_advantages
 
 pytestmark = pytest.mark.verl
@@ -128,6 +129,10 @@ def test_verls_advantages_are_the_all_choice_not_the_kept_one(estimator, seed):
     choice = VERL_CHOICES[estimator]
     ours = _ours(choice, scores, kept, 4)[:, None] * keep
     torch.testing.assert_close(theirs, ours, rtol=1e-12, atol=1e-12)
+    # the torch form on verl's own (B,) scores, grouped as (B / 4, 4)
+    torch_form = C.group_advantages(scores.reshape(-1, 4), kept.reshape(-1, 4), choice,
+                                    eps=VERL_EPSILON).reshape(-1)
+    torch.testing.assert_close(theirs, torch_form[:, None] * keep, rtol=1e-12, atol=1e-12)
     other = _ours(choice.replace("_all", "_kept"), scores, kept, 4)[:, None] * keep
     assert (theirs - other).abs().max() > 1e-3
 
