@@ -2332,8 +2332,8 @@ def group_advantages(rewards, kept, baseline, eps=VERL_EPSILON):
     groups of answers, where a rejection keeps some of them, 0 for the rejected ones.
 
     With $S$ the answers the statistics run over (every answer of the group for the ``_all``
-    choices, the kept ones for ``_kept``) and $n = |S|$: ``grpo`` $A_i = R_i - ar R_S$,
-    ``grpo_std`` $A_i = (R_i - ar R_S) / (\sigma_S + arepsilon)$ with the sample standard
+    choices, the kept ones for ``_kept``) and $n = |S|$: ``grpo`` $A_i = R_i - \bar R_S$,
+    ``grpo_std`` $A_i = (R_i - \bar R_S) / (\sigma_S + \varepsilon)$ with the sample standard
     deviation (divisor $n - 1$, as ``torch.std``), ``rloo`` $A_i = (n R_i - \sum_S R) / (n - 1)$,
     the reward less the mean of the others; a set of one answer has mean 0 and deviation 1,
     as verl's one-answer prompt. verl's ``compute_grpo_outcome_advantage`` and
@@ -2351,7 +2351,7 @@ def group_advantages(rewards, kept, baseline, eps=VERL_EPSILON):
     baseline : str
         One of [opd_literate.mismatch.groups.BASELINES][].
     eps : float
-        $arepsilon > 0$ of the ``grpo_std`` choices (verl's ``epsilon``, 1e-6).
+        $\varepsilon > 0$ of the ``grpo_std`` choices (verl's ``epsilon``, 1e-6).
 
     Returns
     -------
