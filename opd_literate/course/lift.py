@@ -378,6 +378,12 @@ def _message_only_edits(function, statements, converted) -> list:
 
     read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)
             and isinstance(n.ctx, ast.Load) and not dropped(n)}
+    # the conditions stay, as the asserts' (and a try's body as it was): their names are read
+    kept = [n.test for n in ast.walk(function) if isinstance(n, ast.If)
+            and (n.lineno, n.end_lineno) in spans]
+    kept += [b for n in ast.walk(function) if isinstance(n, ast.Try)
+             and (n.lineno, n.end_lineno) in spans for b in n.body]
+    read |= {n.id for root in kept for n in ast.walk(root) if isinstance(n, ast.Name)}
     edits = []
     for statement in statements:
         if (isinstance(statement, ast.Assign) and len(statement.targets) == 1

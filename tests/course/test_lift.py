@@ -418,3 +418,35 @@ def test_cli_compact(capsys):
 
 
 
+
+
+def test_a_name_the_converted_condition_reads_stays(tmp_path, monkeypatch):
+    """A check's ``end = 0`` that its condition reads (and its message too) is no message-only
+    statement: the compact form keeps it (it was dropped, leaving ``end`` undefined)."""
+    package = tmp_path / "opd_literate"
+    package.mkdir()
+    (package / "spans.py").write_text(
+        '__all__ = ["tile"]\n\n\n'
+        'def _check_spans(spans):\n'
+        '    """Spans that tile from 0."""\n'
+        '    end = 0\n'
+        '    for span in spans:\n'
+        '        if span[0] != end:\n'
+        '            raise ValueError(f"a gap after {end}")\n'
+        '        end = span[1]\n\n\n'
+        'def tile(spans):\n'
+        '    """The end of tiling spans."""\n'
+        '    _check_spans(spans)\n'
+        '    return spans[-1][1]\n')
+    monkeypatch.setattr(lift, "PACKAGE_DIR", package)
+    lift._parse.cache_clear()
+    try:
+        code = snippet("spans.tile", compact=True)
+    finally:
+        lift._parse.cache_clear()
+    assert "    end = 0\n" in code and "assert span[0] == end" in code
+    namespace = {}
+    exec(compile(code, "<snippet>", "exec"), namespace)
+    assert namespace["tile"]([(0, 2), (2, 3)]) == 3
+    with pytest.raises(AssertionError):
+        namespace["tile"]([(0, 2), (3, 4)])
