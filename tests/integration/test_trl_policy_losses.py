@@ -1,4 +1,5 @@
-"""TRL 1.16.0's loss types sapo, luspo and vespo against the torch module and the catalogue.
+"""TRL 1.16.0's loss types sapo, luspo, vespo, cispo, dapo, bnpo and grpo against the torch
+module and the catalogue.
 
 ``GRPOTrainer._compute_loss`` is called on a stub holding the attributes it reads (as
 ``test_trl_is_modes.py`` does), with the sampler's log-probabilities as
@@ -113,6 +114,20 @@ CASES = {
                     dict(epsilon=0.05, epsilon_high=0.1)),
     "vespo": ("token", dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                             vespo_lambda_neg=2.0), C.vespo_loss, {}),
+    # TRL's PPO clip (no dual clip: delta None) in its token-mean and sequence-mean reductions
+    "dapo": ("token", dict(epsilon=0.2, epsilon_high=0.28), C.ppo_clip_loss,
+             dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=float("inf"))),
+    "bnpo": ("token", dict(epsilon=0.2, epsilon_high=0.2), C.ppo_clip_loss,
+             dict(clip_ratio_c=float("inf"))),
+    "grpo": ("token", dict(epsilon=0.1, epsilon_high=0.3), C.ppo_clip_loss,
+             dict(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=float("inf"),
+                  reduction="seq-mean-token-mean")),
+    # TRL's cispo caps the ratio at epsilon_high itself (not 1 + epsilon_high) and has no floor:
+    # cispo_loss with clip_ratio_low = 1 and clip_ratio_high = epsilon_high - 1
+    "cispo": ("token", dict(epsilon_high=5.0), C.cispo_loss,
+              dict(clip_ratio_low=1.0, clip_ratio_high=4.0)),
+    "cispo_other": ("token", dict(epsilon_high=1.5), C.cispo_loss,
+                    dict(clip_ratio_low=1.0, clip_ratio_high=0.5)),
     "vespo_other": ("token", dict(vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=0.5,
                                   vespo_lambda_neg=1.0), C.vespo_loss,
                     dict(k_pos=1.0, lambda_pos=2.0, k_neg=0.5, lambda_neg=1.0)),
@@ -129,6 +144,20 @@ def test_trls_loss_is_ours(trl_grpo, case, seed):
     ours = _ours(loss_fn, trainer, sampler, mask, A, **options)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trls_cispo_at_its_default_caps_every_ratio_at_epsilon(trl_grpo, seed):
+    """epsilon_high None means epsilon (0.2, GRPOTrainer.__init__): the weight is
+    min(rho_t, 0.2), below 1 for every ratio near 1, a cap the integration page warns of."""
+    trainer, sampler, mask, A = random_batch(seed, B=16, scale=0.3)
+    assert (_field(trl_grpo, "epsilon"), _field(trl_grpo, "epsilon_high")) == (0.2, None)
+    _, grad = _trl(trl_grpo, _stub(trl_grpo, "cispo", "token", epsilon_high=0.2), trainer,
+                   sampler, mask, A)
+    rho = torch.exp(trainer - sampler)
+    expected = -torch.clamp(rho, max=0.2) * A[:, None] * mask / mask.sum()
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
+    assert float(rho[mask.bool()].min()) > 0.2  # every weight is the cap
 
 
 @pytest.mark.parametrize("toy_name", sorted(TOYS))
