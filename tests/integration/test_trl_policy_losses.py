@@ -1,5 +1,5 @@
-"""TRL 1.16.0's loss types sapo, luspo, vespo, cispo, dapo, bnpo and grpo against the torch
-module and the catalogue.
+"""TRL 1.16.0's loss types against the torch module and the catalogue: sapo, luspo, vespo,
+cispo, and the PPO clip of dapo, bnpo, grpo and dr_grpo.
 
 ``GRPOTrainer._compute_loss`` is called on a stub holding the attributes it reads (as
 ``test_trl_is_modes.py`` does), with the sampler's log-probabilities as
@@ -61,7 +61,7 @@ def test_grpo_configs_defaults_are_the_catalogues(trl_grpo):
     assert (_field(trl_grpo, "epsilon"), _field(trl_grpo, "epsilon_high")) == (0.2, None)
     assert E.REGISTRY["luspo"].defaults == {"eps_low": 0.2, "eps_high": 0.2}
     assert _field(trl_grpo, "importance_sampling_level") == "token"
-    for loss_type in ("sapo", "luspo", "vespo"):
+    for loss_type in ("sapo", "luspo", "vespo", "cispo", "dapo", "bnpo", "grpo", "dr_grpo"):
         assert f"'{loss_type}'" in str(
             {f.name: f for f in dataclasses.fields(trl_grpo.GRPOConfig)}["loss_type"].metadata)
 
@@ -122,6 +122,9 @@ CASES = {
     "grpo": ("token", dict(epsilon=0.1, epsilon_high=0.3), C.ppo_clip_loss,
              dict(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=float("inf"),
                   reduction="seq-mean-token-mean")),
+    # dr_grpo divides the sum by B * max_completion_length (the padded T here)
+    "dr_grpo": ("token", dict(epsilon=0.2, epsilon_high=0.2), C.ppo_clip_loss,
+                dict(clip_ratio_c=float("inf"), reduction="seq-mean-token-sum-norm")),
     # TRL's cispo caps the ratio at epsilon_high itself (not 1 + epsilon_high) and has no floor:
     # cispo_loss with clip_ratio_low = 1 and clip_ratio_high = epsilon_high - 1
     "cispo": ("token", dict(epsilon_high=5.0), C.cispo_loss,
@@ -138,9 +141,11 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_trls_loss_is_ours(trl_grpo, case, seed):
     level, args, loss_fn, options = CASES[case]
-    loss_type = case.split("_")[0]
+    loss_type = "dr_grpo" if case == "dr_grpo" else case.split("_")[0]
     trainer, sampler, mask, A = random_batch(seed, B=16, scale=0.3)
-    theirs = _trl(trl_grpo, _stub(trl_grpo, loss_type, level, **args), trainer, sampler, mask, A)
+    stub = _stub(trl_grpo, loss_type, level, **args)
+    stub.max_completion_length = trainer.shape[1]
+    theirs = _trl(trl_grpo, stub, trainer, sampler, mask, A)
     ours = _ours(loss_fn, trainer, sampler, mask, A, **options)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-14)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-14)
@@ -211,3 +216,20 @@ def test_trls_temperature_is_float32(trl_grpo):
     assert theirs[0] == pytest.approx(rounded[0], rel=1e-12)
     assert theirs[0] != pytest.approx(exact[0], rel=1e-12)
     assert theirs[0] == pytest.approx(exact[0], rel=1e-6)
+
+
+def test_every_loss_type_trl_lists_is_on_the_integration_page(trl_grpo):
+    """The values GRPOConfig's help lists for loss_type, read from the installed release, each
+    on the integration page's TRL table: a new loss type fails here until it has its row."""
+    import pathlib
+    import re
+
+    help_text = {f.name: f for f in dataclasses.fields(trl_grpo.GRPOConfig)}[
+        "loss_type"].metadata["help"]
+    listed = re.search(r"Supported values are (.*?)\. ", help_text).group(1)
+    values = re.findall(r"'(\w+)'", listed)
+    assert len(values) >= 8, values
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "integration.md").read_text()
+    table = page.split("**TRL 1.16.0**", 1)[1].split("\n\n**", 1)[0]
+    missing = [v for v in values if f'"{v}"' not in table]
+    assert missing == [], missing

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import pathlib
+import re
 
 import pytest
 import torch
@@ -233,3 +234,16 @@ def test_the_bands_cover_both_branches():
                 n_eligible, N = _eligible(trainer, sampler, mask, A, *band)
                 cases.add(max(int(ratio * N), 1) >= n_eligible)
     assert cases == {True, False}
+
+
+def test_every_registered_policy_loss_is_on_the_integration_page():
+    """verl's POLICY_LOSS_REGISTRY as installed: every name on the integration page's verl
+    table (``bypass_mode`` is the legacy trainer's, the rows of PPO's clip and REINFORCE)."""
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "integration.md").read_text()
+    table = page.split("**verl 0.9.1**", 1)[1].split("\n\n**", 1)[0]
+    names = sorted(core_algos.POLICY_LOSS_REGISTRY)
+    assert len(names) >= 12, names
+    missing = [n for n in names if n != "bypass_mode" and not re.search(
+        rf"`loss_mode: {n}`|/ `{n}`", table)]
+    assert missing == [], missing
+    assert "bypass_mode" in table
