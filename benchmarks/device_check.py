@@ -369,6 +369,13 @@ CASES = [
     Case("correction.kl_penalty", _trainer_sampler,
          lambda fn, x: {k: fn(*_trainer(x), k) for k in ("k1", "k2", "k3", "k1+", "k3+")},
          ("trainer_logp",)),
+    # group baselines under a rejection: (B, G) rewards, some answers rejected
+    Case("correction.group_advantages",
+         lambda s, g: {"rewards": torch.randn(s["B"], 4, generator=g, dtype=torch.float64),
+                       "kept": torch.rand(s["B"], 4, generator=g) < 0.7},
+         lambda fn, x: {b: fn(x["rewards"], x["kept"], b)
+                        for b in ("grpo_all", "grpo_kept", "grpo_std_all", "grpo_std_kept",
+                                  "rloo_all", "rloo_kept")}),
     # teachers
     Case("teachers.teacher_target_logprobs",
          lambda s, g: {"teacher_logp": torch.stack([_logp(s, g) for _ in range(3)]),
