@@ -502,16 +502,21 @@ def _engine_kept_mass():
     from opd_literate.mismatch.engine import kept_mass_table
     from opd_literate.mismatch.toy import make_toy
 
-    lines = ["| log-probs, correction | ∇J_τ | ∇J_τ^W (writable sequences) | "
-             "∇E_{π_S}[R] (the engine's policy) |", "| --- | ---: | ---: | ---: |"]
-    for row in kept_mass_table(make_toy(), **ENGINE_KEPT_MASS):
-        lines.append(f"| {row['label']} | {row['rel_bias_true']:.3f} | "
-                     f"{row['rel_bias_writable']:.3f} | {row['rel_bias_masked']:.3f} |")
-    _write("engine_kept_mass_table.md", "\n".join(lines) + "\n")
+    for name, options in (("engine_kept_mass_table.md", ENGINE_KEPT_MASS),
+                          ("engine_kept_mass_min_p_table.md", ENGINE_KEPT_MASS_MIN_P)):
+        lines = ["| log-probs, correction | ∇J_τ | ∇J_τ^W (writable sequences) | "
+                 "∇E_{π_S}[R] (the engine's policy) | variance |",
+                 "| --- | ---: | ---: | ---: | ---: |"]
+        for row in kept_mass_table(make_toy(), **options):
+            lines.append(f"| {row['label']} | {row['rel_bias_true']:.3f} | "
+                         f"{row['rel_bias_writable']:.3f} | {row['rel_bias_masked']:.3f} | "
+                         f"{row['var']:.3f} |")
+        _write(name, "\n".join(lines) + "\n")
 
 
 # The kept-mass table's engine: make_toy() sampled at temperature 0.7 and top-p 0.93.
 ENGINE_KEPT_MASS = dict(temperature=0.7, top_p=0.93)
+ENGINE_KEPT_MASS_MIN_P = dict(temperature=0.7, top_p=1.0, min_p=0.3)
 
 
 def _engine_samplers():
@@ -1013,7 +1018,7 @@ GENERATORS = (
     (_topk, ("topk_bias_table.md", "topk_bias.svg")),
     (_engine, ("engine_temperature_table.md", "engine_top_p_table.md", "engine_bias.svg",
                "engine_samplers_table.md", "engine_nucleus_table.md")),
-    (_engine_kept_mass, ("engine_kept_mass_table.md",)),
+    (_engine_kept_mass, ("engine_kept_mass_table.md", "engine_kept_mass_min_p_table.md")),
     (_task_rewards, ("task_rewards_table.md", "task_rewards_at_1.md", "task_rewards.svg")),
     (_groups, ("groups_table.md", "groups_by_size.md")),
     (_cross_tokenizer, ("cross_tokenizer_table.md",)),

@@ -1060,21 +1060,25 @@ KEPT_MASS_CHOICES = (
 options: the rows of ``kept_mass_table``."""
 
 
-def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES):
+def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES, top_k=None,
+                    min_p=0.0):
     r"""The sequence ratio (``seq_is``) with each reported log-prob and kept-mass correction:
     its exact relative bias against the three gradients it could be meant to estimate.
 
     For each ``(label, options)`` of ``choices``, ``engine_toy(toy, temperature=..., top_p=...,
-    **options)`` and the mean of ``seq_is`` on it, against $\nabla J_\tau$ (``true_grad``),
-    $\nabla J_\tau^W$, the objective with the reward of every sequence the engine cannot write
-    set to 0 (``true_grad - truncated_grad``), and $\nabla \mathbb{E}_{\pi_S}[R]$, the gradient
-    of the policy as the engine runs it (``masked_grad``): each the norm of the difference over
-    the norm of the target.
+    top_k=..., min_p=..., **options)`` and the mean of ``seq_is`` on it, against
+    $\nabla J_\tau$ (``true_grad``), $\nabla J_\tau^W$, the objective with the reward of every
+    sequence the engine cannot write set to 0 (``true_grad - truncated_grad``), and
+    $\nabla \mathbb{E}_{\pi_S}[R]$, the gradient of the policy as the engine runs it
+    (``masked_grad``): each the norm of the difference over the norm of the target. A target of
+    norm 0 (cuts that leave no reward) is refused: its relative bias is undefined.
 
     Returns
     -------
     list of dict
-        ``label``, ``options`` and ``rel_bias_true``, ``rel_bias_writable``, ``rel_bias_masked``.
+        ``label``, ``options``, ``rel_bias_true``, ``rel_bias_writable``, ``rel_bias_masked``
+        and ``var``, the total variance of one sample's estimate under the engine's $\mu$
+        ([opd_literate.mismatch.toy.estimator_moments][]).
 
     Examples
     --------
@@ -1090,12 +1094,19 @@ def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES)
 
     rows = []
     for label, options in choices:
-        engine = engine_toy(toy, temperature=temperature, top_p=top_p, **options)
-        mean = estimator_moments(engine, seq_is(engine))["mean"]
+        engine = engine_toy(toy, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            **options)
+        moments = estimator_moments(engine, seq_is(engine))
+        mean = moments["mean"]
         targets = {"true": engine["true_grad"],
                    "writable": engine["true_grad"] - engine["truncated_grad"],
                    "masked": engine["masked_grad"]}
-        rows.append(dict(label=label, options=dict(options), **{
+        for name, target in targets.items():
+            if not np.linalg.norm(target) > 0:
+                raise ValueError(f"the gradient {name!r} is 0 for {label!r} at these settings "
+                                 "(the cuts leave no reward to estimate): its relative bias is "
+                                 "undefined")
+        rows.append(dict(label=label, options=dict(options), var=float(moments["var"]), **{
             f"rel_bias_{name}": float(np.linalg.norm(mean - target) / np.linalg.norm(target))
             for name, target in targets.items()}))
     return rows

@@ -387,6 +387,38 @@ def test_the_chapters_sentences_on_the_kept_masses():
     assert min(r["rel_bias_writable"] for r in rows[1:] if r is not rows[6]) > 0.1
 
 
+def test_the_variance_column_and_the_min_p_table():
+    """The variance is estimator_moments' of seq_is on each engine; at min-p 0.3 the three
+    identities hold again and the chapter's figures are the table's."""
+    from opd_literate.mismatch.estimators import seq_is
+    from opd_literate.mismatch.toy import estimator_moments
+
+    rows = kept_mass_table(make_toy(), temperature=0.7, top_p=0.93)
+    for row in rows:
+        engine = engine_toy(make_toy(), temperature=0.7, top_p=0.93, **row["options"])
+        assert row["var"] == pytest.approx(estimator_moments(engine, seq_is(engine))["var"],
+                                           rel=1e-12)
+    page = " ".join(PAGE.read_text().split())
+    assert ("the trainer's kept mass doubles the processed ratio's (0.237 to 0.469)") in page
+    assert_matches_committed([rows[0]["var"], rows[1]["var"]], [0.237, 0.469], rtol=0,
+                             atol=5e-4, why="three decimals on the page")
+    assert 1.9 < rows[1]["var"] / rows[0]["var"] < 2.1  # "doubles"
+    cut = kept_mass_table(make_toy(), temperature=0.7, top_p=1.0, min_p=0.3)
+    assert cut[0]["rel_bias_writable"] < 1e-12 and cut[2]["rel_bias_masked"] < 1e-12
+    for key in ("rel_bias_true", "rel_bias_writable", "rel_bias_masked", "var"):
+        assert cut[6][key] == pytest.approx(cut[0][key], rel=1e-9, abs=1e-12)
+    assert "The trainer's kept mass costs more here, a bias of 4.252 against" in page
+    assert_matches_committed(cut[1]["rel_bias_writable"], 4.252, rtol=0, atol=5e-4,
+                             why="three decimals on the page")
+    assert cut[1]["rel_bias_writable"] > rows[1]["rel_bias_writable"]  # "costs more here"
+
+
+def test_a_target_the_cuts_leave_without_reward_is_refused():
+    # top-k 2 on this toy leaves the engine's policy a gradient of 0
+    with pytest.raises(ValueError, match="is 0 for .* its relative bias is undefined"):
+        kept_mass_table(make_toy(), temperature=0.7, top_p=1.0, top_k=2)
+
+
 def test_the_baseline_row_of_the_table():
     engine = engine_toy(make_toy(), temperature=0.7, top_p=0.93, kept_mass="trainer")
     pi_S = np.exp((engine["logp_train"] - engine["log_kept_trainer"]).sum(axis=1))
