@@ -1122,3 +1122,25 @@ def test_the_expected_sampled_reverse_bucket_is_finite_where_a_teacher_mass_roun
     assert got.item() <= _full(s, t, 1.0).item()  # still a lower bound
     assert bool(torch.isfinite(_grad(lambda z: expected_sampled_divergence(
         z, t, beta=1.0, max_log_mass=None), s)).all())
+
+
+@pytest.mark.slow
+def test_the_bounds_precision_limit_in_float32_is_as_stated():
+    """forward_kl_upper_bound's docstring: past 2^24 tokens float32 cannot resolve the worst
+    tail's weights. A tail of 2^24 + 1 tokens, one of them with half the student's mass, and a
+    teacher that reports one token of mass mu ~ 1/V: float64 gives the worst tail's bound,
+    log 2 (every w_i ~ mu on the uniform half, ~0 on the heavy token) within 1e-6, float32 more
+    than 1% below it."""
+    import math
+
+    from opd_literate.large_vocab.supports import forward_kl_upper_bound
+
+    V = 2**24 + 2
+    z = torch.zeros(V)
+    z[1] = math.log(2**24)  # the heaviest tail token: about half the student's mass
+    t0 = torch.tensor((1 - 2**-24) / (2**24 + 0.5), dtype=torch.float64).log()
+    ids = torch.tensor([0])
+    b64 = forward_kl_upper_bound(z.double(), t0[None], ids).item()
+    b32 = forward_kl_upper_bound(z, t0.float()[None], ids).item()
+    assert abs(b64 - math.log(2)) < 1e-6
+    assert b32 < 0.99 * b64

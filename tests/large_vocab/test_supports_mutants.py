@@ -1,7 +1,8 @@
 """The cases the mutation run of opd_literate/large_vocab/supports.py found no test held
 (docs/mutation.md): refusals and their messages, the chunks build_support checks, the compute
 dtype, TRL's cap and its edges, the mass tolerance and the top-k slack at their edges, the rows
-_truth refuses, the study's parameters and table, and what the figure holds.
+_truth refuses, the study's parameters and table, what the figure holds, and NeMo-RL's loss and
+references (an invalid slot, mixed at w = 1, one infinite KL) with a tie at k = V.
 
 Each test names the mutants it kills (``supports.x_FUNCTION__mutmut_N``). Expected values come
 from the docstrings' definitions, hand arithmetic or plain-Python sums over the vocabulary, not
@@ -857,3 +858,105 @@ def _check_legends_and_layout(fig):
     x0, x1 = min(b.x0 for b in boxes), max(b.x1 for b in boxes)
     y0, y1 = min(b.y0 for b in boxes), max(b.y1 for b in boxes)
     assert 0 <= x0 < 0.03 and 0.97 < x1 <= 1 and 0.165 <= y0 < 0.2 and 0.97 < y1 <= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The run on the current code: NeMo-RL's references and loss, _truth's default, a tie at k = V
+# ---------------------------------------------------------------------------------------------
+# A teacher that cannot emit token 3, a student that can: KL(q || p) is finite, KL(p || q) +inf
+_STUDENT = torch.tensor([[0.3, -0.2, 0.5, 0.1]], dtype=F64)
+_TEACHER = torch.tensor([[0.0, 0.4, -0.3, -math.inf]], dtype=F64)
+
+
+def _rows_kl(a, b):
+    """KL(softmax(a) || softmax(b)) of one (1, V) row, in plain Python (+inf where b = 0 < a)."""
+    p, q = torch.softmax(a[0], -1).tolist(), torch.softmax(b[0], -1).tolist()
+    if any(x > 0 and y == 0 for x, y in zip(p, q)):
+        return math.inf
+    return _plain_kl(p, q)
+
+
+@pytest.mark.parametrize("kl_type, student, teacher", [
+    ("forward", _STUDENT, _TEACHER),  # the reverse KL is +inf
+    ("reverse", _TEACHER, _STUDENT),  # the student cannot emit token 3: the forward is +inf
+])
+def test_a_nemo_kl_is_measured_against_that_kl_alone(kl_type, student, teacher):
+    # _reference 13 (mixture True for "forward" and "reverse": 1 KL + 0 (other KL), and
+    # 0 * inf = NaN is refused). The other KL is infinite; the reference is the finite one
+    choice = next(c for c in sp.NEMO_CHOICES if c.kl_type == kl_type)
+    a, b = (teacher, student) if kl_type == "forward" else (student, teacher)
+    assert _rows_kl(b, a) == math.inf
+    bias = support_bias(choice, 2, student, teacher)
+    assert_matches_committed(bias["true"].item(), _rows_kl(a, b), rtol=1e-13,
+                             why="a float64 sum of four terms against Python's")
+
+
+@pytest.mark.parametrize("choice", [c for c in sp.NEMO_CHOICES if c.kl_type == "mixed"])
+def test_a_mixed_reference_with_an_infinite_kl_is_refused(choice):
+    # _truth 50 (true <= inf): w KL(q || p) + (1 - w) KL(p || q) is +inf here, but its gradient,
+    # w times the forward KL's, is nonzero: only the test true < inf refuses it
+    assert _rows_kl(_TEACHER, _STUDENT) < math.inf == _rows_kl(_STUDENT, _TEACHER)
+    with pytest.raises(ValueError, match="^the full divergence and its gradient must be nonzero"):
+        support_bias(choice, 2, _STUDENT, _TEACHER)
+
+
+def test_the_truth_is_the_jsd_unless_a_mixture_is_asked():
+    # _truth 1 (mixture=True by default): without mixture, _truth(student, teacher, beta) is
+    # D_beta, here the JSD at beta = 0.5 by hand, not (KL(q || p) + KL(p || q)) / 2
+    g = torch.Generator().manual_seed(10)
+    s, t = torch.randn(2, 1, 5, generator=g, dtype=F64)
+    true, _, _ = sp._truth(s, t, 0.5)
+    p, q = torch.softmax(s[0], -1).tolist(), torch.softmax(t[0], -1).tolist()
+    m = [(x + y) / 2 for x, y in zip(p, q)]
+    assert_matches_committed(true.item(), (_plain_kl(q, m) + _plain_kl(p, m)) / 2, rtol=1e-12,
+                             why="float64 sums of five terms against Python's")
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_mixed_at_weight_one_does_not_read_an_infinite_reverse_kl(zero):
+    # nemo_rl_topk_kl 145, 146, 148 (mixed at w = 1 computed as 1 forward + 0 reverse: 0 * inf
+    # is NaN). The teacher's top-2 report gives slot 1 no mass: q~ = (1, 0), so the reverse KL
+    # is +inf wherever the student has mass on slot 1; the forward KL is -log p~_0, with
+    # p~ = (1/2, 1/2) renormalised or p_0 = 0.4 with zero_outside_topk
+    student = torch.log(torch.tensor([0.4, 0.4, 0.2], dtype=F64))
+    report = Support(torch.tensor([0, 1]), torch.tensor([True, True]),
+                     torch.tensor([math.log(0.6), -math.inf], dtype=F64))
+    got = sp.nemo_rl_topk_kl(student, report, kl_type="mixed", mixed_kl_weight=1.0,
+                             zero_outside_topk=zero).item()
+    assert_matches_committed(got, math.log(2.5 if zero else 2.0), rtol=1e-14,
+                             why="one float64 log-probability difference")
+    reverse = sp.nemo_rl_topk_kl(student, report, kl_type="reverse", zero_outside_topk=zero)
+    assert reverse.item() == math.inf
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_an_invalid_slot_is_read_by_neither_side_of_nemo_rls_loss(zero):
+    # nemo_rl_topk_kl 51, 63 (an invalid slot filled with +inf, not -inf: log P or log Q is
+    # +inf). Slot 2 is invalid (its teacher value 0.0, probability 1, is not read); the loss is
+    # the docstring's on S = {0, 1}: q~ = (3/4, 1/4), p = (0.4, 0.4, 0.2), p~ = (1/2, 1/2)
+    student = torch.log(torch.tensor([0.4, 0.4, 0.2], dtype=F64))
+    report = Support(torch.tensor([0, 1, 2]), torch.tensor([True, True, False]),
+                     torch.tensor([math.log(0.6), math.log(0.2), 0.0], dtype=F64))
+    q = [0.75, 0.25]
+    a = [0.4, 0.4] if zero else [0.5, 0.5]
+    forward = sum(x * math.log(x / y) for x, y in zip(q, a))
+    reverse = sum(y * math.log(y / x) for x, y in zip(q, a))
+    if zero:
+        reverse += 0.2 * (math.log(0.2) + 100.0)  # token 2 is off S: the teacher's e^-100
+    for kl_type, want in (("forward", forward), ("reverse", reverse),
+                          ("mixed", (forward + reverse) / 2)):
+        got = sp.nemo_rl_topk_kl(student, report, kl_type=kl_type, zero_outside_topk=zero)
+        assert_matches_committed(got.item(), want, rtol=1e-13,
+                                 why="float64 sums of two or three terms against Python's")
+
+
+def test_a_value_equal_to_the_divergence_is_a_lower_bound(monkeypatch):
+    # support_study 156 (value < true): at k = V = 2 the tail (b) of the forward KL is the KL
+    # itself, and with a teacher of one possible token (q = (1, 0)) both sums hold the single
+    # term 1 (0 - log p_0), from the same log_softmax of the same student row, and zeros (the
+    # capped tails give (-16.1) - (-16.1) = 0): the value equals the truth exactly, on any CPU
+    pair = (torch.zeros(2, dtype=F64), torch.tensor([0.0, -math.inf], dtype=F64))
+    monkeypatch.setattr(sp, "zipf_pair", lambda *args: pair)
+    data = sp.support_study(V=2, positions=1, ks=[2], choices=CHOICES[:1])
+    (row,) = data["rows"]
+    assert row["lower_bound"] is True and row["rel_bias"] == 0.0
