@@ -247,6 +247,9 @@ def browser():
     if not pathlib.Path(CHROMIUM).exists():
         _skip_or_fail(f"chromium not found at {CHROMIUM} (apt-get install chromium)")
     family = helvetica_font()
+    if family is None:
+        _skip_or_fail("fc-match not found: the layout tests check which font draws Helvetica "
+                      "(apt-get install fontconfig fonts-liberation)")
     if family not in HELVETICA_METRICS:
         _skip_or_fail(f"Helvetica is drawn in {family!r} here, not a font of its metrics (one of "
                       f"{', '.join(HELVETICA_METRICS)}): the layout tests measure text in them "
