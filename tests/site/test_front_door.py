@@ -98,7 +98,7 @@ def test_the_students_path_ends_at_the_first_chapters_graded_lab():
                                                                        "distillation](opd.md)")
     chapter = (ROOT / "docs" / "opd.md").read_text()
     exercises = chapter.split("\n## Exercises\n", 1)[1]
-    assert "python -m opd_literate.course labs/ --lab opd" in exercises
+    assert "python -m opd_literate.course labs/opd --lab opd" in exercises
     assert "python -m pytest --task 1" in exercises
     lab = LABS["opd"]
     points = lab_points(lab)
@@ -120,7 +120,7 @@ def test_each_chapters_exercises_are_its_lab(chapter, lab):
     functions, as the handout's README does."""
     exercises = (ROOT / "docs" / chapter).read_text().split("\n## Exercises\n", 1)[1]
     exercises = exercises.split("\n## ", 1)[0]
-    assert f"python -m opd_literate.course labs/ --lab {lab}" in exercises
+    assert f"python -m opd_literate.course labs/{lab} --lab {lab}" in exercises
     points = lab_points(LABS[lab])
     functions = {}
     for number, function, _ in tasks_of(LABS[lab]):
@@ -141,3 +141,24 @@ def test_the_install_steps_are_the_readmes(command):
     install = HOME.split("## Install", 1)[1].split("\n## ", 1)[0]
     readme = (ROOT / "README.md").read_text()
     assert command in install and command in readme
+
+
+@pytest.mark.parametrize("chapter", ["opd.md", "mismatch.md", "mismatch_practice.md"])
+def test_the_exercises_commands_work_as_written(chapter, tmp_path, monkeypatch, capsys):
+    """The Exercises' two commands run: the handout command writes the folder the ``cd`` goes
+    into (a single lab is written into OUTDIR itself, not into OUTDIR/<lab>)."""
+    import shlex
+
+    from opd_literate.course import cli
+
+    exercises = (ROOT / "docs" / chapter).read_text().split("\n## Exercises\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", exercises, re.S).group(1)
+    write, enter = [line.split("#", 1)[0].strip() for line in block.strip().split("\n")]
+    words = shlex.split(write)
+    assert words[:3] == ["python", "-m", "opd_literate.course"]
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(words[3:]) == 0
+    capsys.readouterr()
+    folder = enter.split("&&")[0].strip().removeprefix("cd ").strip()
+    assert (tmp_path / folder / "lab.json").is_file() and (tmp_path / folder / "tests").is_dir()
+    assert "python -m pytest --task 1" in enter
