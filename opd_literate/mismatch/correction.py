@@ -2406,6 +2406,10 @@ def group_advantages(rewards, kept, baseline, eps=VERL_EPSILON):
             deviation = torch.where(member, (r - mean) ** 2, torch.zeros_like(r))
             std = torch.where(alone, torch.ones_like(n),
                               torch.sqrt(deviation.sum(dim=-1, keepdim=True) / (many - 1)))
+            if not bool(torch.isfinite(std).all()):  # A / inf would be a silent 0
+                raise ValueError(f"the advantages overflow {r.dtype}: rewards up to "
+                                 f"{float(r.abs().max()):.3g} are too large for the group's "
+                                 "squared deviations")
             advantage = advantage / (std + eps)
     advantage = select(kept, advantage)  # a rejected answer trains nothing
     if not bool(torch.isfinite(advantage).all()):

@@ -304,6 +304,10 @@ def _advantages(r, k, baseline, eps):
             # the sample standard deviation (divisor n - 1, as torch.std) over S
             squares = np.where(member, (r - mean) ** 2, 0.0).sum(axis=-1, keepdims=True)
             std = np.where(alone, 1.0, np.sqrt(squares / (many - 1)))
+            if not np.isfinite(std).all():  # A / inf would be a silent 0
+                raise ValueError(f"the advantages overflow float64: rewards up to "
+                                 f"{float(np.abs(r).max()):.3g} are too large for the group's "
+                                 "squared deviations")
             advantage = advantage / (std + eps)
     return np.where(k, advantage, 0.0)  # a rejected answer trains nothing
 

@@ -87,6 +87,12 @@ def test_the_result_is_detached():
     (lambda: C.group_advantages(torch.tensor([1e308, -1e308], dtype=torch.float64),
                                 torch.ones(2, dtype=torch.bool), "rloo_all"),
      ValueError, "the advantages overflow torch.float64"),
+    # the squared deviations overflow while the rewards are finite: A / inf was a silent 0
+    (lambda: C.group_advantages(torch.tensor([2e19, -2e19, 0.0, 0.0]),
+                                torch.ones(4, dtype=torch.bool), "grpo_std_all"),
+     ValueError, "too large for the group's squared deviations"),
+    (lambda: groups.group_advantages([1e155, -1e155, 0.0, 0.0], [True] * 4, "grpo_std_kept"),
+     ValueError, "too large for the group's squared deviations"),
 ])
 def test_bad_input_is_refused_by_name(call, error, match):
     with pytest.raises(error, match=match):
