@@ -762,7 +762,8 @@ def _engine_cases():
         "above": Call("_mass_above", (Array(rows), Array(ranking)))}, ranked_before))
 
     above = np.array([[0.0, 0.5, 0.8, 0.95]])
-    for top_p, count in [(0.8, 2), (0.81, 3), (0.5, 1), (0.500000001, 2), (0.01, 1)]:
+    for top_p, count in [(0.8, 2), (0.81, 3), (0.5, 1), (0.500000001, 2), (0.01, 1),
+                         (1e-13, 1)]:
         def boundary(out, count=count):
             kept = [rank < count for rank in range(4)]
             assert out["rows"].values.tolist() == [kept]
@@ -806,6 +807,32 @@ def _engine_cases():
         cases.append(Case(n + f"test_cut_framework_at_the_boundary_by_hand[{sampler}-{count}]",
                           2, {"kept": Call("_cut_framework", (Array(sums), 0.8, sampler))},
                           framework_boundary))
+
+    for sampler, kept_rank in [("vllm", -1), ("transformers", -1), ("sglang", 0)]:
+        in_order = p32[::-1].copy() if sampler == "sglang" else p32
+        sums = np.cumsum(in_order, dtype=float).astype(np.float32)
+        if sampler == "sglang":
+            sums = sums - in_order
+
+        def one_token(out, sums=sums, sampler=sampler, kept_rank=kept_rank):
+            kept = out["kept"].values.tolist()
+            assert kept == [rank == kept_rank % 4 for rank in range(4)]
+            assert kept == _framework_cut(sums, 1e-8, sampler).tolist()
+
+        cases.append(Case(n + f"test_cut_framework_keeps_one_token_at_a_tiny_top_p[{sampler}-"
+                          f"{kept_rank}]", 2,
+                          {"kept": Call("_cut_framework", (Array(sums), 1e-8, sampler))},
+                          one_token))
+
+    dyadic = np.array([0.5, 0.25, 0.125, 0.125], dtype=np.float32)
+    dyadic_above = np.cumsum(dyadic, dtype=float).astype(np.float32) - dyadic
+
+    def equal_to_top_p(out):
+        assert out["kept"].values.tolist() == [True, True, True, False]
+
+    cases.append(Case(n + "test_cut_framework_sglang_keeps_a_mass_above_equal_to_top_p", 2,
+                      {"kept": Call("_cut_framework", (Array(dyadic_above), 0.75, "sglang"))},
+                      equal_to_top_p))
 
     rows, _ = _engine_rows(2, rows=200, V=5)
     cut_levels = (0.2, 0.5, 0.75, 0.9, 0.95)

@@ -117,8 +117,8 @@ def test_every_lab_test_has_its_case_for_each_of_its_tasks():
             collected |= _lab_test_ids(labs.REPO / test)
     cases = {(case.name, case.task) for lab in LABS for case in cases_of(lab)}
     assert cases == collected
-    # (10 + 12 + 10) OPD, 27 mismatch, (8 + 6 + 3) engine: one case per test each
-    assert len(cases) == 32 + 27 + 17
+    # (10 + 12 + 10) OPD, 27 mismatch, (9 + 10 + 3) engine: one case per test each
+    assert len(cases) == 32 + 27 + 22
 
 
 def test_a_test_file_without_cases_is_refused():
@@ -184,6 +184,12 @@ WRONG = {  # (lab, task, the line, its wrong version): each is a plausible mista
                                               "return np.cumsum(ranked, axis=-1)"),
     "1 - p in float64": ("engine", 2, 'cut = _FLOAT32(1.0) - _FLOAT32(top_p) if sampler == "vllm" '
                          "else _FLOAT32(1.0 - top_p)", "cut = 1.0 - top_p"),
+    "the first ranked token not kept": ("engine", 1, "_set(kept_ranked, axis, 0)  # the first "
+                                        "token always stays", "pass"),
+    "the largest logit not kept": ("engine", 2, '_set(kept_ranked, axis, -1)  # "at least one": '
+                                   "the largest logit stays", "pass"),
+    "SGLang cutting a mass equal to p": ("engine", 2, "return ~(sums > _FLOAT32(top_p))",
+                                         "return ~(sums >= _FLOAT32(top_p))"),
     "the kept sum shifted by the largest of all": (
         "engine", 3,
         "lse_kept = top_kept[..., 0] + np.log(np.exp(on_kept - top_kept).sum(axis=-1))",

@@ -52,10 +52,11 @@ def test_mass_above_sums_what_is_ranked_before():
 
 @pytest.mark.task(1)
 @pytest.mark.parametrize("top_p, count", [(0.8, 2), (0.81, 3), (0.5, 1), (0.500000001, 2),
-                                          (0.01, 1)])
+                                          (0.01, 1), (1e-13, 1)])
 def test_cut_exact_at_the_boundary(top_p, count):
     # BOUNDARY ranked: the mass above each token is 0, 0.5, 0.8, 0.95; a mass equal to top_p
-    # (within NUCLEUS_TOLERANCE) has reached it, and the first token always stays
+    # (within NUCLEUS_TOLERANCE) has reached it, and the first token always stays (at a top_p
+    # below the tolerance too, where no mass is "less than top_p" by more than it)
     above = np.array([[0.0, 0.5, 0.8, 0.95]])
     kept = [rank < count for rank in range(4)]
     assert _cut_exact(above, top_p).tolist() == [kept]
@@ -104,6 +105,33 @@ def test_cut_framework_at_the_boundary_by_hand(sampler, count):
     kept = _cut_framework(sums, 0.8, sampler)
     assert kept.dtype == bool and int(kept.sum()) == count
     assert kept.tolist() == torch_reference(sums, 0.8, sampler).tolist()
+
+
+@pytest.mark.task(2)
+@pytest.mark.parametrize("sampler, kept_rank", [("vllm", -1), ("transformers", -1),
+                                               ("sglang", 0)])
+def test_cut_framework_keeps_one_token_at_a_tiny_top_p(sampler, kept_rank):
+    # 1 - float32(1e-8) is 1 in float32: every cumulative sum is <= it, and only the
+    # "at least one" rule keeps the largest logit (last in vLLM's and transformers' ascending
+    # order); SGLang keeps its first, whose mass above is 0
+    p32 = np.array([0.05, 0.15, 0.3, 0.5], dtype=np.float32)
+    ranked = p32[::-1].copy() if sampler == "sglang" else p32
+    sums = np.cumsum(ranked, dtype=float).astype(np.float32)
+    if sampler == "sglang":
+        sums = sums - ranked
+    kept = _cut_framework(sums, 1e-8, sampler)
+    assert kept.tolist() == [rank == kept_rank % 4 for rank in range(4)]
+    assert kept.tolist() == torch_reference(sums, 1e-8, sampler).tolist()
+
+
+@pytest.mark.task(2)
+def test_cut_framework_sglang_keeps_a_mass_above_equal_to_top_p():
+    # (1/2, 1/4, 1/8, 1/8), dyadic: the mass above the third token is exactly 0.75 in float32,
+    # and SGLang cuts only where it exceeds top_p, so at 0.75 it keeps three
+    ranked = np.array([0.5, 0.25, 0.125, 0.125], dtype=np.float32)
+    sums = np.cumsum(ranked, dtype=float).astype(np.float32) - ranked
+    assert sums.tolist() == [0.0, 0.5, 0.75, 0.875]
+    assert _cut_framework(sums, 0.75, "sglang").tolist() == [True, True, True, False]
 
 
 @pytest.mark.task(2)
