@@ -2271,9 +2271,11 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
     it, e.g. at b178a3c, verl passed the suffixed name on and every ``"+"`` name raised
     ``NotImplementedError``. verl's k3 clamps $-d$ to $\pm 20$ and the value to $\pm 10$; this
     one is [opd_literate.opd.kl_estimator][]'s, unclamped, so it refuses (``ValueError``) a
-    k3 whose value $e^{-d} - 1 + d$ overflows the compute dtype, or, when ``trainer_logp``
-    requires a gradient, whose gradient $1 - e^{-d}$ overflows ``trainer_logp``'s own dtype
-    (autograd returns it there: $e^{11.1}$ in float16, $e^{88.7}$ in bfloat16 and float32).
+    k3 whose value $e^{-d} - 1 + d$ overflows the compute dtype; and where ``trainer_logp`` is
+    narrower than the compute dtype, the backward pass refuses a gradient that overflows
+    ``trainer_logp``'s own dtype, in which autograd returns it (k3's $1 - e^{-d}$ times the
+    upstream gradient: past about $e^{11.1}$ in float16 at a unit upstream gradient), rather
+    than return an infinity.
 
     Returns
     -------
@@ -2295,7 +2297,13 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
         raise ValueError(f"kind must be one of {KL_PENALTIES}, got {kind!r}")
     mask, dtype = _check_batch(trainer_logp, ref_logp, mask, "ref_logp")
     zeros = torch.zeros((), dtype=dtype, device=trainer_logp.device)
-    trainer = torch.where(mask, trainer_logp.to(dtype), zeros)
+    widened = trainer_logp.to(dtype)
+    if dtype != trainer_logp.dtype and trainer_logp.requires_grad and torch.is_grad_enabled():
+        # autograd returns the gradient in trainer_logp's own dtype, which can be narrower than
+        # the compute dtype (a bf16 trainer beside a float64 ref): k3's 1 - e^{-d} times the
+        # upstream gradient can overflow it there, which only the backward pass can see
+        widened = _WidenChecked.apply(trainer_logp, dtype, kind)
+    trainer = torch.where(mask, widened, zeros)
     ref = torch.where(mask, ref_logp.detach().to(dtype), zeros)
     value = kl_estimator(trainer, ref, kind.rstrip("+"))
     if kind.endswith("+"):
@@ -2303,25 +2311,40 @@ def kl_penalty(trainer_logp, ref_logp, mask, kind="k1"):
         # straight through: the value of k, the gradient of k2
         value = k2 - k2.detach() + value.detach()
     _check_kl_fits(value, trainer, ref, mask, kind)
-    if kind == "k3" and trainer_logp.requires_grad and torch.is_grad_enabled():
-        # autograd hands d k3 / d trainer_logp = 1 - e^{-d} back in trainer_logp's own dtype,
-        # which can be narrower than the compute dtype (a bf16 trainer beside a float64 ref)
-        grad = 1 - torch.exp(ref - trainer.detach())
-        limit = torch.finfo(trainer_logp.dtype).max
-        _check_kl_fits(grad, trainer, ref, mask & ~(grad.abs() <= limit), kind,
-                       f"in its gradient, returned as {trainer_logp.dtype}")
     return select(mask, value)
 
 
-def _check_kl_fits(value, trainer, ref, mask, kind, what=None):
+def _check_kl_fits(value, trainer, ref, mask, kind):
     """Refuse a KL estimate that overflows its dtype (k3's e^{-d} beyond e^88 in float32)."""
-    bad = mask & ~torch.isfinite(value.detach()) if what is None else mask
+    bad = mask & ~torch.isfinite(value.detach())
     if bool(bad.any()):
         b, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"kl_penalty {kind!r} overflows {what or value.dtype} at position ({b}, {t}): "
+            f"kl_penalty {kind!r} overflows {value.dtype} at position ({b}, {t}): "
             f"d = trainer_logp - ref_logp = {(trainer[b, t] - ref[b, t]).item()!r}; "
             "use float64 inputs, or k1 or k2 (which grow like d and d^2, not e^{-d})")
+
+
+class _WidenChecked(torch.autograd.Function):
+    """``x.to(dtype)``, whose backward refuses a finite gradient that overflows ``x``'s own
+    (narrower) dtype when cast back to it, instead of returning an infinity."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, kind):
+        ctx.source, ctx.kind = x.dtype, kind
+        return x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        narrow = grad.to(ctx.source)
+        bad = torch.isfinite(grad) & ~torch.isfinite(narrow)
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"kl_penalty {ctx.kind!r}'s gradient {grad[where].item():.4g} overflows "
+                f"trainer_logp's {ctx.source} at position {where} (autograd returns it in that "
+                "dtype): use float32 trainer log-probs, a smaller loss scale, or 'k3+'")
+        return narrow, None, None
 
 
 # ---------------------------------------------------------------------------------------------

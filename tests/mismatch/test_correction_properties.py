@@ -987,16 +987,18 @@ def test_k3_just_inside_float32_is_finite_and_beyond_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_k3_gradient_overflowing_the_trainers_dtype_is_refused(dtype):
     # found by the 'ci' profile: d = -100 fits float64's value, but the gradient 1 - e^{100}
-    # autograd returns in the trainer's dtype was -inf
+    # autograd returns in the trainer's dtype was -inf; the backward pass now refuses it
     trainer = torch.tensor([[-0.0003]], dtype=dtype)
     ref = torch.tensor([[100.0]], dtype=torch.float64)
     mask = torch.ones(1, 1)
     t = trainer.double().item()  # -0.0003 as the dtype rounds it
-    k = C.kl_penalty(trainer, ref, mask, "k3")  # no gradient asked: the float64 value is finite
+    x = trainer.clone().requires_grad_()
+    k = C.kl_penalty(x, ref, mask, "k3")  # the float64 value is finite
     assert k.dtype == torch.float64
     assert k.item() == pytest.approx(math.exp(100 - t) - 1 + t - 100, rel=1e-12)
-    with pytest.raises(ValueError, match=rf"overflows in its gradient, returned as {dtype}"):
-        C.kl_penalty(trainer.clone().requires_grad_(), ref, mask, "k3")
+    with pytest.raises(ValueError, match=rf"gradient .* overflows trainer_logp's {dtype} at "
+                                         r"position \(0, 0\)"):
+        k.sum().backward()
     # k3+ takes k2's gradient d, which fits
     x = trainer.clone().requires_grad_()
     C.kl_penalty(x, ref, mask, "k3+").sum().backward()
@@ -1006,6 +1008,24 @@ def test_k3_gradient_overflowing_the_trainers_dtype_is_refused(dtype):
     C.kl_penalty(x, ref - 90, mask, "k3").sum().backward()
     # the float64 gradient rounded once to the trainer's dtype (within its half ulp)
     assert x.grad.item() == pytest.approx(1 - math.exp(10 - t), rel=torch.finfo(dtype).eps)
+
+
+def test_a_k3_gradient_that_fits_after_the_upstream_factor_is_not_refused():
+    """Found by review: the refusal is of the gradient autograd actually returns, so a mean
+    over many tokens and a small coefficient keep a large 1 - e^{-d} finite in float16."""
+    trainer = torch.full((1, 1000), -0.0003, dtype=torch.float16)
+    ref = torch.full((1, 1000), 12.0, dtype=torch.float64)  # 1 - e^{12} ~ -1.6e5 > fp16 max
+    x = trainer.clone().requires_grad_()
+    (0.01 * C.kl_penalty(x, ref, torch.ones(1, 1000), "k3").mean()).backward()
+    expected = 0.01 / 1000 * (1 - math.exp(12 + 0.0003))
+    assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
+    assert x.grad[0, 0].item() == pytest.approx(expected, rel=2e-3)  # float16's rounding
+    # at a unit upstream gradient, float16 rounds 1 - e^{-d} = -65510 to -65504: finite, kept
+    d = -math.log(65511.0)
+    x = torch.tensor([[0.0]], dtype=torch.float16, requires_grad=True)
+    C.kl_penalty(x, torch.tensor([[-d]], dtype=torch.float64), torch.ones(1, 1),
+                 "k3").sum().backward()
+    assert x.grad.item() == -65504.0
 
 
 # ---------------------------------------------------------------------------------------------
