@@ -763,7 +763,12 @@ def projection_matrix(student_vocab, teacher_vocab):
     Each student token's string is tokenized by the teacher; its $i$-th teacher token gets
     weight $\propto 0.9 \cdot 0.1^i$, normalised over the tokens and added to the row (the
     forward pass of ``tools/x_token/minimal_projection_via_multitoken.py``); the end maps to
-    the end. A student token that is a teacher token maps to it with weight 1.
+    the end. A student token that is a teacher token maps to it with weight 1. The script's
+    default ``--enable-reverse-pass`` (lines 395 to 406 and 691 to 706 at ``7ea279ab``) also
+    adds each teacher token's student tokenization before normalising the rows; this matrix is
+    the script's with that pass off, or with ``--enable-exact-match``
+    (``tests/teachers/test_cross_tokenizer_nemo.py``), and differs from its default wherever a
+    teacher token is no student token (``teacher_merges``, ``non_refining``).
 
     Examples
     --------
@@ -786,10 +791,12 @@ def projection_losses(toy, reverse=True, include_eos=True, eps=_NEMO_EPS):
 
     The arithmetic of ``CrossTokenizerDistillationLossFn._compute_p_kl`` at commit
     ``7ea279ab`` with temperature 1 and the full teacher vocabulary as its top-k: chunks are
-    the aligned token groups (``align_groups``; the end tokens form one more chunk with
-    ``include_eos``), each read at the logits that predict its tokens (NeMo-RL's next-token
-    shift of the chunk ids). For chunk $c$ with student positions $K_c$ and teacher positions
-    $J_c$,
+    the aligned token groups (``align_groups``, TRL's byte-offset rule; NeMo-RL's own
+    ``TokenAligner`` gives the same groups on every toy sequence at ``T = 3`` but one,
+    ``non_refining``'s ``aabab``, which it aligns as one chunk; the end tokens form one more
+    chunk with ``include_eos``), each read at the logits that predict its tokens (NeMo-RL's
+    next-token shift of the chunk ids). For chunk $c$ with student positions $K_c$ and
+    teacher positions $J_c$,
 
     $$
     u_c = \frac{\sum_{k \in K_c} \pi_k W}{|K_c| + \epsilon}, \quad
