@@ -278,10 +278,10 @@ def _inner_imports(definition: _Definition) -> frozenset:
     for node in ast.walk(definition.node):
         if node is definition.node or not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
-        if isinstance(node, ast.ImportFrom) and node.level and not any(a.asname
-                                                                         for a in node.names):
+        renamed = isinstance(node, ast.ImportFrom) and any(a.asname for a in node.names)
+        if isinstance(node, ast.ImportFrom) and node.level and not renamed:
             continue  # a definition of the package, inlined like a top-level import's
-        if isinstance(node, ast.ImportFrom) and (node.level or any(a.asname for a in node.names)):
+        if renamed:
             raise CopyError(f"{PACKAGE}.{definition.module}.{definition.name}: cannot hoist "
                             f"the import {ast.unparse(node)!r}")
         for alias in node.names:

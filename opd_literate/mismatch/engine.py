@@ -1101,12 +1101,13 @@ def kept_mass_table(toy, temperature=0.7, top_p=0.93, choices=KEPT_MASS_CHOICES,
         targets = {"true": engine["true_grad"],
                    "writable": engine["true_grad"] - engine["truncated_grad"],
                    "masked": engine["masked_grad"]}
-        for name, target in targets.items():
-            if not np.linalg.norm(target) > 0:
+        norms = {name: np.linalg.norm(target) for name, target in targets.items()}
+        for name, norm in norms.items():
+            if not norm > 0:
                 raise ValueError(f"the gradient {name!r} is 0 for {label!r} at these settings "
                                  "(the cuts leave no reward to estimate): its relative bias is "
                                  "undefined")
         rows.append(dict(label=label, options=dict(options), var=float(moments["var"]), **{
-            f"rel_bias_{name}": float(np.linalg.norm(mean - target) / np.linalg.norm(target))
+            f"rel_bias_{name}": float(np.linalg.norm(mean - target) / norms[name])
             for name, target in targets.items()}))
     return rows
