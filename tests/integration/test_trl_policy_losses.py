@@ -151,6 +151,53 @@ def test_trls_loss_is_ours(trl_grpo, case, seed):
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("processes, accumulation, steps_per_generation",
+                         [(1, 1, 1), (2, 1, 1), (1, 4, 4), (2, 4, 4), (2, 2, 4), (1, 1, 3)])
+def test_trls_dapo_is_the_token_mean_of_the_optimizer_steps_batch(trl_grpo, processes,
+                                                                  accumulation,
+                                                                  steps_per_generation):
+    """The integration page's dapo row: a micro-batch's token sum over num_items_in_batch (the
+    generation's tokens over every process) / num_processes * accumulation /
+    steps_per_generation. Summed over the accumulation steps and averaged over the processes
+    (DDP), that is the token mean of the optimizer step's batch when a generation is one step
+    (steps_per_generation = gradient_accumulation_steps, TRL's default), and otherwise the
+    step's token sum over the generation's mean tokens a step."""
+    micro = processes * steps_per_generation  # the generation's micro-batches
+    batches = [random_batch(seed, B=4, scale=0.3) for seed in range(micro)]
+    generation_tokens = sum(float(mask.sum()) for _, _, mask, _ in batches)
+    losses = []
+    for trainer, sampler, mask, A in batches:
+        stub = _stub(trl_grpo, "dapo", "token", epsilon=0.2, epsilon_high=0.28)
+        stub.accelerator.num_processes = processes
+        stub.current_gradient_accumulation_steps = accumulation
+        stub.args.steps_per_generation = steps_per_generation
+        leaf = trainer.clone().requires_grad_(True)
+        stub._get_per_token_logps_and_entropies = lambda *a, leaf=leaf, **k: (
+            leaf, torch.zeros_like(leaf), None)
+        B, T = trainer.shape
+        inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+                  "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+                  "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+                  "advantages": A, "old_per_token_logps": sampler,
+                  "num_items_in_batch": torch.tensor(generation_tokens, dtype=torch.float64)}
+        theirs = trl_grpo.GRPOTrainer._compute_loss(stub, None, inputs).item()
+        token_sum = float(C.ppo_clip_loss(trainer, sampler, A, mask, clip_ratio_low=0.2,
+                                          clip_ratio_high=0.28, clip_ratio_c=float("inf"),
+                                          reduction="token-mean")[0]) * float(mask.sum())
+        losses.append((theirs, token_sum, float(mask.sum())))
+    steps = steps_per_generation // accumulation  # optimizer steps a generation
+    per_step = processes * accumulation  # micro-batches an optimizer step, over the processes
+    for step in range(steps):
+        window = losses[step * per_step:(step + 1) * per_step]
+        # DDP averages the processes' gradients; accumulation sums the micro-batches
+        trained = sum(theirs for theirs, _, _ in window) / processes
+        expected = sum(t for _, t, _ in window) / (generation_tokens / steps)
+        assert trained == pytest.approx(expected, rel=1e-12, abs=1e-14)
+        if steps == 1:  # one generation a step: the exact token mean of its batch
+            token_mean = sum(t for _, t, _ in window) / sum(n for _, _, n in window)
+            assert trained == pytest.approx(token_mean, rel=1e-12, abs=1e-14)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_trls_cispo_at_its_default_caps_every_ratio_at_epsilon(trl_grpo, seed):
     """epsilon_high None means epsilon (0.2, GRPOTrainer.__init__): the weight is
