@@ -256,6 +256,33 @@ def _trainer(x):
     return x["trainer_logp"], x["sampler_logp"], x["mask"]
 
 
+def _kept_mass_inputs(s, g):
+    """(B, T, V) trainer logits, written tokens, kept sets holding them (about 60 % of the
+    vocabulary), the reported log-probs and a kept log-mass between each and 0."""
+    tokens = torch.randint(0, s["V"], (s["B"], s["T"]), generator=g)
+    kept = torch.rand(s["B"], s["T"], s["V"], generator=g) < 0.6
+    kept.scatter_(-1, tokens[..., None], True)
+    logp = _logp(s, g)
+    return {"trainer_logits": _logits(s, g, s["B"], s["T"]), "sampler_logp": logp,
+            "tokens": tokens, "kept": kept, "mask": _mask(s, g),
+            "sampler_log_kept": logp * torch.rand(logp.shape, generator=g, dtype=torch.float64)}
+
+
+def _kept_mass_call(fn, x):
+    """Every row of the chapter's kept-mass table, at two temperatures."""
+    from opd_literate.mismatch.engine import KEPT_MASS_CHOICES
+
+    out = {}
+    for _, options in KEPT_MASS_CHOICES:
+        needs = options.get("kept_mass") == "sampler" and options["reported"] != "processed"
+        extra = {"sampler_log_kept": x["sampler_log_kept"]} if needs else {}
+        for tau in (1.0, 0.7):
+            out[str(options), tau] = fn(x["trainer_logits"], x["sampler_logp"], x["tokens"],
+                                        x["kept"], x["mask"], temperature=tau, **options,
+                                        **extra)
+    return out
+
+
 CASES = [
     # opd
     Case("opd.reverse_kl_rewards", _token_pair,
@@ -359,6 +386,16 @@ CASES = [
           ("clip_cov_loss", ({}, {"clip_cov_ratio": 0.3, "clip_cov_lb": -1.0,
                                   "clip_cov_ub": 1.0})),
           ("kl_cov_loss", ({}, {"kl_cov_ratio": 0.3, "ppo_kl_coef": 1.0})))],
+    # the policy losses as REINFORCE weights (detached: no gradient to compare)
+    *[Case(f"correction.{name}", _with_advantages,
+           lambda fn, x, options=options: {
+               str(o): fn(x["trainer_logp"], x["sampler_logp"], x["advantages"], x["mask"], **o)
+               for o in options})
+      for name, options in (
+          ("sapo_weights", ({}, {"tau_pos": 0.5})),
+          ("gspo_weights", ({}, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3})),
+          ("clip_cov_weights", ({}, {"clip_cov_ratio": 0.3, "clip_cov_lb": -1.0,
+                                     "clip_cov_ub": 1.0})))],
     Case("correction.reinforce_loss",
          lambda s, g: {**_with_advantages(s, g),
                        "weights": torch.rand(s["B"], s["T"], generator=g, dtype=torch.float64)},
@@ -369,6 +406,8 @@ CASES = [
     Case("correction.kl_penalty", _trainer_sampler,
          lambda fn, x: {k: fn(*_trainer(x), k) for k in ("k1", "k2", "k3", "k1+", "k3+")},
          ("trainer_logp",)),
+    Case("correction.kept_mass_log_ratio", _kept_mass_inputs, _kept_mass_call,
+         ("trainer_logits",)),
     # group baselines under a rejection: (B, G) rewards, some answers rejected
     Case("correction.group_advantages",
          lambda s, g: {"rewards": torch.randn(s["B"], 4, generator=g, dtype=torch.float64),

@@ -322,6 +322,92 @@ def _retokenization_figure(data: dict, gradient: str):
     return fig
 
 
+# The kept-mass explorer (the mismatch in practice): the sequence ratio with each reported
+# log-prob and kept-mass correction (KEPT_MASS_CHOICES), its exact relative bias against the
+# three targets of the chapter's table, as top-p tightens, on make_toy() at the table's
+# temperature (docs/hooks/generate.py, ENGINE_KEPT_MASS). Below top-p 0.62 the engine writes no
+# sequence with a reward on this toy, and the relative biases are undefined; from 0.98 it cuts
+# nothing.
+KEPT_MASS_TEMPERATURE = 0.7
+KEPT_MASS_TOP_PS = (0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 1.0)
+KEPT_MASS_START = KEPT_MASS_TOP_PS.index(0.93)  # the chapter's table
+# the targets as the chapter's table names its columns
+KEPT_MASS_TARGETS = (("rel_bias_true", "∇J_τ"),
+                     ("rel_bias_writable", "∇J_τ^W (writable sequences)"),
+                     ("rel_bias_masked", "∇E_{π_S}[R] (the engine's policy)"))
+_REPORTED_NAMES = {"processed": "processed", "raw": "raw", "tempered": "SGLang tempered"}
+
+
+def kept_mass_label(options: dict) -> str:
+    """A name for a row of ``KEPT_MASS_CHOICES`` (the table's own labels repeat
+    "+ renormalised on the kept set" under two log-probs): the log-probs, and on a second line
+    the correction, so that the names leave the bars room on a phone."""
+    name = _REPORTED_NAMES[options["reported"]]
+    if options.get("kept_mass") == "sampler":
+        name += "<br>renormalised"
+    elif options.get("kept_mass") == "trainer":
+        name += "<br>+ trainer's kept mass"
+    if options.get("trainer_mask"):
+        name += "<br>mask replayed"
+    return name
+
+
+def kept_mass_explorer_data() -> dict:
+    """``{top_p: {"rel_bias_true": [...], "rel_bias_writable": [...], "rel_bias_masked": [...]}}``,
+    one entry a row of ``KEPT_MASS_CHOICES``: ``kept_mass_table(make_toy(), temperature=0.7,
+    top_p=top_p)``, exact."""
+    from opd_literate.mismatch.engine import kept_mass_table
+    from opd_literate.mismatch.toy import make_toy
+
+    toy = make_toy()
+    data = {}
+    for top_p in KEPT_MASS_TOP_PS:
+        rows = kept_mass_table(toy, temperature=KEPT_MASS_TEMPERATURE, top_p=top_p)
+        data[top_p] = {key: [row[key] for row in rows] for key, _ in KEPT_MASS_TARGETS}
+    return data
+
+
+def _kept_mass_figure(data: dict):
+    """Grouped bars, one group a row of ``KEPT_MASS_CHOICES`` and one colour a target; the
+    slider picks top-p and shows that position's three traces. Each position keeps its own
+    scale: the biases reach 70 at top-p 0.65, where they stay below 1 at 0.93."""
+    import plotly.graph_objects as go
+
+    from opd_literate.mismatch.engine import KEPT_MASS_CHOICES
+
+    names = [kept_mass_label(options) for _, options in KEPT_MASS_CHOICES]
+    colours = ("#3f51b5", "#e8710a", "#2ca02c")
+    fig = go.Figure()
+    for i, top_p in enumerate(KEPT_MASS_TOP_PS):
+        for (key, target), colour in zip(KEPT_MASS_TARGETS, colours):
+            fig.add_trace(go.Bar(
+                x=data[top_p][key], y=names, orientation="h", visible=i == KEPT_MASS_START,
+                name=target, legendgroup=target, marker_color=colour,
+                hovertemplate=f"%{{y}}<br>against {target}: %{{x:.4g}}<extra></extra>"))
+    n = len(KEPT_MASS_TARGETS)
+    steps = [{"method": "restyle", "label": f"{top_p:g}",
+              "args": [{"visible": [j // n == i for j in range(n * len(KEPT_MASS_TOP_PS))]}]}
+             for i, top_p in enumerate(KEPT_MASS_TOP_PS)]
+    fig.update_layout(
+        title={"text": "The sequence ratio with each reported log-prob and kept-mass "
+                       "correction: its exact relative bias against each target as top-p "
+                       f"tightens (the chapter's toy, τ = {KEPT_MASS_TEMPERATURE:g})",
+               "font": {"size": 15}},
+        barmode="group", bargap=0.25,
+        sliders=[{"active": KEPT_MASS_START, "steps": steps,
+                  "currentvalue": {"prefix": "top-p = "}, "pad": {"t": 55}}],
+        xaxis_title="relative bias", height=560,
+        margin={"l": 10, "r": 20, "t": 60, "b": 20},
+        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom"},
+        paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+        font={"size": 13, "family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif"},
+    )
+    fig.update_yaxes(autorange="reversed", gridcolor="rgba(0,0,0,0.12)")
+    fig.update_xaxes(autorange=True, rangemode="tozero", gridcolor="rgba(0,0,0,0.12)",
+                     zerolinecolor="rgba(0,0,0,0.3)")
+    return fig
+
+
 # Below this width of its box (a phone's column is 358 px) a figure takes its narrow layout.
 NARROW_PX = 560
 
@@ -399,6 +485,7 @@ def fragments() -> dict[str, str]:
         f"Truncated at C (TIS) or masked above C (MIS), mismatch {THRESHOLD_MISMATCH:g}")
     best_data = best_estimator_data()
     retokenization = retokenization_explorer_data()
+    kept_mass = _kept_mass_figure(kept_mass_explorer_data())
     return {
         "explore_mismatch.html": _html(mismatch, "explore-mismatch", _bars_narrow(mismatch)),
         "explore_threshold.html": _html(threshold, "explore-threshold", _bars_narrow(threshold)),
@@ -406,6 +493,7 @@ def fragments() -> dict[str, str]:
                                          "explore-experiment"),
         "explore_best.html": _html(_best_estimator_figure(best_data), "explore-best",
                                    after=best_legend(best_colours(best_data))),
+        "explore_kept_mass.html": _html(kept_mass, "explore-kept-mass"),
         **{f"explore_retokenization_{gradient}.html": _html(
             _retokenization_figure(retokenization, gradient),
             f"explore-retokenization-{gradient}") for gradient in RETOKENIZATION_GRADIENTS},

@@ -43,6 +43,9 @@ MISMATCH_TRAINING = DOCS / "data" / "mismatch_experiment" / "mismatch_training.j
 # The training study's machine (machine.json beside its record) and its reruns on other kernels:
 # one folder each, with machine.json, mismatch_training.json and tinylm_mismatch.json.
 MISMATCH_RERUNS = DOCS / "data" / "mismatch_experiment" / "reruns"
+# The second training study (--mismatch-training --strongest), one folder a kernel set, each
+# with machine.json and mismatch_training.json.
+MISMATCH_STRONGEST = DOCS / "data" / "mismatch_experiment" / "strongest"
 
 
 def _write(name: str, data) -> None:
@@ -1001,6 +1004,73 @@ def _mismatch_machines_table(committed):
     return "\n".join(lines)
 
 
+STRONGEST_CATALOGUE = {"decoupled_seq_is": "seq_tis", "kpop_is": "kpop", "gspo": "gspo",
+                       "clip_cov": "clip_cov", "sapo": "sapo"}
+"""The second study's corrections by their name in the catalogue (the exact tinylm study's
+rows); ``kpop``, KPop's mask with weight 1, has no row there."""
+
+
+def mismatch_strongest_records():
+    """``[(machine, record)]`` of the second training study, in machine.json's order."""
+    found = [(json.loads(path.read_text()), path.parent)
+             for path in MISMATCH_STRONGEST.glob("*/machine.json")]
+    found.sort(key=lambda item: (item[0].get("order", 0), item[1].name))
+    return [(machine, json.loads((folder / "mismatch_training.json").read_text()))
+            for machine, folder in found]
+
+
+def _mismatch_strongest():
+    """The second training study's table: per method and condition, with each kernel set, the
+    final accuracy and its paired difference to the uncorrected ``int4`` run, the share of
+    tokens weighted, and the exact tinylm study's relative RMSE with 64 answers."""
+    from opd_literate.experiment.mismatch_training import mismatch_summary
+
+    records = mismatch_strongest_records()
+    exact = {r["name"]: r for r in
+             json.loads(TINYLM_MISMATCH.read_text())["estimators"]["int4"]["tinylm"]}
+    tables = [(machine, {method: {row["name"]: row for row in rows}
+                         for method, rows in mismatch_summary(record).items()})
+              for machine, record in records]
+
+    def cell(stat):
+        return f"{stat['mean']:.3f} [{stat['low']:.3f}, {stat['high']:.3f}]"
+
+    short = {"AVX512": "AVX-512", "DEFAULT": "baseline"}
+    header = ["method", "condition"]
+    for machine, _ in tables:
+        kernels = short[machine["torch_cpu_capability"]]
+        header += [f"accuracy ({kernels})", f"against `int4 none` ({kernels})",
+                   f"tokens weighted ({kernels})"]
+    header.append("exact relative RMSE, N = 64")
+    lines = ["| " + " | ".join(header) + " |",
+             "| --- | --- |" + " ---: |" * (len(header) - 2)]
+    names = {"rl": "RL", "opd_sampled": "OPD"}
+    for method in ("rl", "opd_sampled"):
+        for name in tables[0][1][method]:
+            if "sampler reward" in name:
+                continue
+            correction = name.split(" ", 1)[1]
+            cells = [names[method], f"`{name}`"]
+            for _, table in tables:
+                row = table[method][name]
+                cells += [cell(row["final_accuracy"]), cell(row["against_uncorrected"]),
+                          f"{row['kept_fraction']['mean']:.3f}"]
+            catalogue = STRONGEST_CATALOGUE.get(correction)
+            if name == "int4 none":
+                catalogue = "naive"
+            cells.append(f"{exact[catalogue]['rel_rmse']:.3f}" if catalogue else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    seeds = len(records[0][1]["methods"]["rl"]["int4 none"]["accuracy"])
+    lines += ["", f"Greedy accuracy on the test prompts after {records[0][1]['config']['steps']} "
+              f"steps: the mean of {seeds} seeds [95% percentile bootstrap]; \"against\": less "
+              "the same seed's uncorrected `int4` run. Tokens weighted: the share whose weight in "
+              "the loss is not 0, over training. The exact relative RMSE: the catalogue's row "
+              "of the same estimator in the exact tinylm study at `int4` (`naive` for no "
+              "correction; none for the on-policy run, or for KPop's mask with weight 1, which the "
+              "catalogue does not hold)."]
+    _write("mismatch_strongest_table.md", "\n".join(lines) + "\n")
+
+
 # Each generator with the names it writes (fnmatch patterns): a build runs the generators whose
 # files its pages use (docs/hooks/_built.py), which for mkdocs.yml is every one.
 GENERATORS = (
@@ -1030,6 +1100,7 @@ GENERATORS = (
                         "tinylm_estimators_rmse.md", "tinylm_estimators_bias_all.md",
                         "tinylm_opd_table.md", "tinylm_mismatch.svg")),
     (_mismatch_training, ("mismatch_training_*",)),
+    (_mismatch_strongest, ("mismatch_strongest_table.md",)),
 )
 
 

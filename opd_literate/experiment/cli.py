@@ -100,6 +100,10 @@ def build_parser():
                              "students' quantized samplers, with and without corrections, and "
                              "write mismatch_training.json and mismatch_training.png to --out "
                              "(about 3 minutes on 2 cores; --quick: under 30 s)")
+    parser.add_argument("--strongest", action="store_true",
+                        help="with --mismatch-training: the second study, the corrections of "
+                             "STRONGEST_CORRECTIONS beside the uncorrected fp32 and int4 runs, "
+                             "sequence TIS and KPop's mask (about 2 minutes on 2 cores)")
     parser.add_argument("--no-cache", action="store_true",
                         help="retrain the teacher instead of loading it, and rewrite its cache "
                              "file (which also repairs a corrupt one)")
@@ -182,6 +186,7 @@ def _mismatch_training(parser, args, out_dir):
     from .mismatch_training import (
         MISMATCH_DEFAULT,
         MISMATCH_QUICK,
+        MISMATCH_STRONGEST,
         format_summary,
         run_mismatch_training,
     )
@@ -190,6 +195,9 @@ def _mismatch_training(parser, args, out_dir):
     if args.long:
         parser.error("--mismatch-training runs the two-digit students; --long is not supported")
     study = MISMATCH_QUICK if args.quick else MISMATCH_DEFAULT
+    if args.strongest:
+        study = dataclasses.replace(study, levels=MISMATCH_STRONGEST.levels,
+                                    corrections=MISMATCH_STRONGEST.corrections)
     # --seed and --seeds choose the students; --steps the study's own updates
     experiment = dataclasses.replace(study.experiment, **{
         name: value for name, value in (("seed", args.seed), ("seeds", args.seeds))
@@ -243,6 +251,8 @@ def main(argv=None):
               if flag]
     if len(chosen) > 1:
         parser.error(f"{' and '.join(chosen)} write different files; choose one")
+    if args.strongest and not args.mismatch_training:
+        parser.error("--strongest chooses the corrections of --mismatch-training; it needs it")
     if args.nucleus_disagreement:
         # the count trains nothing and draws nothing: an option of the training is a mistake
         given = [option for option, value in (

@@ -64,9 +64,12 @@ from .._numerics import (
 )
 from ..mismatch.correction import (
     PRESETS,
+    clip_cov_weights,
+    gspo_weights,
     kpop_mask,
     reinforce_loss,
     rollout_correction,
+    sapo_weights,
     trl_importance_weights,
 )
 from ..opd import full_vocab_reverse_kl, reverse_kl_rewards
@@ -75,8 +78,9 @@ from .config import DEFAULT, QUICK, ExperimentConfig
 from .ensemble import BatchedAdam
 from .quantized import SAMPLERS, ensemble_sampler
 
-__all__ = ["STUDY_METHODS", "CORRECTIONS", "PEER_CORRECTIONS", "Condition",
-           "MismatchTrainingConfig", "MISMATCH_DEFAULT", "MISMATCH_QUICK", "conditions",
+__all__ = ["STUDY_METHODS", "CORRECTIONS", "PEER_CORRECTIONS", "STRONGEST_CORRECTIONS",
+           "Condition", "MismatchTrainingConfig", "MISMATCH_DEFAULT", "MISMATCH_QUICK",
+           "MISMATCH_STRONGEST", "conditions",
            "engine_sample", "correction_weights", "corrected_loss", "train_under_mismatch",
            "run_mismatch_training", "mismatch_summary", "format_summary"]
 
@@ -101,26 +105,45 @@ TIS, token masking (IcePop), sequence TIS with sequence masking, geometric rejec
 ``PEER_CORRECTIONS``."""
 
 
+STRONGEST_CORRECTIONS = ("kpop_is", "gspo", "clip_cov", "sapo")
+r"""The corrections of the second study (``MISMATCH_STRONGEST``). ``gspo``, ``clip_cov`` and
+``sapo`` are verl's policy losses of those names with the sampler as their anchor (bypass mode),
+at their defaults, as REINFORCE weights
+([opd_literate.mismatch.correction.gspo_weights][], ``clip_cov_weights``, ``sapo_weights``:
+REINFORCE with them has the loss's gradient): on the exact tinylm study at ``int4`` with 64
+answers they are the catalogue's three estimators of least relative RMSE that ``CORRECTIONS``
+does not train (``ppo_clip_bypass`` ties ``clip_cov`` there: Clip-Cov is PPO's clip with one
+token a batch removed in expectation). ``kpop_is`` is KPop as prime-rl weights it: its mask
+([opd_literate.mismatch.correction.kpop_mask][]) with the raw ratio $\rho_t$ on the tokens it
+keeps, the catalogue's ``kpop``."""
+
+_LOSS_WEIGHTS = {"gspo": gspo_weights, "clip_cov": clip_cov_weights, "sapo": sapo_weights}
+
+
 def _check_correction(correction):
     """``"none"``, a preset of weights and rejection (not a bypass loss, not ``disabled``,
-    which is ``"none"``), or one of ``PEER_CORRECTIONS``."""
-    if correction == "none" or correction in PEER_CORRECTIONS:
+    which is ``"none"``), or one of ``PEER_CORRECTIONS`` and ``STRONGEST_CORRECTIONS``."""
+    if correction == "none" or correction in PEER_CORRECTIONS + STRONGEST_CORRECTIONS:
         return
     if (not isinstance(correction, str) or correction not in PRESETS
             or "bypass_mode" in PRESETS[correction] or correction == "disabled"):
         raise ValueError(f"correction must be 'none', a decoupled preset of PRESETS (weights "
                          f"and rejection, no bypass loss) or one of "
-                         f"{', '.join(PEER_CORRECTIONS)}, got {correction!r}")
+                         f"{', '.join(PEER_CORRECTIONS + STRONGEST_CORRECTIONS)}, got "
+                         f"{correction!r}")
 
 
-def correction_weights(trainer_logp, sampler_logp, mask, correction):
+def correction_weights(trainer_logp, sampler_logp, mask, correction, advantages=None):
     r"""The ``(weights, keep)`` of ``correction`` on ``(B, T)`` log-probabilities.
 
     A verl preset: [opd_literate.mismatch.correction.rollout_correction][] at its arguments
     (``"none"``: weight 1, every token kept). TRL's two sequence modes: its weights, every
     token of the mask kept (TRL multiplies the per-token loss by them and normalises by the
     completion mask, so a masked response still counts in the token mean). KPop: weight 1 on the
-    tokens it keeps, which alone enter the token mean (a rejection, as verl's).
+    tokens it keeps, which alone enter the token mean (a rejection, as verl's); ``kpop_is``:
+    the ratio $\rho_t$ on them. ``gspo``, ``clip_cov`` and ``sapo``: the weights of the policy
+    loss's gradient, every token of the mask kept (a clipped token has weight 0 and stays in the
+    token mean, as in the loss); they read ``advantages`` ``(B, T)``, which the others ignore.
 
     Examples
     --------
@@ -139,8 +162,20 @@ def correction_weights(trainer_logp, sampler_logp, mask, correction):
         weights, _ = trl_importance_weights(trainer_logp, sampler_logp, mask,
                                             correction.removeprefix("trl_"))
         return weights, mask.bool()
-    if correction == "kpop":
+    if correction in _LOSS_WEIGHTS:
+        if advantages is None:
+            raise ValueError(f"correction {correction!r} needs the advantages: its weights "
+                             "depend on their sign")
+        return _LOSS_WEIGHTS[correction](trainer_logp, sampler_logp, advantages, mask), mask.bool()
+    if correction in ("kpop", "kpop_is"):
         keep, _ = kpop_mask(trainer_logp, sampler_logp, mask)
+        if correction == "kpop_is":
+            # the raw ratio, uncapped (prime-rl's loss -keep A rho): verl's token IS at an
+            # infinite threshold
+            weights, _, _ = rollout_correction(trainer_logp, sampler_logp, mask,
+                                               rollout_is="token",
+                                               rollout_is_threshold=math.inf)
+            return weights, keep
         # the weights in the compute dtype, as the other corrections' (float32 for half inputs)
         dtype = compute_dtype(trainer_logp, sampler_logp)
         return torch.ones_like(trainer_logp, dtype=dtype), keep
@@ -241,6 +276,13 @@ MISMATCH_DEFAULT = MismatchTrainingConfig()
 
 MISMATCH_QUICK = MismatchTrainingConfig(experiment=QUICK, steps=60, eval_every=30)
 """``--quick``: the experiment's quick students (3 seeds), 60 steps."""
+
+MISMATCH_STRONGEST = MismatchTrainingConfig(
+    levels=("fp32", "int4"),
+    corrections=("decoupled_seq_is", "kpop", *STRONGEST_CORRECTIONS))
+"""``--strongest``: ``STRONGEST_CORRECTIONS`` beside the uncorrected runs, sequence TIS (the
+first study's best correction for RL) and KPop's mask with weight 1, at the first study's
+settings, so that each new correction is paired seed by seed with those."""
 
 
 def conditions(config, method):
@@ -368,14 +410,25 @@ def corrected_loss(trainer_logp, sampler_logp, advantages, mask, correction):
     flat = {"trainer": trainer_logp.reshape(M * B, T), "sampler": sampler_logp.reshape(M * B, T),
             "mask": mask.reshape(M * B, T)}
     # "none" is the preset "disabled": weight 1, every token kept (and the inputs checked)
-    weights, keep = correction_weights(flat["trainer"].detach(), flat["sampler"], flat["mask"],
-                                       correction)
+    weights, keep = _weights_per_model(flat, advantages.reshape(M * B, T), correction, M)
     keep = keep.reshape(M, B, T)
     kept = keep.sum((1, 2)).clamp_min(1).to(weights.dtype)  # (M,)
     scaled = weights.reshape(M, B, T) * keep / kept[:, None, None]
     loss = reinforce_loss(flat["trainer"], advantages.reshape(M * B, T), keep.reshape(M * B, T),
                           scaled.reshape(M * B, T), reduction="sum")
     return loss, keep & (weights.reshape(M, B, T) != 0)
+
+
+def _weights_per_model(flat, advantages, correction, M):
+    """``correction_weights`` of each model's ``(B, T)`` rows: Clip-Cov's covariance and
+    eligible share are statistics of one model's batch, so the policy losses' weights are
+    taken model by model; the other weights are per response, and taken at once."""
+    trainer = flat["trainer"].detach()
+    if correction not in _LOSS_WEIGHTS:
+        return correction_weights(trainer, flat["sampler"], flat["mask"], correction)
+    parts = [correction_weights(t, s, k, correction, a) for t, s, k, a in zip(
+        trainer.chunk(M), flat["sampler"].chunk(M), flat["mask"].chunk(M), advantages.chunk(M))]
+    return torch.cat([w for w, _ in parts]), torch.cat([k for _, k in parts])
 
 
 def _advantages(method, sampler_reward, tokens, answers, trainer_logp, sampler_logp,

@@ -59,6 +59,15 @@ batches); [opd_literate.mismatch.correction.seq_mask_tis_weights][] is the seq-m
 OpenRLHF and NeMo-RL, and [opd_literate.mismatch.correction.kpop_mask][] KPop's binary-KL
 mask (prime-rl, AReaL), each read from the commit its docstring names.
 
+**Kept masses.** Where the engine cuts (top-$k$, top-$p$, min-$p$), which log-probs it reports
+and how the trainer corrects them by a kept mass decide what the ratio estimates
+([opd_literate.mismatch.engine][] derives it on the toy).
+[opd_literate.mismatch.correction.kept_mass_log_ratio][] computes the per-token log-ratio of
+each choice from the trainer's ``(B, T, V)`` logits and the engine's kept sets: the processed,
+raw or tempered (SGLang's) log-probs, renormalised on the kept set or with the trainer's kept
+mass added (TRL's pull request #7269), or the engine's mask replayed in the trainer; the
+``trainer_logp`` and ``sampler_logp`` it returns are those the weights and losses here take.
+
 **Overflow.** Every ratio is the exponential of a log-ratio clamped to
 $[-20, 20]$ (``SAFETY_BOUND``, as verl's ``rollout_corr_helper.py`` and its PPO losses do), so a
 ratio lies in $[e^{-20}, e^{20}] \approx [2 \cdot 10^{-9}, 4.9 \cdot 10^{8}]$ and never overflows,
@@ -127,6 +136,7 @@ from .._numerics import (
     select,
 )
 from ..opd import kl_estimator
+from .engine import KEPT_MASS, REPORTED
 from .groups import BASELINES, VERL_EPSILON
 
 __all__ = [
@@ -163,8 +173,13 @@ __all__ = [
     "VESPO_LOG_W_MIN",
     "vespo_loss",
     "clip_cov_loss",
+    "sapo_weights",
+    "gspo_weights",
+    "clip_cov_weights",
     "kl_cov_loss",
     "kl_penalty",
+    "KeptMassRatio",
+    "kept_mass_log_ratio",
     "group_advantages",
 ]
 
@@ -2192,6 +2207,146 @@ def clip_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
     return loss, metrics
 
 
+def _ratio_passes_gradient(log_rho_t):
+    """Where ``exp(clamp(log_rho, -20, 20))`` has a derivative: in the clamp, bounds included."""
+    return (log_rho_t >= -SAFETY_BOUND) & (log_rho_t <= SAFETY_BOUND)
+
+
+def sapo_weights(trainer_logp, sampler_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05):
+    r"""The per-token weight of SAPO's gradient: ``sapo_loss`` as a REINFORCE weight.
+
+    The gradient of [opd_literate.mismatch.correction.sapo_loss][]'s token $t$ is
+    $-w_t A_t \nabla \log \pi_\theta(y_t)$ with
+
+    $$
+    w_t = r_t\, \mathrm{sech}^2\Big(\frac{\tau (r_t - 1)}{2}\Big), \qquad
+    \tau = \tau_+ \text{ where } A_t > 0, \ \tau_- \text{ elsewhere},
+    $$
+
+    ($w_t = 0$ where the log-ratio is clamped, beyond $\pm 20$: no gradient passes there).
+    So REINFORCE with these weights detached ([opd_literate.mismatch.correction.reinforce_loss][])
+    has SAPO's gradient at the same ``reduction`` (``tests/mismatch/test_bypass_weights.py``).
+    The advantages choose $\tau$ only. Detached, in the compute dtype, 0 off the mask.
+
+    Examples
+    --------
+    $\rho = 2.5$ with $A < 0$ gives $2.5\, \mathrm{sech}^2(0.7875) = 1.4209$ (``sapo_loss``'s
+    example); $\rho = 1$ gives 1, whatever the sign:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.3]], dtype=torch.float64))
+    >>> sampler = torch.log(torch.tensor([[0.2, 0.3]], dtype=torch.float64))
+    >>> w = sapo_weights(trainer, sampler, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2))
+    >>> [round(x, 4) for x in w[0].tolist()]
+    [1.4209, 1.0]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    tau_pos = check_finite_number("tau_pos", tau_pos, positive=True)
+    tau_neg = check_finite_number("tau_neg", tau_neg, positive=True)
+    A = _check_advantages(advantages, mask, dtype)
+    with torch.no_grad():
+        log_rho_t = _token_log_ratio(trainer_logp.detach(), sampler_logp, mask, dtype)
+        ratio = _exp_safe(log_rho_t)
+        tau = torch.where(A > 0, torch.full_like(A, tau_pos), torch.full_like(A, tau_neg))
+        gate = torch.sigmoid(tau * (ratio - 1.0))
+        # sech^2(x / 2) = 4 sigma(x) (1 - sigma(x)): the derivative of (4 / tau) sigma(tau (r - 1))
+        weights = 4.0 * gate * (1.0 - gate) * ratio
+        passes = mask & _ratio_passes_gradient(log_rho_t)
+        return torch.where(passes, weights, torch.zeros_like(weights))
+
+
+def gspo_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e-4,
+                 clip_ratio_high=4e-4):
+    r"""The per-token weight of GSPO's gradient: ``gspo_loss`` as a REINFORCE weight.
+
+    The gradient of [opd_literate.mismatch.correction.gspo_loss][]'s token $t$ is
+    $-w_t A_t \nabla \log \pi_\theta(y_t)$ with $w_t = s$, the response's geometric ratio,
+    unless PPO's clip takes it ($s > 1 + \varepsilon_h$ with $A_t > 0$, $s < 1 - \varepsilon_l$
+    with $A_t < 0$), where $w_t = 0$, as it is where $\log s_t$ is clamped. REINFORCE with these
+    weights detached has GSPO's gradient at the same ``reduction``
+    (``tests/mismatch/test_bypass_weights.py``). Detached, in the compute dtype, 0 off the mask.
+
+    Examples
+    --------
+    ``gspo_loss``'s example: $s = 1.25$, clipped with $A > 0$, kept with $A < 0$:
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64))
+    >>> sampler = torch.log(torch.tensor([[0.8, 0.2], [0.8, 0.2]], dtype=torch.float64))
+    >>> w = gspo_weights(trainer, sampler, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    >>> w.round(decimals=9).tolist()
+    [[0.0, 0.0], [1.25, 1.25]]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    eps_low, eps_high = _clip_range(0.0, clip_ratio_low, clip_ratio_high)
+    A = _check_advantages(advantages, mask, dtype)
+    with torch.no_grad():
+        log_rho_t = _token_log_ratio(trainer_logp.detach(), sampler_logp, mask, dtype)
+        log_s = _level_log_ratio(log_rho_t, mask, "geometric")
+        seq_ratio = _exp_safe(log_s)
+        clipped = (-A * torch.clamp(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)) > (-A * seq_ratio)
+        passes = mask & ~clipped & _ratio_passes_gradient(log_s)
+        return torch.where(passes, seq_ratio, torch.zeros_like(seq_ratio))
+
+
+def clip_cov_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
+                     clip_ratio_low=None, clip_ratio_high=None, clip_cov_ratio=2e-4,
+                     clip_cov_lb=1.0, clip_cov_ub=5.0):
+    r"""The per-token weight of Clip-Cov's gradient: ``clip_cov_loss`` as a REINFORCE weight.
+
+    The gradient of [opd_literate.mismatch.correction.clip_cov_loss][]'s token $t$ is
+    $-w_t A_t \nabla \log \pi_\theta(y_t)$ with
+
+    $$
+    w_t = r_t\, \mathbb{1}[\text{PPO's clip leaves } t]\,
+    \big(1 - q\, \mathbb{1}[t \text{ eligible}]\big),
+    $$
+
+    $q$ and the eligible tokens as there (the covariance band $l < c_t < u$ among the tokens
+    the clip leaves), and $w_t = 0$ where the log-ratio is clamped. The clip leaves $t$ unless
+    its clipped term exceeds the unclipped one: $r_t > 1 + \varepsilon_h$ with $A_t > 0$, or
+    $r_t < 1 - \varepsilon_l$ with $A_t < 0$. REINFORCE with these weights detached has
+    Clip-Cov's gradient at the same ``reduction`` (``tests/mismatch/test_bypass_weights.py``).
+    Detached, in the compute dtype, 0 off the mask.
+
+    Examples
+    --------
+    ``clip_cov_loss``'s example: both tokens eligible, one of the two removed in expectation,
+    so each keeps half its ratio. With both advantages 0.5 the covariances are 0 (nothing
+    eligible), and at $\varepsilon = 0.2$ the clip takes the first ($\rho = 1.6 > 1.2$ with
+    $A > 0$) and leaves the second ($\rho = 0.4$ with $A > 0$):
+
+    >>> trainer = torch.log(torch.tensor([[0.8, 0.2]], dtype=torch.float64))
+    >>> sampler = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    >>> clip_cov_weights(trainer, sampler, torch.tensor([[0.5, -0.5]]), torch.ones(1, 2),
+    ...                  clip_ratio=0.7, clip_cov_lb=0.3).round(decimals=9).tolist()
+    [[0.8, 0.2]]
+    >>> clip_cov_weights(trainer, sampler, torch.tensor([[0.5, 0.5]]), torch.ones(1, 2),
+    ...                  clip_cov_lb=0.3).round(decimals=9).tolist()
+    [[0.0, 0.4]]
+    """
+    mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
+    share = check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
+    lb = check_finite_number("clip_cov_lb", clip_cov_lb, allow_inf=True)
+    ub = check_finite_number("clip_cov_ub", clip_cov_ub, allow_inf=True)
+    if not lb < ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {lb!r} >= {ub!r}")
+    A = _check_advantages(advantages, mask, dtype)
+    with torch.no_grad():
+        log_rho_t = _token_log_ratio(trainer_logp.detach(), sampler_logp, mask, dtype)
+        ratio = _exp_safe(log_rho_t)
+        # the same comparison as clip_cov_loss: where the clipped term is the larger, its
+        # (constant) value is the loss and no gradient passes
+        clipped = (-A * torch.clamp(ratio, 1.0 - low, 1.0 + high)) > (-A * ratio)
+        cov = _batch_covariance(trainer_logp, A, mask, dtype)
+        eligible = mask & ~clipped & (cov > lb) & (cov < ub)
+        n_eligible = int(eligible.sum())
+        k = max(int(share * int(mask.sum())), 1)  # verl's clip_num
+        q = min(k, n_eligible) / n_eligible if n_eligible else 0.0
+        kept = torch.where(eligible, torch.full_like(A, 1.0 - q), torch.ones_like(A))
+        passes = mask & ~clipped & _ratio_passes_gradient(log_rho_t)
+        return torch.where(passes, ratio * kept, torch.zeros_like(ratio))
+
+
 def kl_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, kl_cov_ratio=2e-4,
                 ppo_kl_coef=0.1, reduction="token-mean"):
     r"""KL-Cov: the unclipped ratio loss, plus $\beta |\log \rho_t|$ on the tokens of largest
@@ -2345,6 +2500,317 @@ class _WidenChecked(torch.autograd.Function):
                 f"trainer_logp's {ctx.source} at position {where} (autograd returns it in that "
                 "dtype): use float32 trainer log-probs, a smaller loss scale, or 'k3+'")
         return narrow, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept masses: the log-ratio when the engine cuts (top-k, top-p, min-p)
+# ---------------------------------------------------------------------------------------------
+class KeptMassRatio(NamedTuple):
+    """What [opd_literate.mismatch.correction.kept_mass_log_ratio][] returns, each ``(B, T)``
+    in the compute dtype and 0 where ``mask`` is 0."""
+
+    log_ratio: torch.Tensor
+    r"""$\log \pi'(y_t) - \log \mu'(y_t)$; it carries the gradient of ``trainer_logp``."""
+    trainer_logp: torch.Tensor
+    r"""$\log \pi'(y_t)$, the trainer's log-probability; its gradient is the score."""
+    sampler_logp: torch.Tensor
+    r"""$\log \mu'(y_t)$, the reported log-probability with its correction; detached."""
+
+
+def kept_mass_log_ratio(trainer_logits, sampler_logp, tokens, kept, mask, *, temperature,
+                        reported="processed", kept_mass=None, trainer_mask=False,
+                        sampler_log_kept=None):
+    r"""The per-token log-ratio of each reported log-prob and kept-mass correction, on a batch.
+
+    The torch form of the options ``reported``, ``kept_mass`` and ``trainer_mask`` of
+    [opd_literate.mismatch.engine.engine_toy][] (the engine module's docstring derives what
+    each ratio is unbiased for). An engine samples position $t$ from its tempered distribution
+    $\mu_\tau$ renormalised on the kept set $S_t$ that its top-$k$, top-$p$ and min-$p$ leave,
+    $\mu(v) = \mu_\tau(v)\, \mathbb{1}[v \in S_t] / \mu_\tau(S_t)$, and reports
+    $\log \ell(y_t)$ of the written token, with $\ell$ the processed $\mu$, the raw
+    $\mathrm{softmax}(z)$ or the tempered $\mu_\tau$ (SGLang's default). The trainer holds its
+    logits $\theta_t$, the policy $\pi_\tau = \mathrm{softmax}(\theta_t / \tau)$, and the
+    engine's $S_t$ (SGLang's ``return_sampling_mask``, the kept ids of vLLM's); its kept mass,
+    held fixed (not differentiated), is
+
+    $$
+    \log K_t = \log \pi_\tau(S_t) = \operatorname{logsumexp}_{v \in S_t} \frac{\theta_{t,v}}{\tau}
+    - \operatorname{logsumexp}_{v} \frac{\theta_{t,v}}{\tau} .
+    $$
+
+    The trainer's log-prob is the full vocabulary's, or with the engine's mask replayed
+    (``trainer_mask=True``) that of the truncated policy $\pi_S = \pi_\tau\, \mathbb{1}_{S_t} /
+    K_t$:
+
+    $$
+    \log \pi'(y_t) = \log \pi_\tau(y_t) \quad \text{or} \quad
+    \log \pi_S(y_t) = \log \pi_\tau(y_t) - \log K_t ,
+    $$
+
+    and the reported log-prob is used as it comes (``kept_mass=None``), renormalised on the kept
+    set (``"sampler"``), or put on the trainer's full vocabulary (``"trainer"``, TRL's pull
+    request #7269):
+
+    $$
+    \log \mu'(y_t) = \log \ell(y_t), \qquad \log \ell(y_t) - \log \ell(S_t), \qquad
+    \log \ell(y_t) + \log K_t .
+    $$
+
+    The log-ratio is $\log \pi'(y_t) - \log \mu'(y_t)$. Renormalised, the tempered log-probs
+    are the processed ones, $\log \mu_\tau(y_t) - \log \mu_\tau(S_t) = \log \mu(y_t)$; the
+    processed ones have $\ell(S_t) = 1$ and stay. With the trainer's kept mass the ratio is
+    $\pi_S(y_t) / \mu(y_t)$, the replayed mask's value, but the gradient of $\log \pi'(y_t)$
+    stays the full vocabulary's score $(e_{y_t} - \pi_{\tau, t}) / \tau$; the replayed mask's
+    is $(e_{y_t} - \pi_{S, t}) / \tau$ (``engine_toy``'s ``score``). A trainer that does not
+    divide by the temperature is ``temperature=1.0`` here (``trainer_temperature=False`` of
+    ``engine_toy``): the temperature acts on the trainer's logits only, as the engine's
+    side arrives in its reported log-probs and kept sets.
+
+    On the engine toy's enumerated batch each option gives ``engine_toy``'s ``logp_train -
+    logp_sampler`` to $10^{-12}$ and its ``score`` as the gradient of ``trainer_logp``
+    (``tests/mismatch/test_kept_mass_torch.py``).
+
+    Parameters
+    ----------
+    trainer_logits : torch.Tensor
+        ``(B, T, V)`` floating: the trainer's logits before the temperature; ``-inf`` for an
+        impossible token, never NaN or ``+inf`` where ``mask`` is 1; finite at the written
+        token.
+    sampler_logp : torch.Tensor
+        ``(B, T)`` floating: the engine's reported $\log \ell(y_t)$, finite where ``mask`` is 1.
+    tokens : torch.Tensor
+        ``(B, T)`` integer: the written tokens $y_t$, in ``[0, V)`` where ``mask`` is 1
+        (anything elsewhere, such as a padding id of -100).
+    kept : torch.Tensor
+        ``(B, T, V)`` bool: the engine's kept set $S_t$ of each position; it holds the written
+        token where ``mask`` is 1.
+    mask : torch.Tensor
+        ``(B, T)`` in {0, 1}.
+    temperature : float
+        $\tau > 0$, by which the trainer divides its logits (the engine's sampling temperature).
+    reported : {"processed", "raw", "tempered"}
+        Which log-probs ``sampler_logp`` holds (``engine.REPORTED``).
+    kept_mass : {None, "sampler", "trainer"}
+        The correction (``engine.KEPT_MASS``); ``"trainer"`` is refused with ``trainer_mask``,
+        which would count $K_t$ twice.
+    trainer_mask : bool
+        Whether the trainer renormalises its softmax on $S_t$ (the engine's mask replayed).
+    sampler_log_kept : torch.Tensor, optional
+        ``(B, T)`` floating, finite where ``mask`` is 1: $\log \ell(S_t)$, the reported
+        distribution's mass on the kept set (the engine's log-probs summed over $S_t$). Needed
+        by ``kept_mass="sampler"`` with ``reported`` ``"raw"`` or ``"tempered"`` only, and
+        refused elsewhere (the processed log-probs have mass 1 on $S_t$).
+
+    Returns
+    -------
+    KeptMassRatio
+        ``log_ratio``, ``trainer_logp`` and ``sampler_logp``, ``(B, T)``, in the compute dtype
+        (float32 for half-precision inputs) on the device of ``trainer_logits``, 0 where
+        ``mask`` is 0; only ``trainer_logp`` and ``log_ratio`` carry a gradient.
+
+    Examples
+    --------
+    ``engine_toy``'s example: one position of three tokens, trainer and engine equal, top-p 0.7
+    keeps tokens 0 and 1 (mass 0.8). Two responses write one each; the processed log-probs are
+    $\log(0.5 / 0.8)$ and $\log(0.3 / 0.8)$. Their ratio is the kept mass 0.8; with the
+    trainer's kept mass added, or the mask replayed, it is 1:
+
+    >>> logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2]]] * 2, dtype=torch.float64))
+    >>> tokens, ones = torch.tensor([[0], [1]]), torch.ones(2, 1)
+    >>> kept = torch.tensor([[[True, True, False]]] * 2)
+    >>> processed = torch.log(torch.tensor([[0.625], [0.375]], dtype=torch.float64))
+    >>> def ratios(sampler_logp, **choice):
+    ...     out = kept_mass_log_ratio(logits, sampler_logp, tokens, kept, ones,
+    ...                               temperature=1.0, **choice)
+    ...     return [round(r, 12) for r in out.log_ratio.exp().flatten().tolist()]
+    >>> ratios(processed), ratios(processed, kept_mass="trainer")
+    ([0.8, 0.8], [1.0, 1.0])
+    >>> ratios(processed, trainer_mask=True)
+    [1.0, 1.0]
+
+    SGLang's tempered log-probs ($\log 0.5$, $\log 0.3$ at $\tau = 1$) hide the kept mass;
+    renormalised by it ($\log \ell(S_t) = \log 0.8$) they are the processed ones:
+
+    >>> tempered = torch.log(torch.tensor([[0.5], [0.3]], dtype=torch.float64))
+    >>> log_kept = torch.log(torch.tensor([[0.8], [0.8]], dtype=torch.float64))
+    >>> ratios(tempered, reported="tempered")
+    [1.0, 1.0]
+    >>> ratios(tempered, reported="tempered", kept_mass="sampler", sampler_log_kept=log_kept)
+    [0.8, 0.8]
+
+    The score of token 0: $e_0 - \pi = (0.5, -0.3, -0.2)$ on the full vocabulary (the
+    trainer's kept mass leaves it so), $e_0 - \pi_S = (0.375, -0.375, 0)$ with the mask:
+
+    >>> theta = logits.clone().requires_grad_(True)
+    >>> for choice in (dict(kept_mass="trainer"), dict(trainer_mask=True)):
+    ...     out = kept_mass_log_ratio(theta, processed, tokens, kept, ones, temperature=1.0,
+    ...                               **choice)
+    ...     (score,) = torch.autograd.grad(out.trainer_logp[0, 0], theta)
+    ...     print([round(g, 12) for g in score[0, 0].tolist()])
+    [0.5, -0.3, -0.2]
+    [0.375, -0.375, 0.0]
+    """
+    mask, dtype, temperature, correct_by = _check_kept_mass_batch(
+        trainer_logits, sampler_logp, tokens, kept, mask, temperature, reported, kept_mass,
+        trainer_mask, sampler_log_kept)
+    keep = mask[..., None]  # (B, T, 1)
+    # Padding rows become zeros that keep every token, before any arithmetic: whatever they
+    # held (NaN, -inf, an empty kept set) reaches neither the value nor the gradient.
+    z = torch.where(keep, trainer_logits.to(dtype), torch.zeros((), dtype=dtype,
+                                                                device=trainer_logits.device))
+    kept = torch.where(keep, kept, torch.ones_like(kept))
+    y = torch.where(mask, tokens, torch.zeros_like(tokens)).to(torch.int64)  # (B, T), in [0, V)
+    # theta / tau, shifted by each row's largest logit (a constant the softmax ignores), so
+    # that a small temperature cannot overflow it to +inf
+    z = (z - z.amax(dim=-1, keepdim=True).detach()) / temperature  # (B, T, V)
+    cut = torch.full_like(z, -math.inf)
+    lse = torch.logsumexp(z, dim=-1)  # (B, T)
+    lse_kept = torch.logsumexp(torch.where(kept, z, cut), dim=-1)  # (B, T), S_t holds y_t
+    z_y = z.gather(-1, y[..., None])[..., 0]  # (B, T)
+    # log pi_tau(y_t) = z_y - logsumexp(z); log pi_S(y_t) = z_y - logsumexp over S_t
+    trainer_logp = z_y - (lse_kept if trainer_mask else lse)
+    log_kept_trainer = (lse_kept - lse).detach()  # log K_t = log pi_tau(S_t), held fixed
+    reported_logp = sampler_logp.detach().to(dtype)
+    if correct_by == "sampler_log_kept":  # log l(y_t) - log l(S_t)
+        reported_logp = reported_logp - sampler_log_kept.detach().to(dtype)
+    elif correct_by == "trainer":  # log mu(y_t) + log K_t
+        reported_logp = reported_logp + log_kept_trainer
+    trainer_logp = select(mask, trainer_logp)
+    reported_logp = select(mask, reported_logp)
+    log_ratio = select(mask, trainer_logp - reported_logp)
+    bad = mask & ~torch.isfinite(log_ratio.detach())
+    if bool(bad.any()):  # finite inputs whose log-probs or difference leave the dtype's range
+        b, t = _first(bad)
+        raise ValueError(
+            f"the log-ratio at position ({b}, {t}) overflows {dtype}: trainer log-prob "
+            f"{trainer_logp[b, t].item()!r} (trainer_logits / temperature at "
+            f"temperature={temperature!r}), sampler log-prob {reported_logp[b, t].item()!r}")
+    return KeptMassRatio(log_ratio, trainer_logp, reported_logp)
+
+
+def _check_kept_mass_batch(trainer_logits, sampler_logp, tokens, kept, mask, temperature,
+                           reported, kept_mass, trainer_mask, sampler_log_kept):
+    """Validate kept_mass_log_ratio's inputs; return the bool mask, the compute dtype, the
+    temperature and the correction to apply (None, "sampler_log_kept" or "trainer")."""
+    check_float_tensor("trainer_logits", trainer_logits, 3)
+    B, T, V = trainer_logits.shape
+    if V == 0:
+        raise ValueError(f"trainer_logits must have a vocabulary of at least 1 entry, got shape "
+                         f"{(B, T, V)} (V = 0)")
+    check_float_tensor("sampler_logp", sampler_logp, 2)
+    if tuple(sampler_logp.shape) != (B, T):
+        raise ValueError(f"sampler_logp must have the shape (B, T) = {(B, T)} of "
+                         f"trainer_logits {(B, T, V)}, got {tuple(sampler_logp.shape)}")
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TypeError(f"tokens must have an integer dtype (token ids), got {tokens.dtype}")
+    if tuple(tokens.shape) != (B, T):
+        raise ValueError(f"tokens must have the shape (B, T) = {(B, T)} of trainer_logits "
+                         f"{(B, T, V)}, got {tuple(tokens.shape)}")
+    if not isinstance(kept, torch.Tensor):
+        raise TypeError(f"kept must be a torch.Tensor, got {type(kept).__name__}")
+    if kept.dtype != torch.bool:
+        raise TypeError(f"kept must be a bool tensor (True: the engine kept the token), got "
+                        f"{kept.dtype}")
+    if tuple(kept.shape) != (B, T, V):
+        raise ValueError(f"kept must have the shape of trainer_logits {(B, T, V)}, got "
+                         f"{tuple(kept.shape)}")
+    for name, x in (("sampler_logp", sampler_logp), ("tokens", tokens), ("kept", kept),
+                    ("mask", mask)):
+        if isinstance(x, torch.Tensor) and x.device != trainer_logits.device:
+            raise ValueError(f"{name} must be on the device of trainer_logits "
+                             f"({trainer_logits.device}), got {x.device}")
+    mask = check_mask(mask, "sampler_logp", (B, T))
+    temperature = check_finite_number("temperature", temperature, positive=True)
+    if not isinstance(reported, str):
+        raise TypeError(f"reported must be one of {REPORTED}, got {type(reported).__name__} "
+                        f"{reported!r}")
+    if reported not in REPORTED:
+        raise ValueError(f"reported must be one of {REPORTED}, got {reported!r}")
+    if kept_mass is not None and not isinstance(kept_mass, str):
+        raise TypeError(f"kept_mass must be None or one of {KEPT_MASS}, got "
+                        f"{type(kept_mass).__name__} {kept_mass!r}")
+    if kept_mass is not None and kept_mass not in KEPT_MASS:
+        raise ValueError(f"kept_mass must be None or one of {KEPT_MASS}, got {kept_mass!r}")
+    if not isinstance(trainer_mask, bool):
+        raise TypeError(f"trainer_mask must be True or False, got {trainer_mask!r}")
+    if kept_mass == "trainer" and trainer_mask:
+        raise ValueError("kept_mass='trainer' with trainer_mask=True counts the trainer's kept "
+                         "mass twice: the replayed mask already renormalises the trainer on "
+                         "the kept set")
+    needs_log_kept = kept_mass == "sampler" and reported != "processed"
+    if needs_log_kept and sampler_log_kept is None:
+        raise ValueError(f"kept_mass='sampler' with reported={reported!r} needs "
+                         "sampler_log_kept, the log of the reported distribution's mass on the "
+                         "kept set, (B, T)")
+    if not needs_log_kept and sampler_log_kept is not None:
+        raise ValueError(f"sampler_log_kept is read only by kept_mass='sampler' with reported "
+                         f"'raw' or 'tempered', got kept_mass={kept_mass!r}, "
+                         f"reported={reported!r} (the processed log-probs have mass 1 on the "
+                         "kept set)")
+    if needs_log_kept:
+        check_float_tensor("sampler_log_kept", sampler_log_kept, 2)
+        check_same_shape("sampler_logp", sampler_logp, "sampler_log_kept", sampler_log_kept)
+        if sampler_log_kept.device != trainer_logits.device:
+            raise ValueError(f"sampler_log_kept must be on the device of trainer_logits "
+                             f"({trainer_logits.device}), got {sampler_log_kept.device}")
+    dtype = compute_dtype(trainer_logits, sampler_logp,
+                          *([sampler_log_kept] if needs_log_kept else []))
+    if 1.0 / temperature > torch.finfo(dtype).max:  # theta / tau would overflow in dtype
+        raise ValueError(f"temperature must be at least 1 / (the largest {dtype} number), got "
+                         f"{temperature!r}")
+    _check_kept_mass_values(trainer_logits.detach(), sampler_logp.detach(), tokens, kept, mask,
+                            sampler_log_kept.detach() if needs_log_kept else None)
+    correct_by = ("sampler_log_kept" if needs_log_kept
+                  else "trainer" if kept_mass == "trainer" else None)
+    return mask, dtype, temperature, correct_by
+
+
+def _first(bad):
+    """(b, t) of the first True entry of a (B, T) bool tensor."""
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def _check_kept_mass_values(logits, sampler_logp, tokens, kept, mask, sampler_log_kept):
+    """The values kept_mass_log_ratio reads, where ``mask`` is 1: each error names the argument
+    and the first position that breaks it."""
+    V = logits.shape[-1]
+    outside = mask & ((tokens < 0) | (tokens >= V))
+    if bool(outside.any()):
+        b, t = _first(outside)
+        raise ValueError(f"tokens must be token ids in [0, {V}) where mask is 1, got "
+                         f"{int(tokens[b, t])} at position ({b}, {t})")
+    for what, bad in (("NaN", torch.isnan(logits)), ("+inf", logits == math.inf)):
+        bad = mask & bad.any(dim=-1)
+        if bool(bad.any()):
+            b, t = _first(bad)
+            raise ValueError(f"trainer_logits must not hold {what} where mask is 1 (a logit is "
+                             f"a number, or -inf for an impossible token), got {what} at "
+                             f"position ({b}, {t})")
+    y = torch.where(mask, tokens, torch.zeros_like(tokens)).to(torch.int64)[..., None]
+    written = logits.gather(-1, y)[..., 0]
+    bad = mask & ~torch.isfinite(written)
+    if bool(bad.any()):
+        b, t = _first(bad)
+        raise ValueError(f"trainer_logits must be finite at the written token where mask is 1 "
+                         f"(the trainer gives it probability 0 otherwise), got "
+                         f"{written[b, t].item()!r} at position ({b}, {t}), token "
+                         f"{int(tokens[b, t])}")
+    bad = mask & ~kept.gather(-1, y)[..., 0]
+    if bool(bad.any()):
+        b, t = _first(bad)
+        raise ValueError(f"kept must hold the written token where mask is 1 (the engine writes "
+                         f"only kept tokens), got False at position ({b}, {t}) for token "
+                         f"{int(tokens[b, t])}")
+    for name, x in (("sampler_logp", sampler_logp), ("sampler_log_kept", sampler_log_kept)):
+        if x is None:
+            continue
+        bad = mask & ~torch.isfinite(x)
+        if bool(bad.any()):
+            b, t = _first(bad)
+            raise ValueError(f"{name} must be finite where mask is 1 (the written token has a "
+                             f"probability > 0), got {x[b, t].item()!r} at position ({b}, {t})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,9 +14,12 @@ from opd_literate.experiment import mismatch_training as MT
 from opd_literate.experiment import tinylm as lm
 from opd_literate.experiment.quantized import SAMPLERS, ensemble_sampler, sampler_copy
 from opd_literate.mismatch.correction import (
+    clip_cov_loss,
+    gspo_loss,
     kpop_mask,
     reinforce_loss,
     rollout_correction,
+    sapo_loss,
     trl_importance_weights,
 )
 from opd_literate.opd import reverse_kl_rewards
@@ -173,6 +176,71 @@ def test_the_corrected_loss_is_each_models_own_reinforce_loss(correction):
         assert keep.sum() < mask.sum()  # each sets some tokens' weight to 0 here
     else:
         assert torch.equal(keep, mask.bool())
+
+
+POLICY_LOSSES = {"gspo": gspo_loss, "clip_cov": clip_cov_loss, "sapo": sapo_loss}
+
+
+@pytest.mark.parametrize("correction", sorted(POLICY_LOSSES))
+def test_a_policy_loss_correction_has_the_gradient_of_verls_loss_model_by_model(correction):
+    """gspo, clip_cov and sapo: the gradient of the one-call loss is that of the policy loss
+    itself (bypass mode, the study's token mean), each model on its own batch: Clip-Cov's
+    covariance and eligible share are one batch's statistics."""
+    trainer, sampler, advantages, mask = _batch()
+    advantages = advantages.clone()
+    advantages[0, :2] = 0.0  # a group with one reward: A = 0
+    loss, keep = MT.corrected_loss(trainer, sampler, advantages, mask, correction)
+    (grad,) = torch.autograd.grad(loss, trainer)
+    expected = sum(POLICY_LOSSES[correction](trainer[m], sampler[m], advantages[m], mask[m],
+                                             reduction="token-mean")[0]
+                   for m in range(trainer.shape[0]))
+    (expected_grad,) = torch.autograd.grad(expected, trainer)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+    weights, _ = MT.correction_weights(trainer[0].detach(), sampler[0], mask[0], correction,
+                                       advantages[0])
+    assert torch.equal(keep[0], mask[0].bool() & (weights != 0))
+    with pytest.raises(ValueError, match=f"correction '{correction}' needs the advantages"):
+        MT.correction_weights(trainer[0].detach(), sampler[0], mask[0], correction)
+
+
+def test_kpop_is_weights_the_kept_tokens_by_the_raw_ratio():
+    """prime-rl's KPop: the mask of kpop_mask, the uncapped ratio on what it keeps."""
+    trainer, sampler, advantages, mask = _batch(seed=3)
+    loss, keep = MT.corrected_loss(trainer, sampler, advantages, mask, "kpop_is")
+    (grad,) = torch.autograd.grad(loss, trainer)
+    expected = 0.0
+    for m in range(trainer.shape[0]):
+        kept = kpop_mask(trainer[m].detach(), sampler[m], mask[m])[0]
+        ratio = torch.exp(trainer[m].detach() - sampler[m])
+        expected = expected + reinforce_loss(trainer[m], advantages[m], kept,
+                                             torch.where(kept, ratio, torch.zeros_like(ratio)),
+                                             reduction="token-mean")
+    (expected_grad,) = torch.autograd.grad(expected, trainer)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+    assert keep.sum() < mask.sum()
+
+
+def test_the_strongest_are_the_least_error_estimators_not_yet_trained():
+    """STRONGEST_CORRECTIONS' claim, read from the committed tinylm record: at int4 with 64
+    answers, every estimator of smaller relative RMSE than sapo's is gspo, clip_cov or
+    ppo_clip_bypass (which ties clip_cov), and none of them is trained by CORRECTIONS."""
+    import json
+    import pathlib
+
+    record = json.loads((pathlib.Path(__file__).parents[2] / "docs" / "data" / "experiment"
+                         / "tinylm_mismatch.json").read_text())
+    assert record["batch_size"] == 64
+    rows = {r["name"]: r["rel_rmse"] for r in record["estimators"]["int4"]["tinylm"]}
+    better = {name for name, error in rows.items() if error < rows["sapo"]}
+    assert better == {"gspo", "clip_cov", "ppo_clip_bypass"}
+    assert rows["clip_cov"] == pytest.approx(rows["ppo_clip_bypass"], rel=1e-9)
+    assert rows["gspo"] < rows["clip_cov"] < rows["sapo"]
+    assert not set(MT.STRONGEST_CORRECTIONS) & set(MT.CORRECTIONS)
+    study = MT.MISMATCH_STRONGEST
+    assert study.levels == ("fp32", "int4") and study.correction_level == "int4"
+    assert study.corrections[-len(MT.STRONGEST_CORRECTIONS):] == MT.STRONGEST_CORRECTIONS
+    assert dataclasses.replace(study, levels=MT.MISMATCH_DEFAULT.levels,
+                               corrections=MT.MISMATCH_DEFAULT.corrections) == MT.MISMATCH_DEFAULT
 
 
 @pytest.mark.parametrize("method", MT.STUDY_METHODS)
@@ -479,7 +547,9 @@ def test_the_command_line_refuses_two_studies_and_the_long_regime(capsys, tmp_pa
 
     for argv, message in ((["--mismatch-training", "--clamp-study"],
                            "--clamp-study and --mismatch-training write different files"),
-                          (["--mismatch-training", "--long"], "--long is not supported")):
+                          (["--mismatch-training", "--long"], "--long is not supported"),
+                          (["--strongest"], "--strongest chooses the corrections of "
+                                            "--mismatch-training; it needs it")):
         with pytest.raises(SystemExit) as stop:
             main([*argv, "--out", str(tmp_path)])
         assert stop.value.code == 2

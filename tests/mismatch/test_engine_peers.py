@@ -413,6 +413,35 @@ def test_the_variance_column_and_the_min_p_table():
     assert cut[1]["rel_bias_writable"] > rows[1]["rel_bias_writable"]  # "costs more here"
 
 
+def test_the_chapters_sentence_on_the_kept_mass_explorer():
+    """The figure's sentence, on every top-p in hundredths of its range (the figure shows ten
+    of them, docs/hooks/explorables.py): the two identities at each, the trainer's kept mass's
+    bias against J^W growing as top-p falls, and its two values."""
+    page = " ".join(PAGE.read_text().split())
+    found = re.search(
+        r"gives the first table at every top-\$p\$ from ([0-9.]+) to ([0-9.]+) \(each position is "
+        r"\[`kept_mass_table`\]\[opd_literate\.mismatch\.engine\.kept_mass_table\] at that "
+        r"top-\$p\$, \$\\tau = ([0-9.]+)\$\): the processed log-probs stay unbiased for "
+        r"\$\\nabla J_\\tau\^W\$ and the mask replayed for "
+        r"\$\\nabla \\mathbb\{E\}_\{\\pi_S\}\[R\]\$ at every position, while the trainer's "
+        r"kept mass moves away from \$\\nabla J_\\tau\^W\$ as the cut deepens, from a "
+        r"relative bias of ([0-9.]+) at top-\$p\$ ([0-9.]+) to "
+        r"([0-9.]+) at ([0-9.]+)\.", page)
+    assert found, "the sentence on the kept-mass explorer is not on the page"
+    low, high, tau, near, near_p, far, far_p = (float(x) for x in found.groups())
+    assert far_p == low < near_p < high
+    growth = []
+    for top_p in np.round(np.arange(low, high + 1e-9, 0.01), 2):
+        rows = kept_mass_table(make_toy(), temperature=tau, top_p=float(top_p))
+        assert rows[0]["rel_bias_writable"] < 1e-12 and rows[2]["rel_bias_masked"] < 1e-12
+        growth.append(rows[1]["rel_bias_writable"])
+    assert all(a >= b - 1e-12 for a, b in zip(growth, growth[1:]))  # falls as top-p rises
+    computed = [kept_mass_table(make_toy(), temperature=tau, top_p=p)[1]["rel_bias_writable"]
+                for p in (near_p, far_p)]
+    assert_matches_committed(computed, [near, far], rtol=0, atol=5e-4,
+                             why="three decimals on the page: half a unit of the last")
+
+
 def test_a_target_the_cuts_leave_without_reward_is_refused():
     # top-k 2 on this toy leaves the engine's policy a gradient of 0
     with pytest.raises(ValueError, match="is 0 for .* its relative bias is undefined"):

@@ -559,12 +559,12 @@ def test_every_explorable_fits_its_figure_and_its_panels_stack_on_a_phone(full_s
                                                                           browser, width):
     page = browser.new_page(viewport={"width": width, "height": 900})
     seen = []
-    for path in ("mismatch", "experiment", "teachers"):
+    for path in ("mismatch", "experiment", "teachers", "mismatch_practice"):
         page.goto(f"{full_server}/{path}/", wait_until="load")
         page.wait_for_timeout(300)
         seen += page.evaluate(_EXPLORABLE_FIT)
     page.close()
-    assert len(seen) == 6, seen
+    assert len(seen) == 7, seen
     assert all(f["inside"] and not f["overlap"] for f in seen), seen
     # the two-panel bar charts: side by side at a laptop's width, stacked on a phone
     bars = [f["stacked"] for f in seen if f["stacked"] is not None]
@@ -696,6 +696,33 @@ def _retokenization_numbers(gradient):
     return lambda kind: [[b[key] for b in method] for method in _retokenization_biases(kind)]
 
 
+def _kept_mass_numbers(top_p):
+    """The chapter's kept-mass table at ``top_p``, at the temperature of the chapter's table
+    (generate.ENGINE_KEPT_MASS): each target's relative biases, one a row of the table."""
+    import generate  # a docs hook (tests/site/conftest.py)
+
+    from opd_literate.mismatch.engine import kept_mass_table
+    from opd_literate.mismatch.toy import make_toy
+
+    rows = kept_mass_table(make_toy(), temperature=generate.ENGINE_KEPT_MASS["temperature"],
+                           top_p=top_p)
+    return [[r[key] for r in rows] for key in ("rel_bias_true", "rel_bias_writable",
+                                               "rel_bias_masked")]
+
+
+def test_the_kept_mass_explorer_starts_at_the_chapters_table_and_spans_its_sentence():
+    import generate  # a docs hook (tests/site/conftest.py)
+
+    page = " ".join((ROOT / "docs" / "mismatch_practice.md").read_text().split())
+    found = re.search(r"\[Figure\]\(#fig-explore-kept-mass\) gives the first table at every "
+                      r"top-\$p\$ from ([0-9.]+) to ([0-9.]+) ", page)
+    assert found, "the sentence of the kept-mass explorer is not on the page"
+    top_ps = explorables.KEPT_MASS_TOP_PS
+    assert (top_ps[0], top_ps[-1]) == tuple(float(x) for x in found.groups())
+    assert top_ps[explorables.KEPT_MASS_START] == generate.ENGINE_KEPT_MASS["top_p"]
+    assert explorables.KEPT_MASS_TEMPERATURE == generate.ENGINE_KEPT_MASS["temperature"]
+
+
 # (page, figure, its positions, the label of each, the library's numbers at a position)
 EXPLORABLES = [
     ("mismatch", "explore-mismatch", "MISMATCHES", lambda m: f"{m:g}", _mismatch_numbers),
@@ -703,6 +730,8 @@ EXPLORABLES = [
     ("experiment", "explore-experiment", None, None, _experiment_numbers),
     *[("teachers", f"explore-retokenization-{gradient}", "RETOKENIZATION_KINDS", str,
        _retokenization_numbers(gradient)) for gradient in explorables.RETOKENIZATION_GRADIENTS],
+    ("mismatch_practice", "explore-kept-mass", "KEPT_MASS_TOP_PS", lambda p: f"{p:g}",
+     _kept_mass_numbers),
 ]
 
 

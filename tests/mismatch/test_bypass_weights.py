@@ -1,0 +1,151 @@
+"""``sapo_weights``, ``gspo_weights`` and ``clip_cov_weights``: the policy losses SAPO, GSPO and
+Clip-Cov as REINFORCE
+weights. REINFORCE with the weights detached must have the loss's own autograd gradient, token
+by token, on batches with zero advantages, clamped log-ratios, clipped tokens and padding."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opd_literate.mismatch.correction import (
+    clip_cov_loss,
+    clip_cov_weights,
+    gspo_loss,
+    gspo_weights,
+    reinforce_loss,
+    sapo_loss,
+    sapo_weights,
+)
+
+PAIRS = [(sapo_loss, sapo_weights, {}),
+         (sapo_loss, sapo_weights, {"tau_pos": 0.3, "tau_neg": 2.0}),
+         (gspo_loss, gspo_weights, {}),
+         # a wide band, so that both sides of the clip occur
+         (gspo_loss, gspo_weights, {"clip_ratio_low": 0.3, "clip_ratio_high": 0.5}),
+         (clip_cov_loss, clip_cov_weights, {}),
+         # a band that makes most tokens eligible, so that q < 1 is exercised
+         (clip_cov_loss, clip_cov_weights, {"clip_cov_lb": -5.0, "clip_cov_ub": 5.0,
+                                            "clip_cov_ratio": 0.2}),
+         (clip_cov_loss, clip_cov_weights, {"clip_ratio_low": 0.5, "clip_ratio_high": 3.0,
+                                            "clip_cov_lb": 0.0})]
+IDS = ["sapo", "sapo taus", "gspo", "gspo wide", "clip_cov", "clip_cov wide band",
+       "clip_cov asymmetric"]
+
+
+def _batch(seed, B=6, T=5, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    trainer = torch.log_softmax(torch.randn(B, T, 4, generator=g, dtype=torch.float64), -1)[..., 0]
+    sampler = trainer + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
+    advantages = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T)
+    if B >= 4:
+        advantages[0] = 0.0  # a response whose group had one reward: A = 0 everywhere
+        advantages[1, :2] = 0.0
+        mask[2, 3:] = 0.0
+        mask[-1, 1:] = 0.0
+    return trainer, sampler, advantages, mask
+
+
+def _gradients(loss_fn, weights_fn, options, trainer, sampler, advantages, mask, reduction):
+    leaf = trainer.clone().requires_grad_(True)
+    loss, _ = loss_fn(leaf, sampler, advantages, mask, reduction=reduction, **options)
+    (framework,) = torch.autograd.grad(loss, leaf)
+    weights = weights_fn(trainer, sampler, advantages, mask, **options)
+    leaf = trainer.clone().requires_grad_(True)
+    ours = reinforce_loss(leaf, advantages, mask, weights, reduction=reduction)
+    (weighted,) = torch.autograd.grad(ours, leaf)
+    return framework, weighted, weights
+
+
+@pytest.mark.parametrize("reduction", ["token-mean", "sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("loss_fn, weights_fn, options", PAIRS, ids=IDS)
+def test_reinforce_with_the_weights_has_the_loss_gradient(loss_fn, weights_fn, options, seed,
+                                                          reduction):
+    batch = _batch(seed)
+    framework, weighted, _ = _gradients(loss_fn, weights_fn, options, *batch, reduction)
+    torch.testing.assert_close(weighted, framework, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("loss_fn, weights_fn, options", PAIRS, ids=IDS)
+def test_a_clamped_log_ratio_has_weight_zero(loss_fn, weights_fn, options):
+    trainer, sampler, advantages, mask = _batch(0)
+    sampler = sampler.clone()
+    # log rho = +-25 on every token of two responses: beyond the clamp of 20, token by token
+    # and for the geometric mean
+    sampler[3] = trainer[3] - 25.0
+    sampler[4] = trainer[4] + 25.0
+    framework, weighted, weights = _gradients(loss_fn, weights_fn, options, trainer, sampler,
+                                              advantages, mask, "sum")
+    assert bool((weights[3:5] == 0).all())
+    torch.testing.assert_close(weighted, framework, rtol=1e-12, atol=1e-15)
+
+
+def test_clip_cov_weights_zero_exactly_the_clipped_tokens():
+    trainer, sampler, advantages, mask = _batch(1, spread=0.5)
+    weights = clip_cov_weights(trainer, sampler, advantages, mask, clip_cov_lb=1e9,
+                               clip_cov_ub=2e9)  # nothing eligible: PPO's clip alone
+    ratio = torch.exp(trainer - sampler)
+    clipped = ((advantages > 0) & (ratio > 1.2)) | ((advantages < 0) & (ratio < 0.8))
+    expected = torch.where(mask.bool() & ~clipped, ratio, torch.zeros_like(ratio))
+    torch.testing.assert_close(weights, expected, rtol=1e-14, atol=0.0)
+
+
+def test_sapo_weight_is_one_on_policy_and_below_the_ratio_off_it():
+    trainer, _, advantages, mask = _batch(2)
+    on = sapo_weights(trainer, trainer, advantages, mask)
+    torch.testing.assert_close(on, mask.double(), rtol=0.0, atol=1e-15)
+    sampler = trainer - 1.0  # rho = e: the gate's slope sech^2 < 1
+    off = sapo_weights(trainer, sampler, advantages, mask)
+    assert bool((off[mask.bool()] < torch.e).all()) and bool((off[mask.bool()] > 0).all())
+
+
+@pytest.mark.parametrize("weights_fn", [sapo_weights, gspo_weights, clip_cov_weights])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_computed_in_float32(weights_fn, dtype):
+    trainer, sampler, advantages, mask = _batch(3, spread=0.3)
+    half = weights_fn(trainer.to(dtype), sampler.to(dtype), advantages.to(dtype), mask)
+    wide = weights_fn(trainer.to(dtype).float(), sampler.to(dtype).float(),
+                      advantages.to(dtype).float(), mask)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, wide, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("weights_fn", [sapo_weights, gspo_weights, clip_cov_weights])
+def test_padding_may_hold_anything(weights_fn):
+    trainer, sampler, advantages, mask = _batch(0)
+    dirty = trainer.clone()
+    dirty[~mask.bool()] = float("nan")
+    dirty_adv = advantages.clone()
+    dirty_adv[~mask.bool()] = float("inf")
+    torch.testing.assert_close(weights_fn(dirty, sampler, dirty_adv, mask),
+                               weights_fn(trainer, sampler, advantages, mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda b: sapo_weights(*b, tau_pos=0.0), "tau_pos"),
+    (lambda b: sapo_weights(*b, tau_neg=float("nan")), "tau_neg"),
+    (lambda b: sapo_weights(b[0], b[1], b[2][:, :2], b[3]), "advantages must have shape"),
+    (lambda b: clip_cov_weights(*b, clip_cov_lb=2.0, clip_cov_ub=1.0), "clip_cov_lb"),
+    (lambda b: clip_cov_weights(*b, clip_cov_ratio=0.0), "clip_cov_ratio"),
+    (lambda b: clip_cov_weights(b[0], b[1], torch.full_like(b[2], float("nan")), b[3]),
+     "advantages must be finite"),
+    (lambda b: clip_cov_weights(b[0], b[1][:, :3], b[2], b[3]), "sampler_logp"),
+])
+def test_bad_input_is_refused_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_batch(0))
+
+
+@pytest.mark.properties
+@settings(deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 6),
+       st.floats(0.01, 30.0), st.integers(0, len(PAIRS) - 1),
+       st.sampled_from(["token-mean", "sum", "seq-mean-token-mean"]))
+def test_the_weights_give_the_loss_gradient_on_any_batch(seed, B, T, spread, pair, reduction):
+    loss_fn, weights_fn, options = PAIRS[pair]
+    batch = _batch(seed, B=B, T=T, spread=spread)
+    framework, weighted, weights = _gradients(loss_fn, weights_fn, options, *batch, reduction)
+    assert bool(torch.isfinite(weights).all()) and bool((weights >= 0).all())
+    torch.testing.assert_close(weighted, framework, rtol=1e-12, atol=1e-15)
