@@ -165,6 +165,25 @@ def test_every_correction_serves_a_worse_int4_model(text):
                        for n in CORRECTED)
 
 
+def test_the_which_switch_tables_int4_winner_is_the_one_that_collapses_training():
+    """docs/mismatch.md's sentence after the "which switch" table: gspo wins tinylm's int4 row
+    at 64 answers, and the records' RL accuracies are the ones it states."""
+    from opd_literate.mismatch.estimators import least_error
+
+    exact = json.loads(EXACT.read_text())
+    (_, name, _), = least_error(exact["estimators"]["int4"]["tinylm"], (64,),
+                                N=exact["batch_size"])
+    assert name == "gspo"
+    accuracy = {n: [r["table"]["rl"][n]["final_accuracy"]["mean"] for r in RECORDS]
+                for n in ("int4 gspo", "int4 none")}
+    page = " ".join((ROOT / "docs" / "mismatch.md").read_text().split())
+    # committed-exact: least_error only sorts the committed rows, the name is a string
+    assert (f"`{name}`, the winner there with 64 answers, ends RL at an accuracy of "
+            f"{_span(accuracy['int4 gspo'])}, where the uncorrected run ends at "
+            f"{_span(accuracy['int4 none'])}") in page
+    assert "(mismatch_practice.md#four-more-corrections-trained)" in page
+
+
 def test_the_seeds_are_paired_across_conditions():
     for r in RECORDS:
         for runs in r["record"]["methods"].values():
