@@ -198,6 +198,27 @@ def test_trls_dapo_is_the_token_mean_of_the_optimizer_steps_batch(trl_grpo, proc
             assert trained == pytest.approx(token_mean, rel=1e-12, abs=1e-14)
 
 
+@pytest.mark.parametrize("processes, accumulation", [(1, 1), (2, 1), (1, 3), (2, 3)])
+def test_trls_bnpo_is_the_mean_of_the_micro_batches_token_means(trl_grpo, processes,
+                                                                 accumulation):
+    """The integration page's bnpo row: each micro-batch's token mean over
+    current_gradient_accumulation_steps, so that the accumulated, DDP-averaged loss is the mean
+    of the micro-batches' token means (not the token mean of their union: they hold different
+    numbers of tokens here)."""
+    batches = [random_batch(seed, B=3 + seed, scale=0.3)
+               for seed in range(processes * accumulation)]
+    trained, means = 0.0, []
+    for trainer, sampler, mask, A in batches:
+        stub = _stub(trl_grpo, "bnpo", "token")
+        stub.accelerator.num_processes = processes
+        stub.current_gradient_accumulation_steps = accumulation
+        theirs, _ = _trl(trl_grpo, stub, trainer, sampler, mask, A)
+        trained += theirs / processes
+        means.append(float(C.ppo_clip_loss(trainer, sampler, A, mask,
+                                           clip_ratio_c=float("inf"))[0]))
+    assert trained == pytest.approx(sum(means) / len(means), rel=1e-12, abs=1e-14)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_trls_cispo_at_its_default_caps_every_ratio_at_epsilon(trl_grpo, seed):
     """epsilon_high None means epsilon (0.2, GRPOTrainer.__init__): the weight is
