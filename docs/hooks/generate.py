@@ -1038,7 +1038,7 @@ def _mismatch_strongest():
     short = {"AVX512": "AVX-512", "DEFAULT": "baseline"}
     header = ["method", "condition"]
     for machine, _ in tables:
-        kernels = short[machine["torch_cpu_capability"]]
+        kernels = short.get(machine["torch_cpu_capability"], machine["torch_cpu_capability"])
         header += [f"accuracy ({kernels})", f"against `int4 none` ({kernels})",
                    f"tokens weighted ({kernels})"]
     header.append("exact relative RMSE, N = 64")

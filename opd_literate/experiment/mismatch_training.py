@@ -108,12 +108,13 @@ TIS, token masking (IcePop), sequence TIS with sequence masking, geometric rejec
 STRONGEST_CORRECTIONS = ("kpop_is", "gspo", "clip_cov", "sapo")
 r"""The corrections of the second study (``MISMATCH_STRONGEST``). ``gspo``, ``clip_cov`` and
 ``sapo`` are verl's policy losses of those names with the sampler as their anchor (bypass mode),
-at their defaults, as REINFORCE weights
+at verl's defaults but GSPO's band (the paper's $3 \cdot 10^{-4}$ and $4 \cdot 10^{-4}$, to
+which verl's ``clip_ratio_low`` and ``clip_ratio_high`` must be set), as REINFORCE weights
 ([opd_literate.mismatch.correction.gspo_weights][], ``clip_cov_weights``, ``sapo_weights``:
-REINFORCE with them has the loss's gradient): on the exact tinylm study at ``int4`` with 64
-answers they are the catalogue's three estimators of least relative RMSE that ``CORRECTIONS``
-does not train (``ppo_clip_bypass`` ties ``clip_cov`` there: Clip-Cov is PPO's clip with one
-token a batch removed in expectation). ``kpop_is`` is KPop as prime-rl weights it: its mask
+REINFORCE with them has the loss's gradient). On the exact tinylm study at ``int4`` with 64
+answers (baseline 0) they come first among the catalogue's estimators that ``CORRECTIONS``
+does not train, with ``ppo_clip_bypass``, which ties ``clip_cov`` there to the last digit.
+``kpop_is`` is KPop as prime-rl weights it: its mask
 ([opd_literate.mismatch.correction.kpop_mask][]) with the raw ratio $\rho_t$ on the tokens it
 keeps, the catalogue's ``kpop``."""
 

@@ -2225,8 +2225,9 @@ def sapo_weights(trainer_logp, sampler_logp, advantages, mask, *, tau_pos=1.0, t
 
     ($w_t = 0$ where the log-ratio is clamped, beyond $\pm 20$: no gradient passes there).
     So REINFORCE with these weights detached ([opd_literate.mismatch.correction.reinforce_loss][])
-    has SAPO's gradient at the same ``reduction`` (``tests/mismatch/test_bypass_weights.py``).
-    The advantages choose $\tau$ only. Detached, in the compute dtype, 0 off the mask.
+    has SAPO's gradient at the same ``reduction``, to rounding
+    (``tests/mismatch/test_bypass_weights.py``: $10^{-12}$ in float64). The advantages choose
+    $\tau$ only. Detached, in the compute dtype, 0 off the mask.
 
     Examples
     --------
@@ -2263,7 +2264,11 @@ def gspo_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low
     unless PPO's clip takes it ($s > 1 + \varepsilon_h$ with $A_t > 0$, $s < 1 - \varepsilon_l$
     with $A_t < 0$), where $w_t = 0$, as it is where $\log s_t$ is clamped. REINFORCE with these
     weights detached has GSPO's gradient at the same ``reduction``
-    (``tests/mismatch/test_bypass_weights.py``). Detached, in the compute dtype, 0 off the mask.
+    (``tests/mismatch/test_bypass_weights.py``: $10^{-12}$ in float64). In float32 a token whose
+    $s$ lies within rounding of a clip's edge can differ: the loss clips
+    $\exp(\log s + \log \pi - \log \pi)$, computed, and these weights $\exp(\log s)$; and
+    where its two terms round to the same value ``torch.maximum`` gives each half the gradient,
+    these weights the unclipped one. Detached, in the compute dtype, 0 off the mask.
 
     Examples
     --------
@@ -2304,8 +2309,11 @@ def clip_cov_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio
     the clip leaves), and $w_t = 0$ where the log-ratio is clamped. The clip leaves $t$ unless
     its clipped term exceeds the unclipped one: $r_t > 1 + \varepsilon_h$ with $A_t > 0$, or
     $r_t < 1 - \varepsilon_l$ with $A_t < 0$. REINFORCE with these weights detached has
-    Clip-Cov's gradient at the same ``reduction`` (``tests/mismatch/test_bypass_weights.py``).
-    Detached, in the compute dtype, 0 off the mask.
+    Clip-Cov's gradient at the same ``reduction`` (``tests/mismatch/test_bypass_weights.py``:
+    $10^{-12}$ in float64). In float32, where the clipped and unclipped terms of a token round to
+    the same value (a ratio within rounding of the clip's edge), ``torch.maximum`` gives each half
+    the gradient and these weights the unclipped one. Detached, in the compute dtype, 0 off the
+    mask.
 
     Examples
     --------
@@ -2811,6 +2819,21 @@ def _check_kept_mass_values(logits, sampler_logp, tokens, kept, mask, sampler_lo
             b, t = _first(bad)
             raise ValueError(f"{name} must be finite where mask is 1 (the written token has a "
                              f"probability > 0), got {x[b, t].item()!r} at position ({b}, {t})")
+        bad = mask & (x > 0)
+        if bool(bad.any()):
+            b, t = _first(bad)
+            raise ValueError(f"{name} must be <= 0 where mask is 1 (the log of a probability), "
+                             f"got {x[b, t].item()!r} at position ({b}, {t})")
+    if sampler_log_kept is not None:
+        # a kept set of one token gives the two the same value, to its rounding
+        slack = 8 * torch.finfo(sampler_logp.dtype).eps * (1 + sampler_log_kept.abs())
+        bad = mask & (sampler_logp > sampler_log_kept + slack)
+        if bool(bad.any()):
+            b, t = _first(bad)
+            raise ValueError(f"sampler_logp must be <= sampler_log_kept where mask is 1 (the "
+                             f"written token is one of the kept set's tokens), got "
+                             f"{sampler_logp[b, t].item()!r} > {sampler_log_kept[b, t].item()!r} "
+                             f"at position ({b}, {t})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -149,3 +149,30 @@ def test_the_weights_give_the_loss_gradient_on_any_batch(seed, B, T, spread, pai
     framework, weighted, weights = _gradients(loss_fn, weights_fn, options, *batch, reduction)
     assert bool(torch.isfinite(weights).all()) and bool((weights >= 0).all())
     torch.testing.assert_close(weighted, framework, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("loss_fn, weights_fn, options", PAIRS, ids=IDS)
+def test_in_float32_the_weights_give_the_loss_gradient_away_from_the_clips_edges(
+        loss_fn, weights_fn, options, seed):
+    """float32, the training's dtype: the same gradient to float32's rounding on every token
+    whose ratio is not within 1e-4 of a clip's edge (there the loss's recomputed ratio, or
+    torch.maximum's split of a tie, may decide otherwise; the docstrings say so)."""
+    trainer, sampler, advantages, mask = (t.float() for t in _batch(seed, spread=0.3))
+    framework, weighted, _ = _gradients(loss_fn, weights_fn, options, trainer, sampler,
+                                        advantages, mask, "token-mean")
+    token = torch.exp(trainer.double() - sampler.double())
+    lengths = mask.double().sum(1, keepdim=True).clamp_min(1)
+    geometric = torch.exp(((trainer.double() - sampler.double()) * mask).sum(1, keepdim=True)
+                          / lengths).expand_as(token)
+    edges = [1 - options.get("clip_ratio_low", options.get("clip_ratio", 0.2)),
+             1 + options.get("clip_ratio_high", options.get("clip_ratio", 0.2))]
+    if loss_fn is gspo_loss:
+        edges = [1 - options.get("clip_ratio_low", 3e-4), 1 + options.get("clip_ratio_high", 4e-4)]
+    near = torch.zeros_like(mask, dtype=torch.bool)
+    if loss_fn is not sapo_loss:
+        ratio = geometric if loss_fn is gspo_loss else token
+        for edge in edges:
+            near |= (ratio - edge).abs() < 1e-4
+    far = mask.bool() & ~near
+    torch.testing.assert_close(weighted[far], framework[far], rtol=1e-5, atol=1e-7)

@@ -419,7 +419,7 @@ def test_the_chapters_sentence_on_the_kept_mass_explorer():
     bias against J^W growing as top-p falls, and its two values."""
     page = " ".join(PAGE.read_text().split())
     found = re.search(
-        r"gives the first table at every top-\$p\$ from ([0-9.]+) to ([0-9.]+) \(each position is "
+        r"gives the first table at ten top-\$p\$ from ([0-9.]+) to ([0-9.]+) \(each position is "
         r"\[`kept_mass_table`\]\[opd_literate\.mismatch\.engine\.kept_mass_table\] at that "
         r"top-\$p\$, \$\\tau = ([0-9.]+)\$\): the processed log-probs stay unbiased for "
         r"\$\\nabla J_\\tau\^W\$ and the mask replayed for "

@@ -714,10 +714,11 @@ def test_the_kept_mass_explorer_starts_at_the_chapters_table_and_spans_its_sente
     import generate  # a docs hook (tests/site/conftest.py)
 
     page = " ".join((ROOT / "docs" / "mismatch_practice.md").read_text().split())
-    found = re.search(r"\[Figure\]\(#fig-explore-kept-mass\) gives the first table at every "
+    found = re.search(r"\[Figure\]\(#fig-explore-kept-mass\) gives the first table at ten "
                       r"top-\$p\$ from ([0-9.]+) to ([0-9.]+) ", page)
     assert found, "the sentence of the kept-mass explorer is not on the page"
     top_ps = explorables.KEPT_MASS_TOP_PS
+    assert len(top_ps) == 10  # "ten"
     assert (top_ps[0], top_ps[-1]) == tuple(float(x) for x in found.groups())
     assert top_ps[explorables.KEPT_MASS_START] == generate.ENGINE_KEPT_MASS["top_p"]
     assert explorables.KEPT_MASS_TEMPERATURE == generate.ENGINE_KEPT_MASS["temperature"]
