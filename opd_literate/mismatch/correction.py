@@ -2133,6 +2133,26 @@ def _batch_covariance(trainer_logp, A, mask, dtype):
     return select(mask, cov)
 
 
+def _check_clip_cov(clip_cov_ratio, clip_cov_lb, clip_cov_ub):
+    share = check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
+    lb = check_finite_number("clip_cov_lb", clip_cov_lb, allow_inf=True)
+    ub = check_finite_number("clip_cov_ub", clip_cov_ub, allow_inf=True)
+    if not lb < ub:
+        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {lb!r} >= {ub!r}")
+    return share, lb, ub
+
+
+def _clip_cov_kept(trainer_logp, A, mask, dtype, clip_taken, share, lb, ub):
+    r"""Clip-Cov's expected share kept: $1 - q$ on the eligible tokens (the covariance band
+    among those PPO's clip leaves, ``clip_taken`` False), 1 elsewhere; with $q$ and $n_e$."""
+    cov = _batch_covariance(trainer_logp, A, mask, dtype)
+    eligible = mask & ~clip_taken & (cov > lb) & (cov < ub)
+    n_eligible = int(eligible.sum())
+    k = max(int(share * int(mask.sum())), 1)  # verl's clip_num
+    q = min(k, n_eligible) / n_eligible if n_eligible else 0.0
+    return torch.where(eligible, torch.full_like(A, 1.0 - q), torch.ones_like(A)), q, n_eligible
+
+
 def clip_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.2,
                   clip_ratio_low=None, clip_ratio_high=None, clip_cov_ratio=2e-4,
                   clip_cov_lb=1.0, clip_cov_ub=5.0, reduction="token-mean"):
@@ -2182,11 +2202,7 @@ def clip_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    share = check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
-    lb = check_finite_number("clip_cov_lb", clip_cov_lb, allow_inf=True)
-    ub = check_finite_number("clip_cov_ub", clip_cov_ub, allow_inf=True)
-    if not lb < ub:
-        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {lb!r} >= {ub!r}")
+    share, lb, ub = _check_clip_cov(clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     check_reduction(reduction)
     A = _check_advantages(advantages, mask, dtype)
     log_rho_t = _token_log_ratio(trainer_logp, sampler_logp, mask, dtype)
@@ -2194,12 +2210,8 @@ def clip_cov_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio=0.
     unclipped = -A * ratio
     clipped = -A * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     with torch.no_grad():
-        cov = _batch_covariance(trainer_logp, A, mask, dtype)
-        eligible = mask & ~(clipped > unclipped) & (cov > lb) & (cov < ub)
-        n_eligible = int(eligible.sum())
-        k = max(int(share * int(mask.sum())), 1)  # verl's clip_num
-        q = min(k, n_eligible) / n_eligible if n_eligible else 0.0
-        keep = torch.where(eligible, torch.full_like(A, 1.0 - q), torch.ones_like(A))
+        keep, q, n_eligible = _clip_cov_kept(trainer_logp, A, mask, dtype,
+                                             clipped > unclipped, share, lb, ub)
     per_token = torch.maximum(unclipped, clipped) * keep
     loss = aggregate(select(mask, per_token), mask, reduction)
     metrics = {"actor/pg_clipfrac": q * n_eligible / max(int(mask.sum()), 1),
@@ -2333,11 +2345,7 @@ def clip_cov_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio
     """
     mask, dtype = _check_batch(trainer_logp, sampler_logp, mask)
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
-    share = check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
-    lb = check_finite_number("clip_cov_lb", clip_cov_lb, allow_inf=True)
-    ub = check_finite_number("clip_cov_ub", clip_cov_ub, allow_inf=True)
-    if not lb < ub:
-        raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {lb!r} >= {ub!r}")
+    share, lb, ub = _check_clip_cov(clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     A = _check_advantages(advantages, mask, dtype)
     with torch.no_grad():
         log_rho_t = _token_log_ratio(trainer_logp.detach(), sampler_logp, mask, dtype)
@@ -2345,12 +2353,7 @@ def clip_cov_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio
         # the same comparison as clip_cov_loss: where the clipped term is the larger, its
         # (constant) value is the loss and no gradient passes
         clipped = (-A * torch.clamp(ratio, 1.0 - low, 1.0 + high)) > (-A * ratio)
-        cov = _batch_covariance(trainer_logp, A, mask, dtype)
-        eligible = mask & ~clipped & (cov > lb) & (cov < ub)
-        n_eligible = int(eligible.sum())
-        k = max(int(share * int(mask.sum())), 1)  # verl's clip_num
-        q = min(k, n_eligible) / n_eligible if n_eligible else 0.0
-        kept = torch.where(eligible, torch.full_like(A, 1.0 - q), torch.ones_like(A))
+        kept, _, _ = _clip_cov_kept(trainer_logp, A, mask, dtype, clipped, share, lb, ub)
         passes = mask & ~clipped & _ratio_passes_gradient(log_rho_t)
         return torch.where(passes, ratio * kept, torch.zeros_like(ratio))
 
