@@ -577,6 +577,26 @@ def test_property_the_one_call_loss_is_the_sum_of_the_models_losses(M, B, T, see
 
 
 @pytest.mark.properties
+@given(M=st.integers(1, 3), B=st.integers(1, 5), T=st.integers(1, 4), seed=st.integers(0, 2**16),
+       correction=st.sampled_from(sorted(POLICY_LOSSES)), zero_advantages=st.booleans())
+def test_property_a_policy_loss_correction_has_the_losses_gradient(M, B, T, seed, correction,
+                                                                   zero_advantages):
+    """The second study's policy losses, float64, any batch: the one-call loss's gradient is the
+    sum of each model's own policy loss's (bypass mode, token mean); finite, 0 off the mask."""
+    trainer, sampler, advantages, mask = _batch(M, B, T, seed)
+    if zero_advantages:  # RL's groups with one reward
+        advantages = torch.where(advantages > 0, torch.zeros_like(advantages), advantages)
+    loss, keep = MT.corrected_loss(trainer, sampler, advantages, mask, correction)
+    (grad,) = torch.autograd.grad(loss, trainer)
+    expected = sum(POLICY_LOSSES[correction](trainer[m], sampler[m], advantages[m], mask[m],
+                                             reduction="token-mean")[0] for m in range(M))
+    (expected_grad,) = torch.autograd.grad(expected, trainer)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-14)
+    assert torch.isfinite(grad).all() and (grad[mask == 0] == 0).all()
+    assert not (keep & (mask == 0)).any()
+
+
+@pytest.mark.properties
 @given(logits=st.lists(st.floats(-60, 60), min_size=lm.V, max_size=lm.V),
        u=st.floats(0.0, 1.0, exclude_max=True))
 def test_property_the_written_token_is_where_the_uniform_falls_in_the_cdf(logits, u):
