@@ -1,7 +1,9 @@
 """``sapo_weights``, ``gspo_weights`` and ``clip_cov_weights``: the policy losses SAPO, GSPO and
-Clip-Cov as REINFORCE
-weights. REINFORCE with the weights detached must have the loss's own autograd gradient, token
-by token, on batches with zero advantages, clamped log-ratios, clipped tokens and padding."""
+Clip-Cov as REINFORCE weights. REINFORCE with the weights detached must have the loss's own
+autograd gradient, token by token, on batches with zero advantages, clamped log-ratios, clipped
+tokens and padding."""
+
+import math
 
 import pytest
 import torch
@@ -176,3 +178,88 @@ def test_in_float32_the_weights_give_the_loss_gradient_away_from_the_clips_edges
             near |= (ratio - edge).abs() < 1e-4
     far = mask.bool() & ~near
     torch.testing.assert_close(weighted[far], framework[far], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda b: sapo_weights(*b, tau_pos=0.0), r"^tau_pos must be > 0, got 0.0"),
+    (lambda b: sapo_weights(*b, tau_neg=0.0), r"^tau_neg must be > 0, got 0.0"),
+    (lambda b: sapo_weights(*b, tau_neg=-1.0), r"^tau_neg must be > 0, got -1.0"),
+    (lambda b: clip_cov_weights(*b, clip_cov_ratio=math.nan), r"^clip_cov_ratio must be"),
+    (lambda b: clip_cov_weights(*b, clip_cov_lb=math.nan), r"^clip_cov_lb must be a finite"),
+    (lambda b: clip_cov_weights(*b, clip_cov_ub=math.nan), r"^clip_cov_ub must be a finite"),
+    (lambda b: clip_cov_loss(*b, clip_cov_ub=math.nan), r"^clip_cov_ub must be a finite"),
+])
+def test_each_refusal_names_its_argument_first(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_batch(0))
+
+
+def test_an_infinite_covariance_band_is_accepted_and_makes_every_token_eligible():
+    batch = _batch(1, spread=0.05)
+    everything = clip_cov_weights(*batch, clip_cov_lb=-math.inf, clip_cov_ub=math.inf,
+                                  clip_cov_ratio=0.5)
+    nothing = clip_cov_weights(*batch, clip_cov_lb=1e9, clip_cov_ub=2e9)
+    # about half of the eligible (every unclipped) token's weight is removed in expectation
+    unclipped = nothing != 0
+    assert bool(unclipped.any())
+    assert bool((everything[unclipped] < nothing[unclipped]).all())
+    torch.testing.assert_close(
+        clip_cov_loss(*batch, clip_cov_lb=-math.inf, clip_cov_ub=math.inf)[0],
+        clip_cov_loss(*batch, clip_cov_lb=-1e300, clip_cov_ub=1e300)[0])
+
+
+def test_the_covariance_band_is_open_at_both_ends():
+    """Dyadic values, so that the covariance is exactly 0.5 on both tokens: a band whose end is
+    0.5 makes neither eligible, a band around it both (verl's > lb and < ub)."""
+    trainer = torch.tensor([[-1.0, -3.0]], dtype=torch.float64)
+    sampler = trainer.clone()  # ratio 1: nothing clipped
+    A = torch.tensor([[0.5, -0.5]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    inside = clip_cov_weights(trainer, sampler, A, mask, clip_cov_lb=0.25, clip_cov_ub=0.75)
+    assert inside.tolist() == [[0.5, 0.5]]  # one of two removed in expectation
+    for band in ({"clip_cov_lb": 0.5, "clip_cov_ub": 0.75}, {"clip_cov_lb": 0.25,
+                                                              "clip_cov_ub": 0.5}):
+        assert clip_cov_weights(trainer, sampler, A, mask, **band).tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("loss_fn, weights_fn, options", PAIRS, ids=IDS)
+def test_a_log_ratio_of_exactly_20_still_sends_its_gradient(loss_fn, weights_fn, options):
+    """The clamp's bounds pass the gradient (torch.clamp's derivative is 1 there)."""
+    trainer = torch.tensor([[-1.0, -2.0], [-21.0, -22.0]], dtype=torch.float64)
+    sampler = torch.tensor([[-21.0, -22.0], [-1.0, -2.0]], dtype=torch.float64)  # +-20 exactly
+    A = torch.tensor([[-1.0, -1.0], [1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    framework, weighted, weights = _gradients(loss_fn, weights_fn, options, trainer, sampler, A,
+                                              mask, "sum")
+    torch.testing.assert_close(weighted, framework, rtol=1e-12, atol=0.0)
+    if weights_fn is sapo_weights:  # at -20 the gate's slope is not 0 (at +20 it underflows)
+        assert bool((weights[1] != 0).all())
+    else:  # A < 0 at +20 and A > 0 at -20: PPO's clip leaves both, their weight is the ratio
+        assert bool((weights != 0).all())
+
+
+def test_sapo_takes_tau_neg_where_the_advantage_is_0():
+    """As sapo_loss does (tau_pos only where A > 0): the weight of a token with A = 0 is the
+    tau_neg gate's, which is what counts it among the weighted tokens."""
+    trainer = torch.log(torch.tensor([[0.5]], dtype=torch.float64))
+    sampler = torch.log(torch.tensor([[0.2]], dtype=torch.float64))
+    mask = torch.ones(1, 1)
+    zero = sapo_weights(trainer, sampler, torch.zeros(1, 1), mask, tau_pos=3.0, tau_neg=0.5)
+    negative = sapo_weights(trainer, sampler, -torch.ones(1, 1), mask, tau_pos=3.0, tau_neg=0.5)
+    positive = sapo_weights(trainer, sampler, torch.ones(1, 1), mask, tau_pos=3.0, tau_neg=0.5)
+    assert zero.item() == negative.item() != positive.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_clip_covs_covariance_is_taken_in_float32_for_half_inputs(dtype):
+    """With a band that makes tokens eligible: float16 inputs give the weights of their float32
+    upcast, the covariance included."""
+    trainer, sampler, advantages, mask = _batch(4, spread=0.05)
+    band = {"clip_cov_lb": 0.02, "clip_cov_ub": 5.0, "clip_cov_ratio": 0.2}
+    half = clip_cov_weights(trainer.to(dtype), sampler.to(dtype), advantages.to(dtype), mask,
+                            **band)
+    wide = clip_cov_weights(trainer.to(dtype).float(), sampler.to(dtype).float(),
+                            advantages.to(dtype).float(), mask, **band)
+    assert bool((wide != torch.exp(trainer.to(dtype).float() - sampler.to(dtype).float())
+                 * mask).any())  # some weight was reduced: tokens were eligible
+    torch.testing.assert_close(half, wide, rtol=0.0, atol=0.0)
