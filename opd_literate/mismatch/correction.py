@@ -1509,7 +1509,9 @@ def gspo_loss(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low=3e
     Defaults: the GSPO paper's $\varepsilon_l = 3 \cdot 10^{-4}$, $\varepsilon_h = 4 \cdot
     10^{-4}$; verl (``loss_mode: gspo``, ``compute_policy_loss_gspo``) reads the actor's
     ``clip_ratio_low`` / ``clip_ratio_high``, whose defaults (0.2) must be set to these. verl
-    clamps $\log s_t$ at 10 from above only; here at $\pm 20$ like every ratio. As for
+    clamps $\log s_t$ at 10 from above only; here at $\pm 20$ like every ratio. A bound given
+    as ``None`` is 0 here (that edge of the band at 1), where verl reads ``None`` as the actor's
+    ``clip_ratio``. As for
     [opd_literate.mismatch.correction.cispo_loss][], the sampler is GSPO's anchor in verl
     with ``bypass_mode: true`` in the default trainer, not in the legacy one.
 
@@ -2280,7 +2282,8 @@ def gspo_weights(trainer_logp, sampler_logp, advantages, mask, *, clip_ratio_low
     $s$ lies within rounding of a clip's edge can differ: the loss clips
     $\exp(\log s + \log \pi - \log \pi)$, computed, and these weights $\exp(\log s)$; and
     where its two terms round to the same value ``torch.maximum`` gives each half the gradient,
-    these weights the unclipped one. Detached, in the compute dtype, 0 off the mask.
+    these weights the unclipped one. A bound of ``None`` is 0, as in ``gspo_loss``. Detached, in
+    the compute dtype, 0 off the mask.
 
     Examples
     --------

@@ -263,3 +263,19 @@ def test_clip_covs_covariance_is_taken_in_float32_for_half_inputs(dtype):
     assert bool((wide != torch.exp(trainer.to(dtype).float() - sampler.to(dtype).float())
                  * mask).any())  # some weight was reduced: tokens were eligible
     torch.testing.assert_close(half, wide, rtol=0.0, atol=0.0)
+
+
+def test_gspo_weights_read_a_missing_lower_bound_as_0_like_gspo_loss():
+    # clip_ratio_low=None is epsilon_l = 0 in both: the floor at 1, so s = 0.8 with A < 0 is
+    # clipped (weight 0), where a floor at 0 would keep its ratio 0.8
+    trainer = torch.full((1, 2), math.log(0.5), dtype=torch.float64)
+    sampler = trainer - math.log(0.8)
+    A, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2)
+    assert gspo_weights(trainer, sampler, A, mask, clip_ratio_low=None).tolist() == [[0.0, 0.0]]
+    leaf = trainer.clone().requires_grad_(True)
+    loss, _ = gspo_loss(leaf, sampler, A, mask, clip_ratio_low=None)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    assert grad.abs().max() == 0
+    # the same batch with the floor at 0 keeps the ratio
+    kept = gspo_weights(trainer, sampler, A, mask, clip_ratio_low=1.0)
+    torch.testing.assert_close(kept, torch.full((1, 2), 0.8, dtype=torch.float64))
