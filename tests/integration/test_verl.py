@@ -375,6 +375,28 @@ def test_losses_gradients_and_metrics_are_verls(seed, scale, reduction, loss_nam
             assert our_metrics[name] == pytest.approx(value, rel=REL, abs=ABS), name
 
 
+def test_gspos_missing_bound_is_the_actors_clip_ratio_in_verl_and_0_here():
+    """gspo_loss's docstring: verl reads a clip_ratio_low of None as the actor's clip_ratio
+    (0.2 here), where gspo_loss reads it as 0."""
+    trainer, sampler, mask, advantages = _batch(0, 0.4)
+    config = _actor(trainer.shape[0], clip_low=None, clip_high=4e-4)
+    assert config.clip_ratio == 0.2 and config.clip_ratio_low is None
+
+    def theirs(leaf):
+        return core_algos.compute_policy_loss_gspo(sampler, leaf, advantages, mask,
+                                                   loss_agg_mode="token-mean", config=config)
+
+    def ours(leaf, low):
+        return C.gspo_loss(leaf, sampler, advantages, mask, clip_ratio_low=low,
+                           clip_ratio_high=4e-4, reduction="token-mean")
+
+    _, grad, _ = _grad(theirs, trainer)
+    _, with_clip_ratio, _ = _grad(lambda leaf: ours(leaf, 0.2), trainer)
+    _, with_none, _ = _grad(lambda leaf: ours(leaf, None), trainer)
+    torch.testing.assert_close(with_clip_ratio, grad, rtol=REL, atol=ABS)
+    assert (with_none - grad).abs().max() > 1e-3  # the floor at 1 clips what 0.8 leaves
+
+
 # DPPO's thresholds (verl's clip_ratio_low / _high) and cap (clip_ratio_c): the ActorConfig
 # defaults, the example script's (0.15 or 0.05 and 10000), and asymmetric ones that bite more.
 DPPO_CASES = [
