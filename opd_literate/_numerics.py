@@ -215,6 +215,22 @@ def check_band(low, high, low_name: str = "low", high_name: str = "high", *,
     return low, high
 
 
+def check_choice(name: str, value, choices: tuple[str, ...], *, allow_none: bool = False):
+    """Return ``value`` if it is one of the strings ``choices`` (or None, if ``allow_none``).
+
+    Anything but a string is a ``TypeError`` naming its type, so that ``True`` or ``1`` is not
+    reported as a string that is merely unknown; an unknown string is a ``ValueError``.
+    """
+    if allow_none and value is None:
+        return None
+    expected = f"None or one of {choices}" if allow_none else f"one of {choices}"
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return value
+
+
 def check_reduction(reduction) -> None:
     """Raise unless ``reduction`` is one of ``REDUCTIONS``."""
     if reduction not in REDUCTIONS:

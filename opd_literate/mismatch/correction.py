@@ -125,6 +125,7 @@ from .._numerics import (
     VERL_VERSION,
     aggregate,
     check_band,
+    check_choice,
     check_finite_number,
     check_float_tensor,
     check_mask,
@@ -2737,16 +2738,8 @@ def _check_kept_mass_batch(trainer_logits, sampler_logp, tokens, kept, mask, tem
                              f"({trainer_logits.device}), got {x.device}")
     mask = check_mask(mask, "sampler_logp", (B, T))
     temperature = check_finite_number("temperature", temperature, positive=True)
-    if not isinstance(reported, str):
-        raise TypeError(f"reported must be one of {REPORTED}, got {type(reported).__name__} "
-                        f"{reported!r}")
-    if reported not in REPORTED:
-        raise ValueError(f"reported must be one of {REPORTED}, got {reported!r}")
-    if kept_mass is not None and not isinstance(kept_mass, str):
-        raise TypeError(f"kept_mass must be None or one of {KEPT_MASS}, got "
-                        f"{type(kept_mass).__name__} {kept_mass!r}")
-    if kept_mass is not None and kept_mass not in KEPT_MASS:
-        raise ValueError(f"kept_mass must be None or one of {KEPT_MASS}, got {kept_mass!r}")
+    check_choice("reported", reported, REPORTED)
+    check_choice("kept_mass", kept_mass, KEPT_MASS, allow_none=True)
     if not isinstance(trainer_mask, bool):
         raise TypeError(f"trainer_mask must be True or False, got {trainer_mask!r}")
     if kept_mass == "trainer" and trainer_mask:

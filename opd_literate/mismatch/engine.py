@@ -188,7 +188,7 @@ import math
 
 import numpy as np
 
-from .._numerics import check_finite_number
+from .._numerics import check_choice, check_finite_number
 from .toy import (  # noqa: F401 (the examples use make_toy)
     ar_toy_from_logits,
     check_toy,
@@ -951,20 +951,12 @@ def engine_toy(toy, temperature=1.0, top_k=None, top_p=1.0, reported="processed"
     temperature = _check_temperature(temperature)
     top_k, top_p, min_p = _check_top_k(top_k), _check_top_p(top_p), _check_min_p(min_p)
     sampler = _check_sampler(sampler, temperature)
-    if not isinstance(reported, str):
-        raise TypeError(f"reported must be one of {REPORTED}, got {type(reported).__name__} "
-                        f"{reported!r}")
-    if reported not in REPORTED:
-        raise ValueError(f"reported must be one of {REPORTED}, got {reported!r}")
+    check_choice("reported", reported, REPORTED)
     for name, flag in (("trainer_temperature", trainer_temperature),
                        ("trainer_mask", trainer_mask)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if kept_mass is not None and not isinstance(kept_mass, str):
-        raise TypeError(f"kept_mass must be None or one of {KEPT_MASS}, got "
-                        f"{type(kept_mass).__name__} {kept_mass!r}")
-    if kept_mass is not None and kept_mass not in KEPT_MASS:
-        raise ValueError(f"kept_mass must be None or one of {KEPT_MASS}, got {kept_mass!r}")
+    check_choice("kept_mass", kept_mass, KEPT_MASS, allow_none=True)
     if kept_mass == "trainer" and trainer_mask:
         raise ValueError("kept_mass='trainer' with trainer_mask=True counts the trainer's kept "
                          "mass twice: the replayed mask already renormalises the trainer on "

@@ -24,6 +24,7 @@ from opd_literate._numerics import (
     REDUCTIONS,
     aggregate,
     check_band,
+    check_choice,
     check_finite_number,
     check_float_tensor,
     check_mask,
@@ -453,6 +454,21 @@ def test_check_reduction_accepts_the_seven_names_and_lists_them_when_refusing():
         check_reduction("mean")
     with _raises(ValueError, f"reduction must be one of {REDUCTIONS}, got None"):
         check_reduction(None)
+
+
+def test_check_choice_tells_a_wrong_type_from_an_unknown_name_and_admits_none_on_request():
+    choices = ("raw", "processed")
+    assert check_choice("reported", "raw", choices) == "raw"
+    assert check_choice("kept_mass", None, choices, allow_none=True) is None
+    with _raises(ValueError, "reported must be one of ('raw', 'processed'), got 'Raw'"):
+        check_choice("reported", "Raw", choices)
+    with _raises(TypeError, "reported must be one of ('raw', 'processed'), got NoneType None"):
+        check_choice("reported", None, choices)
+    with _raises(TypeError, "kept_mass must be None or one of ('raw', 'processed'), got bool "
+                            "True"):
+        check_choice("kept_mass", True, choices, allow_none=True)
+    with _raises(ValueError, "kept_mass must be None or one of ('raw', 'processed'), got ''"):
+        check_choice("kept_mass", "", choices, allow_none=True)
 
 
 @pytest.mark.parametrize("dtypes, expected", [
