@@ -1023,7 +1023,7 @@ def bias(toy, method, teacher="marginal", **options):
 
 
 TABLE_METHODS = (
-    ("ULD (TRL default)", "uld", {}),
+    ("ULD (TRL's ULD options)", "uld", {}),
     ("ULD, bayesian merge", "uld", {"merge": "bayesian"}),
     ("GOLD hybrid, beta = 1", "hybrid", {"beta": 1.0}),
     ("GOLD hybrid, bayesian, beta = 1", "hybrid", {"merge": "bayesian", "beta": 1.0}),

@@ -125,16 +125,23 @@ names the sample's field that selects it (``verl/trainer/config/distillation/dis
 lines 65 and 113). ``AsyncTeacherLLMServerManager._resolve_teacher_key``
 (``verl/experimental/teacher_loop/teacher_manager.py`` lines 100 to 114) returns the sample's
 value, raises a ``ValueError`` for a missing or unconfigured one, and with a single teacher
-configured sends every sample to it whatever the field says. The routed teacher's per-token
+configured sends every sample to it whatever the field says. Adding entries to
+``teacher_models`` drops the default entry ``teacher_model``, so the teachers must be named
+apart from it: otherwise the one left takes every sample, which the resource-pool check
+catches only when the pool is sized for all of them. The routed teacher's per-token
 log-probabilities then enter the single-teacher losses of ``verl/trainer/distillation/
 losses.py``: with ``loss_mode: k1`` and ``use_policy_gradient: true`` the advantage is
-$-d_t$, discount 0 (line 283). So verl, switched to these two settings, computes the routed
-estimator of (a) with $\gamma = 0$: its mean is $\nabla \mathcal{R}$ on independent
-positions, the per-state gradient on the autoregressive toy. The config its trainer
+$-d_t$, discount 0 (line 283), in verl's clipped policy loss. So verl, switched to these two
+settings and to ``use_task_rewards: false`` (``true`` as composed, which adds the task's PPO
+loss), computes on the first mini-batch of an on-policy step (ratio 1, no importance weight)
+the routed estimator of (a) with $\gamma = 0$, up to the ``token-mean`` normalisation: its
+mean is $\nabla \mathcal{R}$ on independent positions, the per-state gradient on the
+autoregressive toy. The config its trainer
 composes has ``loss_mode: k3`` and ``use_policy_gradient: false`` instead: the routed teacher's
 $k_3$ backpropagated as a loss ([opd_literate.mismatch.task_rewards][], ``k3_loss``), with the
-same routing. Either way a mislabelled ``data_source`` is misrouting (never a silent fallback
-with two teachers or more). verl 0.9.1 has no mixture teacher and no weighted sum of KLs. slime
+same routing. Either way a mislabelled ``data_source`` among two configured teachers or more
+is misrouting or a ``ValueError``, never a fallback to a default teacher. verl 0.9.1 has no
+mixture teacher and no weighted sum of KLs. slime
 at commit ``624b824`` (2026-08-21) has one teacher: one ``--rm-url`` that
 ``slime/rollout/on_policy_distillation.py`` (line 27) posts every sample to, or one
 ``--opd-teacher-load`` checkpoint; ``apply_opd_kl_to_advantages``

@@ -53,6 +53,23 @@ def test_the_defaults_this_module_assumes():
     assert config.beta == 0.5 and not config.uld_use_hybrid_loss
 
 
+
+def test_the_gold_config_defaults_the_trainer_test_sets_aside():
+    """The chapter: the trainer test sets ``use_uld_loss=True`` (default ``False``), calls the
+    on-policy path directly (default ``lmbda=0.5``) and samples the student as it is (defaults
+    ``temperature=0.9``, ``top_p=0.95``); a changed default fails here."""
+    import pathlib
+
+    page = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "teachers.md").read_text()
+                    .split())
+    for phrase in ("`use_uld_loss=True` (the default, `False`,", "the default `lmbda=0.5`",
+                   "the defaults `temperature=0.9` and `top_p=0.95`"):
+        assert phrase in page, phrase
+    fields = gold.GOLDConfig.__dataclass_fields__
+    defaults = {name: fields[name].default for name in ("use_uld_loss", "lmbda", "temperature",
+                                                        "top_p")}
+    assert defaults == {"use_uld_loss": False, "lmbda": 0.5, "temperature": 0.9, "top_p": 0.95}
+
 CASES = [
     ("uld observed", {}, {}),
     ("uld bayesian", {"uld_token_merge_strategy": "bayesian"}, {"merge": "bayesian"}),

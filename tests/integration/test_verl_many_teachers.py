@@ -4,9 +4,13 @@ verl's trainer config is composed as ``main_ppo`` composes it, with two teachers
 source (the overrides its ``distillation.yaml`` documents), and turned into its
 ``DistillationConfig``. Its ``AsyncTeacherLLMServerManager`` is then run with one stand-in
 server per teacher that answers, for the sequence it is sent, that teacher's log-probabilities
-on the enumerable toy; verl's ``kl_penalty(..., "k1")`` turns them into the per-token loss
-whose negative is the policy-gradient advantage (``use_policy_gradient: true``). The exact mean
-of the resulting estimate, summed over every prompt, response and routing label, must be
+on the enumerable toy; verl's own ``distillation_loss`` (``loss_mode: k1``,
+``use_policy_gradient: true``, ``use_task_rewards: false``) turns them into its policy loss,
+with the sampler's log-probabilities as ``old_log_probs`` (ratio 1: the first mini-batch of an
+on-policy step, no importance weight), summed over the tokens (``loss_agg_mode: token-sum``;
+the composed ``token-mean`` divides by the batch's token count), and autograd gives the
+gradient in each token's log-probability. The exact mean of that gradient times each token's
+score, summed over every prompt, response and routing label, must be
 ``expected_estimate(prompts, "routed", C, gamma=0.0)``, correctly routed and misrouted.
 
 Tolerance ``1e-12``: verl's manager reads the server's log-probabilities as float32
@@ -32,9 +36,10 @@ import torch
 
 try:
     from hydra import compose, initialize_config_dir
+    from hydra.errors import InstantiationException
+    from tensordict import TensorDict
     from verl.experimental.teacher_loop.teacher_manager import AsyncTeacherLLMServerManager
     from verl.trainer.distillation import losses as verl_losses
-    from verl.trainer.ppo.core_algos import kl_penalty
     from verl.utils import omega_conf_to_dataclass
     from verl.workers.config.distillation import (
         DistillationConfig,
@@ -69,7 +74,8 @@ def _compose(overrides=()):
 
 
 K1_REWARD = ["distillation.distillation_loss.loss_mode=k1",
-             "distillation.distillation_loss.use_policy_gradient=true"]
+             "distillation.distillation_loss.use_policy_gradient=true",
+             "distillation.distillation_loss.use_task_rewards=false"]
 
 
 def _overrides(sources, loss=K1_REWARD):
@@ -124,9 +130,37 @@ def _manager(config, prompts):
     return AsyncTeacherLLMServerManager(config=config, teacher_client=clients)
 
 
-def _verl_mean_estimate(manager, prompts, labels):
-    r"""$\sum_x \rho(x) \sum_\ell C_{x,\ell} \sum_y \pi_x(y) \sum_t (-A_t) s_t$ with verl's
-    advantage $A_t = -\mathrm{k1}$ from the teacher verl routes the label $\ell$ to."""
+def _verl_token_gradients(config, student, teacher):
+    """The gradient of verl's ``distillation_loss`` in each response token's log-probability,
+    for one sequence of one prompt token and ``len(student)`` response tokens."""
+    T = student.shape[0]
+    leaf = student.clone().requires_grad_(True)
+    # verl's model output and teacher log-probabilities are unpadded, one entry per token of
+    # the sequence; the last position predicts nothing and is never read
+    data = TensorDict({
+        "prompts": torch.zeros(1, 1, dtype=torch.long),
+        "responses": torch.zeros(1, T, dtype=torch.long),
+        "attention_mask": torch.ones(1, 1 + T, dtype=torch.long),
+        "response_mask": torch.ones(1, T, dtype=torch.long),
+        "old_log_probs": student[None].clone(),  # the sampler is the trainer: ratio 1
+        "teacher_logprobs": torch.cat([teacher, teacher[-1:]])[:, None],
+        "dp_size": torch.tensor(1), "batch_num_tokens": torch.tensor(T),
+        "global_batch_size": torch.tensor(1),
+    }, batch_size=[])
+    actor = types.SimpleNamespace(loss_agg_mode="token-sum", global_batch_info={},
+                                  loss_scale_factor=None)
+    loss, _ = verl_losses.distillation_loss(actor, config, {"log_probs": torch.cat(
+        [leaf, leaf[-1:]])}, data)
+    (gradient,) = torch.autograd.grad(loss, leaf)
+    return gradient.numpy()
+
+
+def _verl_mean_estimate(composed, manager, prompts, labels):
+    r"""$\sum_x \rho(x) \sum_\ell C_{x,\ell} \sum_y \pi_x(y) \sum_t g_t s_t$ with $g_t$ the
+    gradient of verl's loss in $\log \pi(y_t)$, the teacher the one verl routes label $\ell$ to."""
+    config = omega_conf_to_dataclass(composed.distillation)
+    assert (config.distillation_loss.loss_mode, config.distillation_loss.use_policy_gradient,
+            config.distillation_loss.use_task_rewards) == ("k1", True, False)
     per_prompt = []  # each prompt's own student parameters
     for x, toy in enumerate(prompts["toys"]):
         total = np.zeros(toy["score"].shape[1:])
@@ -140,11 +174,9 @@ def _verl_mean_estimate(manager, prompts, labels):
                     sequence_ids=sequence, routing_key=label))
                 teacher = teacher[1:, 0].to(F64)  # the response's tokens
                 student = torch.as_tensor(toy["logp_train"][m, :n], dtype=F64)
-                loss = kl_penalty(logprob=student, ref_logprob=teacher, kl_penalty="k1")
-                advantage = -loss.numpy()  # distillation_loss: advantages=-losses.detach()
-                # the policy gradient of -A_t log pi(y_t): -A_t times token t's score, row t
+                gradient = _verl_token_gradients(config, student, teacher)
                 row = np.zeros_like(toy["score"][m])
-                row[:n] = (-advantage).reshape((n,) + (1,) * (row.ndim - 1)) * toy["score"][m, :n]
+                row[:n] = gradient.reshape((n,) + (1,) * (row.ndim - 1)) * toy["score"][m, :n]
                 total += prompts["prompt_probs"][x] * probability * toy["p_train"][m] * row
         per_prompt.append(total)
     return np.stack(per_prompt)
@@ -175,7 +207,7 @@ def test_verls_routed_k1_reward_has_the_routed_estimators_mean(composed, autoreg
                                              seed=3, prompt_probs=[0.5, 0.3, 0.2]))
     labels = misrouting_matrix(prompts, epsilon)  # a sample's data_source: wrong w.p. epsilon
     ours = expected_estimate(prompts, "routed", labels, gamma=0.0)
-    theirs = _verl_mean_estimate(_manager(composed, prompts), prompts, labels)
+    theirs = _verl_mean_estimate(composed, _manager(composed, prompts), prompts, labels)
     assert np.allclose(theirs, ours, rtol=0, atol=ATOL)
 
 
@@ -201,6 +233,37 @@ def test_one_teacher_takes_every_sample_whatever_its_source():
         _, logprobs = asyncio.run(manager.compute_teacher_logprobs_single([PROMPT_TOKEN, 0],
                                                                           routing_key=key))
         assert logprobs[1, 0].item() == prompts["toys"][0]["logp_teachers"][0, 0, 0]
+
+
+def test_verl_drops_the_default_teacher_entry_when_another_is_added():
+    """The chapter: name the teachers apart from ``teacher_model``. Adding a second entry
+    beside the default one leaves one teacher, which then takes every sample, whatever its
+    source, unless the resource pool is sized for both."""
+    overrides = ["distillation.enabled=true", "distillation.nnodes=1",
+                 "distillation.n_gpus_per_node=1",
+                 "distillation.teacher_models.teacher_model.key=gsm8k",
+                 "distillation.teacher_models.teacher_model.model_path=/teachers/gsm8k",
+                 "+distillation.teacher_models.teacher2.key=geo3k",
+                 "+distillation.teacher_models.teacher2.model_path=/teachers/geo3k",
+                 "+distillation.teacher_models.teacher2.num_replicas=1",
+                 "+distillation.teacher_models.teacher2.inference.name=vllm",
+                 "+distillation.teacher_models.teacher2.inference.tensor_model_parallel_size=1"]
+    resolved = omega_conf_to_dataclass(_compose(overrides).distillation)
+    assert sorted(resolved.teacher_models) == ["geo3k"]
+    # a pool sized for the two teachers refuses the one left (hydra wraps verl's ValueError)
+    with pytest.raises(InstantiationException, match="must match the distillation resource"):
+        omega_conf_to_dataclass(_compose(
+            [o.replace("n_gpus_per_node=1", "n_gpus_per_node=2") for o in overrides]
+        ).distillation)
+
+
+def test_the_composed_config_adds_the_task_loss_unless_switched_off():
+    """The chapter's condition ``use_task_rewards: false``: the composed config has it true,
+    and ``distillation_ppo_loss`` then adds the task's PPO loss to the distillation term."""
+    stock = omega_conf_to_dataclass(_compose(_overrides(SOURCES, loss=())).distillation)
+    assert stock.distillation_loss.use_task_rewards is True
+    source = ast.unparse(ast.parse(pathlib.Path(verl_losses.__file__).read_text()))
+    assert "policy_loss += distill_loss * distillation_loss_coef" in source
 
 
 def test_the_agent_loop_routes_by_the_samples_teacher_key_field():

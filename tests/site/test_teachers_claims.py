@@ -29,7 +29,7 @@ def test_the_chapters_sentences_on_the_bias_against_the_retokenized_share():
     sweep = {kind: xt.retokenization_sweep(kind, explorables.RETOKENIZATION_SEEDS,
                                            scale=explorables.RETOKENIZATION_SCALE)
              for kind in ("identical",) + kinds}
-    projection, uld = "projection (NeMo-RL P-KL, reverse)", "ULD (TRL default)"
+    projection, uld = "projection (NeMo-RL P-KL, reverse)", "ULD (TRL's ULD options)"
 
     def errors(kind, label, key):
         return [r["bias"][label][key] for r in sweep[kind]]
@@ -39,8 +39,10 @@ def test_the_chapters_sentences_on_the_bias_against_the_retokenized_share():
 
     why = "three decimals on the page"
     low, high = numbers(r"from N to N on `teacher_merges` over 40 draws")
-    assert_matches_committed([min(shares("teacher_merges")), max(shares("teacher_merges"))],
-                             [low, high], rtol=0, atol=5e-3, why="two decimals on the page")
+    assert_matches_committed([min(shares("teacher_merges"))], [low], rtol=0, atol=5e-4,
+                             why="three decimals on the page")
+    assert_matches_committed([max(shares("teacher_merges"))], [high], rtol=0, atol=5e-3,
+                             why="two decimals on the page")
     assert len(explorables.RETOKENIZATION_SEEDS) == 40 and explorables.RETOKENIZATION_SCALE == 1.5
     stated = numbers(r"has a rank correlation with the share of N, N and N on `teacher_merges`, "
                      r"`student_merges` and `non_refining`, and its median, N, N and N, is the "

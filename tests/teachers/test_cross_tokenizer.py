@@ -383,3 +383,19 @@ def test_the_chapters_sentences_on_the_cross_tokenizer_losses():
         best = max((r for (k, _), r in rows.items() if k == kind), key=lambda r: r["cosine"])
         assert best["method"].startswith("projection"), kind
 
+
+
+def test_the_projections_forward_kl_is_not_exact_even_with_one_tokenizer():
+    """The chapter: "NeMo-RL's default forward KL compares the chunks the other way and is not
+    exact even there" (on `identical`, where the reverse KL is, to NeMo-RL's epsilon)."""
+    import pathlib
+
+    page = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "teachers.md").read_text()
+                    .split())
+    assert "NeMo-RL's default forward KL compares the chunks the other way and is not exact " \
+           "even there" in page
+    toy = xt.make_cross_toy("identical", T=3, seed=0)
+    assert xt.bias(toy, "projection", reverse=True, eps=0.0)["total_rel_norm"] < 1e-9
+    # NeMo-RL's epsilon (eps = 0 is refused with the forward KL: a zero of the student's chunk)
+    forward = xt.bias(toy, "projection", reverse=False)
+    assert forward["total_rel_norm"] > 0.5 and forward["total_cosine"] < 0.9, forward

@@ -483,3 +483,31 @@ def test_the_chapters_sentences_on_misrouting():
     for small, large in ((1, 2), (2, 3)):
         ratio = independent[large]["fixed_point_kl"] / independent[small]["fixed_point_kl"]
         assert 3.5 < ratio < 4.5, ratio
+
+
+def test_the_chapters_toy_is_make_prompts_with_its_defaults():
+    """"three positions over three tokens; ... where the third token ends the response"."""
+    page = _page()
+    assert ("three positions over three tokens; independent positions, or each token "
+            "conditioned on the previous one, where the third token ends the response") in page
+    independent, autoregressive = make_prompts(), make_prompts(autoregressive=True)
+    for toy in independent["toys"]:
+        assert toy["Y"].shape == (27, 3) and toy["Y"].max() == 2 and toy.get("eos") is None
+    for toy in autoregressive["toys"]:
+        assert toy["Y"].shape[1] == 3 and toy["Y"].max() == 2 and toy["eos"] == 2
+
+
+def test_the_chapters_misrouted_fixed_point_minimises_only_on_independent_positions():
+    """"the student the gamma = 0 estimate drives to is the geometric mean ..., state by state:
+    on independent positions also the minimiser of the misrouted objective, on the
+    autoregressive toy not"."""
+    assert "on independent positions also the minimiser of the misrouted objective, on the " \
+           "autoregressive toy not" in _page()
+    for autoregressive, minimises in ((False, True), (True, False)):
+        prompts = make_prompts(autoregressive=autoregressive)
+        C = misrouting_matrix(prompts, 0.2)
+        fixed = prompts_from_logits(geometric_mean_logits(prompts, C), prompts["phi"],
+                                    prompts["prompt_probs"], prompts["routes"])
+        assert np.abs(expected_estimate(fixed, "routed", C, gamma=0.0)).max() < 1e-14
+        gradient = np.abs(objective(fixed, "weighted_kl", C)["grad"]).max()
+        assert (gradient < 1e-12) if minimises else (gradient > 1e-2), gradient
