@@ -117,3 +117,17 @@ def test_the_hybrid_matches_every_shared_token_string():
                            student_tokenizer=_Vocab(toy["student"]["vocab"]),
                            teacher_tokenizer=_Vocab(toy["teacher"]["vocab"]))
     assert sorted(loss_fn._vocab_mapping.items()) == [(0, 0), (1, 1), (3, 2)]
+
+
+def test_the_chapter_counts_and_names_the_option_sets():
+    import pathlib
+
+    page = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "teachers.md").read_text()
+                    .split())
+    assert ("for eight option sets on each pair of tokenizers: ULD with either merge and with "
+            "positional alignment, and the hybrid at $\\beta$ = 0, 0.5 and 1, with the bayesian "
+            "merge and with fixed weights") in page
+    assert [name for name, _, _ in CASES] == [
+        "uld observed", "uld bayesian", "uld positional", "hybrid beta 0.5", "hybrid beta 1",
+        "hybrid beta 0", "hybrid bayesian", "hybrid fixed weights"]
+    assert len({kind for kind in xt.KINDS}) == 4
