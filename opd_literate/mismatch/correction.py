@@ -598,6 +598,13 @@ def _parse_rs(rollout_rs, rollout_rs_threshold):
                                  "'lower_upper' or one number")
             upper = _rs_number(option, spec, parts[-1])
             lower = _rs_number(option, spec, parts[0]) if len(parts) == 2 else 1.0 / upper
+            if lower == 0.0:  # "inf" alone: the band [1/h, h] would have the lower bound 0
+                raise ValueError(f"rollout_rs_threshold for {option!r} must be positive, got "
+                                 f"{spec!r}, whose lower bound 1/h is 0 (for no lower bound "
+                                 "on the ratio write 'a_inf')")
+            if math.isinf(lower):  # -log rho >= inf: no token is kept
+                raise ValueError(f"rollout_rs_threshold {spec!r} for {option!r} has the lower "
+                                 "bound inf, which keeps no token")
             if not lower <= upper:  # an empty band would silently reject every token
                 raise ValueError(
                     f"rollout_rs_threshold {spec!r} for {option!r} is the empty band "
@@ -630,14 +637,16 @@ _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|infinity|
 
 
 def _rs_number(option, spec, text):
-    """One bound of a rejection threshold: a positive, finite decimal number."""
+    """One bound of a rejection threshold: a positive decimal number, or inf (no bound there:
+    verl reads ``"0.5_inf"`` as the ratio at most 2 with no lower bound); NaN is refused, which
+    verl accepts and then rejects every token with."""
     if not _NUMBER.fullmatch(text.strip()):
         raise ValueError(f"rollout_rs_threshold {spec!r} for {option!r} is not a number "
                          "(k1 takes 'lower_upper' or one number)")
     value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"rollout_rs_threshold for {option!r} must be positive and "
-                         f"finite, got {spec!r}")
+    if not value > 0:  # NaN fails this too
+        raise ValueError(f"rollout_rs_threshold for {option!r} must be positive (or inf), "
+                         f"got {spec!r}")
     return value
 
 

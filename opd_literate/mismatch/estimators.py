@@ -443,8 +443,11 @@ def token_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     In verl today: ``rollout_is: token`` with ``rollout_rs: token_k1``, whose band is read on
     $-\log \rho_t$: the threshold ``"a_b"`` keeps $\log a \le -\log \rho_t \le \log b$, i.e.
     $1/b \le \rho_t \le 1/a$, and a single number $h$ keeps $[1/h, h]$. verl requires
-    $a > 0$, so the upper-only band has no verl equivalent; ``token_mis(low=0.5, high=2.0)`` is
-    verl's ``rollout_rs_threshold: 2.0`` with ``rollout_is_threshold`` $\ge 2$. (Until
+    $a > 0$ and reads $b = \infty$ as no lower bound on the ratio, so the upper-only band, the
+    default here, is ``rollout_rs_threshold: "0.5_inf"``, and ``token_mis(low=0.5, high=2.0)``
+    is ``rollout_rs_threshold: 2.0``, each with ``rollout_is_threshold`` $\ge 2$ (a cap the
+    kept ratios never reach). ``rollout_rs`` without ``rollout_is`` keeps the tokens at weight
+    1, not $\rho_t$. (Until
     December 2025 the option was ``rollout_rs: token`` with ``rollout_rs_threshold`` and
     ``rollout_rs_threshold_lower``.)
 
@@ -474,7 +477,8 @@ def seq_mis(toy, low=0.0, high=2.0, baseline=0.0, *, return_weights=False):
     Liu, Li et al. (2025), the sequence-level MIS. In verl today: ``rollout_is: sequence``
     with ``rollout_rs: seq_sum_k1`` (the band read on $-\log \rho$ as for ``token_mis``; the
     preset ``decoupled_seq_is_rs`` sets ``"0.5_2.0"``, i.e. ``seq_mis(low=0.5, high=2.0)``;
-    until December 2025, ``rollout_rs: sequence``). The lower bound defaults to 0 here. The kept
+    until December 2025, ``rollout_rs: sequence``), with ``rollout_is_threshold`` $\ge$ the
+    upper bound. The lower bound defaults to 0 here: verl's ``"0.5_inf"``. The kept
     sequences keep their exact weight, so the bias is exactly the dropped mass, with a minus
     sign:
 

@@ -300,6 +300,14 @@ def test_trls_kl_term_is_not_weighted_by_the_vllm_ratio(trl_grpo, trl_blocks,
     expected = (-w * advantages[:, None] + beta * kl_grad) * mask / N
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
     assert float((w - 1).abs().max()) > 0.1  # the weights are not 1, and not on the KL term
+    # the page's torch form of the KL term: kl_penalty's k3, times pi / pi_old with the bias
+    # correction (1 in value, the score k3 in the gradient)
+    leaf = trainer.clone().requires_grad_(True)
+    term = C.kl_penalty(leaf, ref, mask, "k3")
+    if use_bias_correction_kl:
+        term = term * torch.exp(leaf - leaf.detach())
+    (ours,) = torch.autograd.grad(term.sum(), leaf)
+    torch.testing.assert_close(ours, kl_grad * mask, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.trl
@@ -324,6 +332,12 @@ def test_the_integration_pages_lines_of_trl_are_the_installed_ones(trl_grpo):
     assert (trainer[3146].strip()
             == 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]')
     assert trainer[3148].strip() == "if self.beta != 0.0:"
+    # the server-mode warning: the correction is biased without processed log-probs
+    assert "(`grpo_trainer.py`, lines 1141 to 1152)" in page
+    warning = " ".join(line.strip() for line in trainer[1140:1152])
+    assert warning.startswith("# The importance sampling correction needs logprobs")
+    assert 'self.vllm_mode == "server"' in warning and "biases the importance" in warning
+    assert "--logprobs-mode processed_logprobs" in warning
     assert trainer[3149].strip() == "per_token_loss = per_token_loss + self.beta * per_token_kl"
 
 

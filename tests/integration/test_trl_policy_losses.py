@@ -3,8 +3,10 @@ cispo, and the PPO clip of dapo, bnpo, grpo and dr_grpo.
 
 ``GRPOTrainer._compute_loss`` is called on a stub holding the attributes it reads (as
 ``test_trl_is_modes.py`` does), with the sampler's log-probabilities as
-``old_per_token_logps`` and vLLM off, so that TRL's own loss has the sampler as its anchor; its
-value and gradient equal those of ``sapo_loss``, ``luspo_loss`` and ``vespo_loss`` of
+``old_per_token_logps`` and vLLM off, so that TRL's own loss has the sampler as its anchor (a
+check of the losses' arithmetic: no TRL configuration passes the sampler there; with vLLM the
+anchor is TRL's recomputation, ``test_under_vllm_each_loss_type_weighs_by_the_vllm_mode_at_one_
+update``); its value and gradient equal those of ``sapo_loss``, ``luspo_loss`` and ``vespo_loss`` of
 ``opd_literate.mismatch.correction`` on random batches and on the toys' enumerated batches,
 where the gradient gives the catalogue's weights. ``GRPOConfig``'s defaults are the
 catalogue's. ``GRPOTrainer.get_gamma_weights`` with TRL's own pipeline (the anchor its
@@ -255,6 +257,66 @@ def test_trls_gradient_on_the_toy_is_the_catalogues_weight(trl_grpo, case, toy_n
                                rtol=1e-10, atol=1e-12)
 
 
+# The loss types as TRL runs them under vLLM: (loss_type, importance_sampling_level, GRPOConfig
+# arguments, the factor the loss puts on a ratio of 1, the reduction's divisor per token).
+UNDER_VLLM = {
+    "sapo": ("sapo", "token", dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05), 1.0,
+             "B n"),
+    "luspo": ("luspo", "sequence", dict(epsilon=0.2, epsilon_high=0.2), 1.0, "B"),
+    "cispo": ("cispo", "token", dict(epsilon_high=5.0), 1.0, "N"),
+    "cispo_default": ("cispo", "token", dict(epsilon_high=0.2), 0.2, "N"),  # min(1, 0.2)
+    "dapo": ("dapo", "token", dict(epsilon=0.2, epsilon_high=0.28), 1.0, "N"),
+    "gspo": ("dapo", "sequence", dict(epsilon=3e-4, epsilon_high=4e-4), 1.0, "N"),
+}
+
+
+@pytest.mark.parametrize("toy_name", sorted(TOYS))
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+@pytest.mark.parametrize("case", sorted(UNDER_VLLM))
+def test_under_vllm_each_loss_type_weighs_by_the_vllm_mode_at_one_update(trl_grpo, case, mode,
+                                                                         toy_name):
+    """The integration page's TRL rows: with vLLM, TRL's anchor (``old_per_token_logps``) is
+    its own recomputation of the sampled tokens, and the sampler enters only through
+    ``importance_sampling_ratio``. At the first update after a generation the ratio inside each
+    loss is 1, so the gradient's weight is the vLLM mode's estimator, times the loss's factor at
+    a ratio of 1 (CISPO's cap min(1, epsilon_high)), whatever the loss type; at the sequence
+    level (GSPO, LUSPO) each token gets the mean of its response's weights."""
+    toy = TOYS[toy_name]
+    loss_type, level, args, factor, divisor = UNDER_VLLM[case]
+    trainer = torch.from_numpy(np.array(toy["logp_train"]))
+    sampler = torch.from_numpy(np.array(toy["logp_sampler"]))
+    mask = torch.from_numpy(response_mask(toy))
+    A = torch.from_numpy(np.asarray(toy["R"], dtype=float) - BASELINE)
+    weights, _ = C.trl_importance_weights(trainer, sampler, mask, mode)
+    stub = _stub(trl_grpo, loss_type, level, **args)
+    stub.use_vllm = stub.vllm_importance_sampling_correction = True
+    leaf = trainer.clone().requires_grad_(True)
+    stub._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
+    B, T = trainer.shape
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+              "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+              "advantages": A, "old_per_token_logps": trainer.clone(),  # the recomputation
+              "importance_sampling_ratio": weights, "num_items_in_batch": mask.sum()}
+    trl_grpo.GRPOTrainer._compute_loss(stub, None, inputs).backward()
+    n = mask.sum(dim=1, keepdim=True)
+    scale = {"B n": B * n, "B": B * torch.ones_like(n), "N": mask.sum()}[divisor]
+    theirs = (-leaf.grad * scale / A[:, None]).numpy()
+    estimator = {"sequence_mask": E.trl_sequence_mask,
+                 "token_truncate": E.trl_token_truncate}[mode]
+    ours = estimator(toy, baseline=BASELINE, return_weights=True)
+    ours = factor * np.broadcast_to(ours if ours.ndim == 2 else ours[:, None], theirs.shape)
+    keep = response_mask(toy) > 0
+    if level == "sequence":
+        # the sequence ratio's derivative is shared by the response's tokens: each gets the
+        # mean of the response's vLLM weights (the same where the mode is a sequence one)
+        mean = np.where(keep, ours, 0).sum(axis=1, keepdims=True) / keep.sum(axis=1,
+                                                                             keepdims=True)
+        ours = np.broadcast_to(mean, theirs.shape)
+    np.testing.assert_allclose(np.where(keep, theirs, 0), np.where(keep, ours, 0),
+                               rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("toy_name", sorted(TOYS))
 def test_trls_pipeline_folds_the_vllm_ratio_into_vespos_weight(trl_grpo, toy_name):
     """With TRL's anchor (its recomputation: log-ratio 0) and the token vLLM ratio rho_t
@@ -270,6 +332,18 @@ def test_trls_pipeline_folds_the_vllm_ratio_into_vespos_weight(trl_grpo, toy_nam
     np.testing.assert_allclose(phi[:, 0].numpy(),
                                E.vespo(toy, baseline=BASELINE, return_weights=True),
                                rtol=1e-12, atol=1e-300)
+    # the page's row: token_mask without a cap is that untruncated ratio, and VESPO refuses
+    # the sequence modes
+    trainer = torch.from_numpy(np.array(toy["logp_train"]))
+    sampler = torch.from_numpy(np.array(toy["logp_sampler"]))
+    uncapped, _ = C.trl_importance_weights(trainer, sampler, mask, "token_mask",
+                                           vllm_importance_sampling_clip_max=None)
+    torch.testing.assert_close(uncapped * mask, rho_t * mask, rtol=1e-12, atol=0)
+    import inspect
+    init = " ".join(inspect.getsource(trl_grpo.GRPOTrainer.__init__).split())
+    assert ('if self.loss_type == "vespo" and self.use_vllm and '
+            'self.vllm_importance_sampling_correction: if self.vllm_importance_sampling_mode not '
+            'in ["token_truncate", "token_mask"]: raise ValueError(') in init
 
 
 def test_trls_temperature_is_float32(trl_grpo):

@@ -193,7 +193,11 @@ RS_CASES = [(option, threshold) for option in C.RS_OPTIONS
 # A repeated criterion ("token_k2,token_k2,...") verl accepts and this module refuses (a
 # ValueError naming it: tests/mismatch/test_correction_properties.py), so it is not compared.
 RS_CASES += [("token_k1,seq_mean_k3", "0.5_2.0,0.1"), ("seq_max_k2,seq_sum_k1", "0.4,0.2_5"),
-             ("token_k2,seq_mean_k1", 0.5 * 4.0)]
+             ("token_k2,seq_mean_k1", 0.5 * 4.0),
+             # an infinite bound is no bound: "0.5_inf" keeps rho <= 2 (token_mis' and
+             # seq_mis' default band [0, 2]), a k2 or k3 cap of inf rejects nothing
+             ("token_k1", "0.5_inf"), ("seq_sum_k1", "0.5_inf"), ("token_k2", math.inf),
+             ("seq_mean_k3", "inf")]
 
 
 @pytest.mark.parametrize("seed, scale", BATCHES)

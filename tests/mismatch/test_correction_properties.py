@@ -733,15 +733,15 @@ MALFORMED = [
     (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k1", "0x10"), ValueError,
      "not a number"),
     (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k1", "inf"), ValueError,
-     "positive and finite"),
+     "whose lower bound 1/h is 0"),
     (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k2", "nan"), ValueError,
-     "positive and finite"),
+     r"must be positive \(or inf\)"),
     (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k2", NAN), ValueError,
      "rollout_rs_threshold must be a finite number"),
     (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k2", 10**400), ValueError,
      "rollout_rs_threshold must be a finite number, got an int of 401 digits"),
-    (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k2", math.inf), ValueError,
-     "positive and finite"),
+    (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k1", "inf_inf"), ValueError,
+     "has the lower bound inf, which keeps no token"),
     (lambda t, s, m, a: C.importance_weights(t, s, m, rollout_is_threshold=10**400), ValueError,
      "rollout_is_threshold must be a finite number"),
     (lambda t, s, m, a: C.rejection_mask(t, s, m, "token_k2", torch.tensor(0.1)), TypeError,
@@ -1345,13 +1345,19 @@ _T2 = torch.zeros(1, 2, dtype=torch.float64)
     ("token_k1", "x_2.0", ValueError, "rollout_rs_threshold 'x_2.0' for 'token_k1' is not a "
      "number (k1 takes 'lower_upper' or one number)"),
     ("token_k1", "0_2.0", ValueError, "rollout_rs_threshold for 'token_k1' must be positive "
-     "and finite, got '0_2.0'"),
+     "(or inf), got '0_2.0'"),
     ("token_k1", "0.5_0", ValueError, "rollout_rs_threshold for 'token_k1' must be positive "
-     "and finite, got '0.5_0'"),
+     "(or inf), got '0.5_0'"),
+    ("token_k1", "0.5_nan", ValueError, "rollout_rs_threshold for 'token_k1' must be positive "
+     "(or inf), got '0.5_nan'"),
+    ("token_k1", "inf", ValueError, "rollout_rs_threshold for 'token_k1' must be positive, got "
+     "'inf', whose lower bound 1/h is 0 (for no lower bound on the ratio write 'a_inf')"),
+    ("seq_sum_k1", "inf_inf", ValueError, "rollout_rs_threshold 'inf_inf' for 'seq_sum_k1' has "
+     "the lower bound inf, which keeps no token"),
     ("token_k2", "x", ValueError, "rollout_rs_threshold 'x' for 'token_k2' is not a number "
      "(k1 takes 'lower_upper' or one number)"),
-    ("token_k2", "0", ValueError, "rollout_rs_threshold for 'token_k2' must be positive and "
-     "finite, got '0'"),
+    ("token_k2", "0", ValueError, "rollout_rs_threshold for 'token_k2' must be positive (or "
+     "inf), got '0'"),
     ("token_k1", "2.0_0.5", ValueError, "rollout_rs_threshold '2.0_0.5' for 'token_k1' is the "
      "empty band [2.0, 0.5] (lower > upper; a single number h < 1 means the band [1/h, h])"),
     ("token_k1,,token_k2", 2.0, ValueError,
@@ -1361,6 +1367,17 @@ def test_rejection_option_refusals_in_full(rs, threshold, error, message):
     with pytest.raises(error) as caught:
         C.rejection_mask(_T2, _T2, torch.ones(1, 2), rs, threshold)
     assert str(caught.value) == message
+
+
+def test_an_infinite_rejection_bound_is_no_bound_on_that_side():
+    # "0.5_inf" keeps -log rho in [log 0.5, inf]: rho <= 2 with no lower bound (as verl reads
+    # it); a k2 threshold of inf rejects nothing
+    trainer = torch.tensor([[math.log(2.5), -30.0, math.log(1.5)]], dtype=torch.float64)
+    sampler, mask = torch.zeros_like(trainer), torch.ones(1, 3)
+    keep, _ = C.rejection_mask(trainer, sampler, mask, "token_k1", "0.5_inf")
+    assert keep.tolist() == [[False, True, True]]
+    keep, _ = C.rejection_mask(trainer, sampler, mask, "token_k2", math.inf)
+    assert keep.all()
 
 
 def test_one_rejection_threshold_is_shared_by_every_option():

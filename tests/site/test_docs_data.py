@@ -1390,11 +1390,13 @@ def test_the_which_switch_sentences_hold_for_its_table():
     assert all(at[label][16][1] >= 0.99 for label in at)
     assert ("so at that batch size no correction beats not stepping. On seven rows the winner is "
             "a sequence rejection (`geo_rs` or `k3_seq_rs`) at an error of 1.000 to 1.019, a "
-            "step of nearly 0; on tinylm's `bf16` and `fp16` rows every estimator errs by more "
-            "than 1.3 (the winners, `geo_rs_token_tis` and `gspo`, by 1.318 and 1.662).") in page
+            "step of 0 on six of them (an error of exactly 1: no kept answer moves the gradient) "
+            "and nearly 0 on the seventh; on tinylm's `bf16` and `fp16` rows every estimator "
+            "errs by more than 1.3 (the winners, `geo_rs_token_tis` and `gspo`, by 1.318 and "
+            "1.662).") in page
     rejections = [at[label][16][1] for label in at
                   if at[label][16][0] in ("geo_rs", "k3_seq_rs")]
-    assert len(rejections) == 7
+    assert len(rejections) == 7 and rejections.count(1.0) == 6
     assert f"{min(rejections):.3f}" == "1.000" and f"{max(rejections):.3f}" == "1.019"
     others = {label.split("`")[1]: at[label][16] for label in at
               if at[label][16][0] not in ("geo_rs", "k3_seq_rs")}
@@ -1402,10 +1404,12 @@ def test_the_which_switch_sentences_hold_for_its_table():
         "bf16": ("geo_rs_token_tis", "1.318"), "fp16": ("gspo", "1.662")}
     assert all(error > 1.3 for _, error in others.values())  # the winner's: every one's above
     assert ("With 1,024 answers and a per-token KL below $10^{-3}$ (`bf16`, `fp16`, `int8`) "
-            "the error is mostly variance: every estimator but the four sequence bands lies "
-            "within 0.03 of the winner, which changes from row to row (`seq_is`, `vespo`, "
-            "`sapo`, each at a relative error of 0.224). At the toys' mismatches of 1 and more, and at tinylm's `int4`, the sequence "
-            "ratio truncated at 3 wins (`trl_sequence_truncate`).") in page
+            "the error is mostly variance: every estimator but the four sequence bands "
+            "(`geo_rs`, `geo_rs_token_tis`, `seq_mask_tis` and `gspo`) lies within 0.03 of the "
+            "winner, which changes from row to row (`seq_is`, `vespo`, `sapo`, each at a "
+            "relative error of 0.224). With 1,024 answers at the toys' mismatches of 1 and more, "
+            "and at tinylm's `int4`, the sequence ratio truncated at 3 wins "
+            "(`trl_sequence_truncate`).") in page
     record = json.loads(TINYLM_MISMATCH.read_text())
     winners = []
     for label, kl, _ in rows:
