@@ -127,8 +127,13 @@ $$
     - (1 - P)\, \mathrm{KL}(\hat p \,\|\, \hat q)}{P}.
     $$
 
-5. *An upper bound exists for the forward KL on the teacher's top-$k$, and for nothing else
-    here.* The report says more than the masses: every unreported token has
+5. *Of the two KLs only the forward one has an upper bound; on the teacher's top-$k$ it is
+    computed here.* On any support, the worst consistent tail of the forward KL puts all of
+    $1 - Q$ on the student's least likely unreported token, $(1 - Q) \log((1 - Q) / \min_{v
+    \notin S} p_v)$, finite for finite logits (the tail sum is convex on that simplex, so its
+    maximum is at a vertex); the generalized JSD with $0 < \beta < 1$ is at most $h(\beta)$
+    whatever the distributions. The teacher's top-$k$ report says more than the masses:
+    every unreported token has
     $q_v \le \mu = \min_{v \in S} q_v$. Over the teacher tails consistent with the report,
     $\{0 \le q_v \le \mu,\ \sum_{v \notin S} q_v = 1 - Q\}$, the tail sum
     $\sum_{v \notin S} q_v \log(q_v / p_v)$ is convex, so its maximum is at a vertex: $n =

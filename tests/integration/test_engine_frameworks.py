@@ -295,3 +295,22 @@ if __name__ == "__main__":  # the count in a fresh process (the test above)
 
     print(json.dumps([torch.backends.cpu.get_cpu_capability(),
                       _warper_on_every_hundredths_row(with_rule=False)]))
+
+
+def test_the_chapters_nucleus_counts_are_the_ones_tested_here():
+    """docs/mismatch_practice.md, "Which nucleus": its counts are this file's constants (which
+    the warper tests compare with the installed transformers), its percentages their share of
+    the rows."""
+    page = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "mismatch_practice.md")
+                    .read_text().split())
+    avx2, portable = WARPER_COUNTS["AVX2"], WARPER_COUNTS["DEFAULT"]
+    assert (f"keeps another set than the exact nucleus on {avx2['differ']:,} rows "
+            f"({100 * avx2['differ'] / HUNDREDTHS_ROWS:.2f}%): {avx2['more']:,} with more tokens, "
+            f"{avx2['swapped']:,} with as many, others, none with fewer") in page
+    assert (f"keep other sets on {avx2['beside_rule']:,} of the {HUNDREDTHS_BOUNDARY:,} boundary "
+            "rows and on no row off it") in page
+    assert (f"the same machine counts {portable['differ']:,} "
+            f"({100 * portable['differ'] / HUNDREDTHS_ROWS:.2f}%)") in page
+    assert f"while the {TIES_ACROSS_THE_CUT:,} rows off the boundary that differ" in page
+    assert "within 0.05% of the rows" in page and WARPER_TOLERANCE == round(
+        0.0005 * HUNDREDTHS_ROWS)

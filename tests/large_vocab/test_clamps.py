@@ -564,3 +564,22 @@ def test_an_impossible_token_in_the_students_top_k_is_not_in_the_overlap():
     assert d["metrics"]["overlap_ratio"] == 0.5
     d["overlap_token_advantage"].backward()
     assert bool(torch.isfinite(z.grad).all())
+
+
+def test_the_chapter_gives_the_dataclasss_defaults_with_its_policy_gradient():
+    """docs/large_vocab.md, "Which clamps a verl run gets": the dataclass's defaults the page
+    lists are the constants tests/integration/test_verl_config.py reads from verl 0.9.1."""
+    import pathlib
+
+    from opd_literate.mismatch import task_rewards
+
+    page = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "large_vocab.md").read_text()
+                    .split())
+    assert ("The `DistillationLossConfig` dataclass has other defaults, $k = 128$, $c = -10$, "
+            "$M = 10$ and `use_policy_gradient: true`") in page
+    assert (clamps.DATACLASS_TOPK, clamps.DATACLASS_LOG_PROB_MIN_CLAMP,
+            clamps.DATACLASS_LOSS_MAX_CLAMP) == (128, -10.0, 10.0)
+    assert task_rewards.DATACLASS_DISTILLATION["use_policy_gradient"] is True
+    assert task_rewards.VERL_DISTILLATION["use_policy_gradient"] is False
+    assert ("the dataclass's clamps switched on, the loss still backpropagated as the composed "
+            "config has it") in page

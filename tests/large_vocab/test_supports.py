@@ -1144,3 +1144,53 @@ def test_the_bounds_precision_limit_in_float32_is_as_stated():
     b32 = forward_kl_upper_bound(z, t0.float()[None], ids).item()
     assert abs(b64 - math.log(2)) < 1e-6
     assert b32 < 0.99 * b64
+
+
+def test_the_forward_kls_worst_tail_on_any_support_is_one_token_and_finite():
+    """The chapter: over the teachers consistent with a report on any support, the forward KL's
+    worst tail puts all of 1 - Q on the student's least likely unreported token; the reverse
+    KL has no bound (a teacher may give an emitted token 0)."""
+    g = torch.Generator().manual_seed(5)
+    V, S = 12, torch.tensor([0, 3, 7])
+    p = torch.softmax(2.0 * torch.randn(V, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(2.0 * torch.randn(V, generator=g, dtype=torch.float64), -1)
+    off = torch.ones(V, dtype=torch.bool)
+    off[S] = False
+    Q = float(q[S].sum())
+
+    def forward(teacher):
+        return float((teacher * (teacher.log() - p.log())).nan_to_num().sum())
+
+    head = float((q[S] * (q[S].log() - p[S].log())).sum())
+    bound = head + (1 - Q) * math.log((1 - Q) / float(p[off].min()))
+    worst = q.clone()
+    worst[off] = 0.0
+    worst[torch.nonzero(off)[p[off].argmin()]] = 1 - Q
+    assert forward(worst) == pytest.approx(bound, rel=1e-12)  # the vertex attains it
+    for _ in range(200):  # and no consistent tail exceeds it
+        tail = torch.distributions.Dirichlet(torch.full((int(off.sum()),), 0.3,
+                                                        dtype=torch.float64)).sample()
+        teacher = q.clone()
+        teacher[off] = (1 - Q) * tail
+        assert forward(teacher) <= bound + 1e-12
+    # the reverse KL is unbounded: a consistent teacher with q_v -> 0 where p_v > 0
+    teacher = q.clone()
+    teacher[off] = 0.0
+    teacher[torch.nonzero(off)[0]] = 1 - Q
+    reverse = (p * (p.log() - teacher.log())).sum()
+    assert math.isinf(float(reverse))
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_the_generalized_jsd_is_at_most_the_binary_entropy_of_beta(beta):
+    """The chapter: the JSD with 0 < beta < 1 is at most h(beta), whatever the two
+    distributions, and nearly attains it on distributions of disjoint supports."""
+    g = torch.Generator().manual_seed(7)
+    h = -(beta * math.log(beta) + (1 - beta) * math.log(1 - beta))
+    student = 6.0 * torch.randn(1, 500, 12, generator=g, dtype=torch.float64)
+    teacher = 6.0 * torch.randn(1, 500, 12, generator=g, dtype=torch.float64)
+    values = generalized_jsd_per_position(student, teacher, beta=beta)
+    assert float(values.max()) <= h + 1e-12
+    apart = torch.tensor([[[40.0, -40.0]]], dtype=torch.float64)
+    assert float(generalized_jsd_per_position(apart, -apart, beta=beta)[0, 0]) == pytest.approx(
+        h, rel=1e-9)
