@@ -610,15 +610,16 @@ def test_a_threshold_string_is_read_strictly_or_refused(option, text):
     else:
         accepted = True
     # the independent reading: one entry; k1 takes "a_b" or h (the band [1/h, h]), with
-    # 0 < a <= b finite; the others one positive finite number
+    # 0 < a <= b, a finite and b possibly inf (no bound on that side, as verl reads it), h
+    # finite; the others one positive number, inf included (no rejection); NaN never
     entry = text.strip()
     if option.endswith("k1") and entry.count("_") == 1:
         bounds = [strict_number(v.strip()) for v in entry.split("_")]
     else:
         h = strict_number(entry)
         bounds = [None if h is None or h == 0 else 1 / h, h] if option.endswith("k1") else [h]
-    valid = "," not in entry and all(v is not None and 0 < v < math.inf for v in bounds) \
-        and bounds == sorted(bounds)
+    valid = "," not in entry and all(v is not None and 0 < v for v in bounds) \
+        and bounds == sorted(bounds) and (not option.endswith("k1") or math.isfinite(bounds[0]))
     assert accepted == valid, (option, text)
 
 
