@@ -83,8 +83,9 @@ def _stub(trl_grpo, loss_type, level, **args):
     return stub
 
 
-def _trl(trl_grpo, stub, trainer, sampler, mask, advantages):
-    """TRL's loss and its gradient in log pi(y_t), the sampler as old_per_token_logps."""
+def _trl(trl_grpo, stub, trainer, sampler, mask, advantages, importance_sampling_ratio=None):
+    """TRL's loss and its gradient in log pi(y_t), ``sampler`` as old_per_token_logps (and the
+    vLLM weight, where given, as the trainer's generation step passes it)."""
     leaf = trainer.clone().requires_grad_(True)
     stub._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
     B, T = trainer.shape
@@ -93,6 +94,8 @@ def _trl(trl_grpo, stub, trainer, sampler, mask, advantages):
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": advantages, "old_per_token_logps": sampler,
               "num_items_in_batch": mask.sum()}
+    if importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio
     loss = trl_grpo.GRPOTrainer._compute_loss(stub, None, inputs)
     loss.backward()
     return loss.item(), leaf.grad
@@ -290,18 +293,12 @@ def test_under_vllm_each_loss_type_weighs_by_the_vllm_mode_at_one_update(trl_grp
     weights, _ = C.trl_importance_weights(trainer, sampler, mask, mode)
     stub = _stub(trl_grpo, loss_type, level, **args)
     stub.use_vllm = stub.vllm_importance_sampling_correction = True
-    leaf = trainer.clone().requires_grad_(True)
-    stub._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
-    B, T = trainer.shape
-    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long),
-              "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-              "advantages": A, "old_per_token_logps": trainer.clone(),  # the recomputation
-              "importance_sampling_ratio": weights, "num_items_in_batch": mask.sum()}
-    trl_grpo.GRPOTrainer._compute_loss(stub, None, inputs).backward()
-    n = mask.sum(dim=1, keepdim=True)
+    # the anchor is TRL's recomputation: the trainer's own log-probabilities
+    _, grad = _trl(trl_grpo, stub, trainer, trainer.clone(), mask, A,
+                   importance_sampling_ratio=weights)
+    B, n = mask.shape[0], mask.sum(dim=1, keepdim=True)
     scale = {"B n": B * n, "B": B * torch.ones_like(n), "N": mask.sum()}[divisor]
-    theirs = (-leaf.grad * scale / A[:, None]).numpy()
+    theirs = (-grad * scale / A[:, None]).numpy()
     estimator = {"sequence_mask": E.trl_sequence_mask,
                  "token_truncate": E.trl_token_truncate}[mode]
     ours = estimator(toy, baseline=BASELINE, return_weights=True)
