@@ -266,11 +266,7 @@ def _check_min_p(min_p):
 
 
 def _check_sampler(sampler, temperature=None):
-    if not isinstance(sampler, str):
-        raise TypeError(f"sampler must be one of {SAMPLERS}, got {type(sampler).__name__} "
-                        f"{sampler!r}")
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    check_choice("sampler", sampler, SAMPLERS)
     if sampler == "vllm" and temperature is not None and temperature < VLLM_GREEDY_BELOW:
         # vLLM does not divide by such a temperature: it takes the argmax (and reports the
         # log-probs of the logits divided by 1), a sampler this model does not describe.
