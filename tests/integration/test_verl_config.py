@@ -29,18 +29,13 @@ Marker ``verl``, in ``.venv-verl``; skipped where verl or Hydra cannot be import
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import pathlib
-import types
-
 import pytest
 import torch
 
 try:
-    from hydra import compose, initialize_config_dir
+    import hydra  # noqa: F401 (skip without it: _verl_trainer composes with it)
+    import tensordict  # noqa: F401 (the same: the loss's data)
     from omegaconf import OmegaConf
-    from tensordict import TensorDict
     from verl.trainer.distillation import losses as verl_losses
     from verl.trainer.distillation.fsdp import losses as verl_fsdp
     from verl.utils import omega_conf_to_dataclass
@@ -48,6 +43,14 @@ try:
 except ImportError as error:
     pytest.skip(f"verl is not importable ({error}); build it with tools/env.sh verl .venv-verl",
                 allow_module_level=True)
+
+from _verl_trainer import (
+    compose_trainer_config,
+    one_sequence_data,
+    token_sum_actor,
+    trainer_entry,
+    unpadded,
+)
 
 from opd_literate.large_vocab import clamps
 from opd_literate.mismatch import task_rewards
@@ -57,32 +60,13 @@ F64 = torch.float64
 TOL = 2e-6
 
 
-def _trainer_entry():
-    """``(config folder, config name)`` of ``main_ppo.main``'s ``@hydra.main``, from its source."""
-    origin = pathlib.Path(importlib.util.find_spec("verl.trainer.main_ppo").origin)
-    tree = ast.parse(origin.read_text())
-    [main] = [node for node in tree.body if isinstance(node, ast.FunctionDef)
-              and node.name == "main"]
-    [decorator] = [d for d in main.decorator_list if isinstance(d, ast.Call)
-                   and ast.unparse(d.func) == "hydra.main"]
-    arguments = {k.arg: ast.literal_eval(k.value) for k in decorator.keywords}
-    return origin.parent / arguments["config_path"], arguments["config_name"]
-
-
-def _compose(overrides=()):
-    """The trainer's config, composed as its ``hydra.main`` composes it."""
-    folder, name = _trainer_entry()
-    with initialize_config_dir(config_dir=str(folder), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
-
-
 @pytest.fixture(scope="module")
 def composed():
-    return _compose()
+    return compose_trainer_config()
 
 
 def test_the_trainer_composes_ppo_trainer_from_its_config_folder(composed):
-    folder, name = _trainer_entry()
+    folder, name = trainer_entry()
     assert (folder.name, name) == ("config", "ppo_trainer")
     defaults = OmegaConf.load(folder / f"{name}.yaml")["defaults"]
     assert {"distillation@distillation": "distillation"} in list(defaults)
@@ -144,18 +128,9 @@ def _verl_loss(composed_config, student, report, ids):
     out = verl_fsdp.compute_forward_kl_topk(student[None], *nested, config, "thd")
     # the processor's output is (1, T); verl reads a sequence of one prompt token and T response
     # tokens, whose last position predicts nothing: one more entry, never read
-    padded = {key: torch.cat([value[0], value[0][-1:]]) for key, value in out.items()}
-    data = TensorDict({
-        "prompts": torch.zeros(1, 1, dtype=torch.long),
-        "responses": torch.zeros(1, T, dtype=torch.long),
-        "attention_mask": torch.ones(1, 1 + T, dtype=torch.long),
-        "response_mask": torch.ones(1, T, dtype=torch.long),
-        "dp_size": torch.tensor(1), "batch_num_tokens": torch.tensor(T),
-        "global_batch_size": torch.tensor(1),
-    }, batch_size=[])
-    actor = types.SimpleNamespace(loss_agg_mode="token-sum", global_batch_info={},
-                                  loss_scale_factor=None)
-    total, _ = verl_losses.distillation_loss(actor, config, padded, data)
+    padded = {key: unpadded(value[0]) for key, value in out.items()}
+    total, _ = verl_losses.distillation_loss(token_sum_actor(), config, padded,
+                                             one_sequence_data(T))
     return total, out["distillation_losses"][0]
 
 
@@ -175,7 +150,7 @@ def test_verls_loss_with_the_composed_config_is_verl_forward_kl_topk(setting):
         f"distillation.distillation_loss.{name}={value}"
         for name, value in (("log_prob_min_clamp", low), ("loss_max_clamp", high))
         if value is not None]
-    composed_config = _compose(overrides)
+    composed_config = compose_trainer_config(overrides)
     loss = omega_conf_to_dataclass(composed_config.distillation).distillation_loss
     assert (loss.log_prob_min_clamp, loss.loss_max_clamp) == (low, high)
     student, report, ids = _reports()

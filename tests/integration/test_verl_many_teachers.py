@@ -35,9 +35,8 @@ import pytest
 import torch
 
 try:
-    from hydra import compose, initialize_config_dir
+    import tensordict  # noqa: F401 (skip without it: _verl_trainer builds the data)
     from hydra.errors import InstantiationException
-    from tensordict import TensorDict
     from verl.experimental.teacher_loop.teacher_manager import AsyncTeacherLLMServerManager
     from verl.trainer.distillation import losses as verl_losses
     from verl.utils import omega_conf_to_dataclass
@@ -49,6 +48,13 @@ except ImportError as error:
     pytest.skip(f"verl's teacher loop is not importable ({error}); build it with tools/env.sh "
                 "verl .venv-verl", allow_module_level=True)
 
+from _verl_trainer import (
+    compose_trainer_config,
+    one_sequence_data,
+    token_sum_actor,
+    unpadded,
+)
+
 from opd_literate.mismatch.toy import response_mask
 from opd_literate.teachers import many_teachers
 from opd_literate.teachers.many_teachers import expected_estimate, make_prompts, misrouting_matrix
@@ -58,19 +64,6 @@ F64 = torch.float64
 ATOL = 1e-12
 SOURCES = ("gsm8k", "geo3k")  # the values of the samples' data_source field
 PROMPT_TOKEN = 1000  # prompt x is the one token PROMPT_TOKEN + x; responses are toy tokens
-
-
-def _compose(overrides=()):
-    """The trainer's config, composed as ``main_ppo.main``'s ``@hydra.main`` composes it."""
-    origin = pathlib.Path(importlib.util.find_spec("verl.trainer.main_ppo").origin)
-    [main] = [node for node in ast.parse(origin.read_text()).body
-              if isinstance(node, ast.FunctionDef) and node.name == "main"]
-    [decorator] = [d for d in main.decorator_list if isinstance(d, ast.Call)
-                   and ast.unparse(d.func) == "hydra.main"]
-    arguments = {k.arg: ast.literal_eval(k.value) for k in decorator.keywords}
-    with initialize_config_dir(config_dir=str(origin.parent / arguments["config_path"]),
-                               version_base=None):
-        return compose(config_name=arguments["config_name"], overrides=list(overrides))
 
 
 K1_REWARD = ["distillation.distillation_loss.loss_mode=k1",
@@ -93,7 +86,7 @@ def _overrides(sources, loss=K1_REWARD):
 
 @pytest.fixture(scope="module")
 def composed():
-    return _compose(_overrides(SOURCES))
+    return compose_trainer_config(_overrides(SOURCES))
 
 
 class _ToyTeacherServer:
@@ -133,24 +126,12 @@ def _manager(config, prompts):
 def _verl_token_gradients(config, student, teacher):
     """The gradient of verl's ``distillation_loss`` in each response token's log-probability,
     for one sequence of one prompt token and ``len(student)`` response tokens."""
-    T = student.shape[0]
     leaf = student.clone().requires_grad_(True)
-    # verl's model output and teacher log-probabilities are unpadded, one entry per token of
-    # the sequence; the last position predicts nothing and is never read
-    data = TensorDict({
-        "prompts": torch.zeros(1, 1, dtype=torch.long),
-        "responses": torch.zeros(1, T, dtype=torch.long),
-        "attention_mask": torch.ones(1, 1 + T, dtype=torch.long),
-        "response_mask": torch.ones(1, T, dtype=torch.long),
-        "old_log_probs": student[None].clone(),  # the sampler is the trainer: ratio 1
-        "teacher_logprobs": torch.cat([teacher, teacher[-1:]])[:, None],
-        "dp_size": torch.tensor(1), "batch_num_tokens": torch.tensor(T),
-        "global_batch_size": torch.tensor(1),
-    }, batch_size=[])
-    actor = types.SimpleNamespace(loss_agg_mode="token-sum", global_batch_info={},
-                                  loss_scale_factor=None)
-    loss, _ = verl_losses.distillation_loss(actor, config, {"log_probs": torch.cat(
-        [leaf, leaf[-1:]])}, data)
+    data = one_sequence_data(student.shape[0],
+                             old_log_probs=student[None].clone(),  # the sampler: ratio 1
+                             teacher_logprobs=unpadded(teacher)[:, None])
+    loss, _ = verl_losses.distillation_loss(token_sum_actor(), config,
+                                            {"log_probs": unpadded(leaf)}, data)
     (gradient,) = torch.autograd.grad(loss, leaf)
     return gradient.numpy()
 
@@ -182,10 +163,16 @@ def _verl_mean_estimate(composed, manager, prompts, labels):
     return np.stack(per_prompt)
 
 
-def test_the_composed_loss_is_k3_backpropagated_unless_switched():
+@pytest.fixture(scope="module")
+def stock():
+    """The distillation config of a run with the two teachers and no loss switched."""
+    return omega_conf_to_dataclass(
+        compose_trainer_config(_overrides(SOURCES, loss=())).distillation)
+
+
+def test_the_composed_loss_is_k3_backpropagated_unless_switched(stock):
     """The module docstring: routing changes the teacher, not the loss; a stock run's loss is
     ``k3`` with ``use_policy_gradient: false``, the k1 reward is a switch."""
-    stock = omega_conf_to_dataclass(_compose(_overrides(SOURCES, loss=())).distillation)
     assert (stock.distillation_loss.loss_mode, stock.distillation_loss.use_policy_gradient) \
         == ("k3", False)
     doc = " ".join(many_teachers.__doc__.split())
@@ -221,7 +208,7 @@ def test_verl_refuses_a_missing_or_unknown_source_with_two_teachers(composed):
 
 
 def test_one_teacher_takes_every_sample_whatever_its_source():
-    config = _compose(["distillation.enabled=true", "distillation.nnodes=1",
+    config = compose_trainer_config(["distillation.enabled=true", "distillation.nnodes=1",
                        "distillation.n_gpus_per_node=2",
                        "distillation.teacher_models.teacher_model.model_path=/teachers/one"])
     resolved = omega_conf_to_dataclass(config.distillation)
@@ -248,19 +235,18 @@ def test_verl_drops_the_default_teacher_entry_when_another_is_added():
                  "+distillation.teacher_models.teacher2.num_replicas=1",
                  "+distillation.teacher_models.teacher2.inference.name=vllm",
                  "+distillation.teacher_models.teacher2.inference.tensor_model_parallel_size=1"]
-    resolved = omega_conf_to_dataclass(_compose(overrides).distillation)
+    resolved = omega_conf_to_dataclass(compose_trainer_config(overrides).distillation)
     assert sorted(resolved.teacher_models) == ["geo3k"]
     # a pool sized for the two teachers refuses the one left (hydra wraps verl's ValueError)
     with pytest.raises(InstantiationException, match="must match the distillation resource"):
-        omega_conf_to_dataclass(_compose(
+        omega_conf_to_dataclass(compose_trainer_config(
             [o.replace("n_gpus_per_node=1", "n_gpus_per_node=2") for o in overrides]
         ).distillation)
 
 
-def test_the_composed_config_adds_the_task_loss_unless_switched_off():
+def test_the_composed_config_adds_the_task_loss_unless_switched_off(stock):
     """The chapter's condition ``use_task_rewards: false``: the composed config has it true,
     and ``distillation_ppo_loss`` then adds the task's PPO loss to the distillation term."""
-    stock = omega_conf_to_dataclass(_compose(_overrides(SOURCES, loss=())).distillation)
     assert stock.distillation_loss.use_task_rewards is True
     source = ast.unparse(ast.parse(pathlib.Path(verl_losses.__file__).read_text()))
     assert "policy_loss += distill_loss * distillation_loss_coef" in source

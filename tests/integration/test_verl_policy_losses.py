@@ -19,7 +19,6 @@ Marker ``verl``, in ``.venv-verl``; skipped where verl or Hydra cannot be import
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import pathlib
 import re
@@ -28,12 +27,14 @@ import pytest
 import torch
 
 try:
-    from hydra import compose, initialize_config_dir
+    import hydra  # noqa: F401 (skip without it: _verl_trainer composes with it)
     from verl.trainer.ppo import core_algos
     from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 except ImportError as error:
     pytest.skip(f"verl is not importable ({error}); build it with tools/env.sh verl .venv-verl",
                 allow_module_level=True)
+
+from _verl_trainer import compose_trainer_config
 
 from opd_literate.mismatch import correction as C
 from opd_literate.mismatch import estimators as E
@@ -46,9 +47,7 @@ REL = 1e-7
 @pytest.fixture(scope="module")
 def actor():
     """The actor section of the trainer's composed config (``ppo_trainer``, no override)."""
-    folder = pathlib.Path(importlib.util.find_spec("verl.trainer.main_ppo").origin).parent
-    with initialize_config_dir(config_dir=str(folder / "config"), version_base=None):
-        return compose(config_name="ppo_trainer").actor_rollout_ref.actor
+    return compose_trainer_config().actor_rollout_ref.actor
 
 
 def _defaults(fn):
